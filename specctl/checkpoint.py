@@ -1,0 +1,233 @@
+"""Training checkpoints: write atomically, find the newest complete one, restore it on any world size.
+
+Layout of `<drafters>/<algo>/checkpoints/`:
+
+    step-N/
+      drafter.safetensors   the drafter's state dict (full, unsharded; d2t/t2d included)
+      optimizer.pt          optimizer state keyed by parameter name (world-size independent)
+      trainer_state.pt      step, data cursor, LR scheduler, RNG states (python, numpy, torch, cuda)
+      recipe.yaml           the recipe this run used
+      meta.json             algo, loss, step, world size, the VerifierSpec the drafter was built for
+    latest                  text file naming the newest step-N directory
+
+A checkpoint is written to a hidden temporary directory and renamed into place only when every
+file is on disk, then `latest` is replaced (temp file + rename): a crash mid-write leaves the
+previous checkpoint in charge, and a half-written directory is never picked up. State dicts go
+through `torch.distributed.checkpoint.state_dict`, so the same code saves a plain module, DDP or
+FSDP2 (gathered to rank 0) and loads into any of them (rank 0 reads, then broadcasts).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from specctl.distributed import DistContext, barrier, broadcast_object
+from specctl.errors import SpecctlError
+
+DRAFTER_FILE = "drafter.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_FILE = "trainer_state.pt"
+RECIPE_FILE = "recipe.yaml"
+META_FILE = "meta.json"
+REQUIRED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE)
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+# ---------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG the loop may touch, in a form `torch.load(weights_only=True)` accepts."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy(), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------- finding checkpoints
+
+
+def step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: Path) -> bool:
+    return step_of(path) is not None and all((path / f).is_file() for f in REQUIRED)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest` names, else the highest complete step-N (None when there is none)."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if is_complete(named):
+            return named
+    done = [p for p in root.glob("step-*") if is_complete(p)]
+    return max(done, key=lambda p: step_of(p) or 0) if done else None
+
+
+def find_checkpoint(path: str | Path, algo: str | None = None) -> Path:
+    """A checkpoint directory from a step dir, a checkpoints/ dir, a drafters/<algo>/ dir, or a
+    run dir (with `algo`, or when exactly one drafter was trained there)."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    candidates = [path, path / "checkpoints"]
+    drafters = path / "drafters"
+    if drafters.is_dir():
+        algos = [algo] if algo else sorted(p.name for p in drafters.iterdir() if (p / "checkpoints").is_dir())
+        if len(algos) > 1:
+            raise SpecctlError(f"{path}: checkpoints for {', '.join(algos)}; say which algorithm (--algo)")
+        candidates += [drafters / a / "checkpoints" for a in algos]
+    for root in candidates:
+        if root.is_dir() and (found := latest_checkpoint(root)) is not None:
+            return found
+    raise SpecctlError(f"{path}: no training checkpoint found; run `specctl train RECIPE` first")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    return json.loads((path / META_FILE).read_text())
+
+
+def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
+    """The drafter's full state dict from a checkpoint (for export: build, then load_state_dict)."""
+    return load_file(path / DRAFTER_FILE)
+
+
+# ---------------------------------------------------------------- save
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    tmp.write_text(name + "\n")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        with open(f, "rb+") as handle:
+            os.fsync(handle.fileno())
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints (and whatever `latest` names); drop leftovers
+    of interrupted writes."""
+    for tmp in root.glob(".step-*.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    steps = sorted((p for p in root.glob("step-*") if step_of(p) is not None), key=lambda p: step_of(p) or 0)
+    pointer = root / LATEST
+    current = pointer.read_text().strip() if pointer.is_file() else None
+    for old in steps[:-keep] if keep > 0 else steps:
+        if old.name != current:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    recipe_yaml: str,
+    meta: dict[str, Any],
+    ctx: DistContext,
+    keep: int,
+) -> Path:
+    """Gather the full state on rank 0 (a collective: every rank calls this) and write step-N/."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=options)
+    optim_state = get_optimizer_state_dict(model, optimizer, options=options)
+    path = root / f"step-{step}"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f".step-{step}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        # clone: safetensors refuses tensors that share storage (tied weights)
+        save_file(
+            {k: v.detach().clone().contiguous() for k, v in model_state.items()}, str(tmp / DRAFTER_FILE)
+        )
+        torch.save(optim_state, tmp / OPTIMIZER_FILE)
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_FILE)
+        (tmp / RECIPE_FILE).write_text(recipe_yaml)
+        (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
+        _fsync_tree(tmp)
+        if path.exists():  # re-saving a step (e.g. after resuming from it): swap, then drop the old one
+            stale = root / f".step-{step}.tmp-old-{os.getpid()}"
+            os.rename(path, stale)
+            os.rename(tmp, path)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        _write_latest(root, path.name)
+        prune(root, keep)
+    barrier(ctx)
+    return path
+
+
+# ---------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+) -> dict[str, Any]:
+    """Restore drafter, optimizer and RNG states from `path` (read on rank 0, broadcast to the rest);
+    returns the trainer state (step, cursor, scheduler, ...). Works across world sizes."""
+    model_state: dict[str, Any] = {}
+    optim_state: dict[str, Any] = {}
+    trainer_bytes = None
+    if ctx.is_main:
+        model_state = load_file(path / DRAFTER_FILE)
+        optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        trainer_bytes = (path / TRAINER_FILE).read_bytes()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.distributed)
+    try:
+        set_model_state_dict(model, model_state, options=options)
+    except RuntimeError as e:
+        raise SpecctlError(
+            f"{path}: checkpoint does not fit this drafter ({str(e).splitlines()[0]}); "
+            "was the drafter section of the recipe changed since it was saved?"
+        ) from None
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    # broadcast the file's bytes: pickled tensors do not survive broadcast_object_list
+    trainer_bytes = broadcast_object(trainer_bytes, ctx)
+    trainer_state = torch.load(io.BytesIO(trainer_bytes), map_location="cpu", weights_only=True)
+    set_rng_state(trainer_state["rng"])
+    return trainer_state

@@ -1,0 +1,123 @@
+"""The `specctl` command line: parse, call the library, print. No pipeline logic lives here."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import specctl
+
+app = typer.Typer(
+    name="specctl",
+    help="Train, export and benchmark parallel drafters (P-EAGLE, DFlash, DSpark) for speculative "
+    "decoding in vLLM.\n\nExample: specctl collect-hidden-states recipes/quickstart.yaml",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+out = Console()
+err = Console(stderr=True)
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file, or a built-in recipe name such as 'quickstart'.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a recipe field, e.g. --set train.lr=3e-4 (repeatable)."),
+]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"specctl {specctl.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+    ] = False,
+) -> None:
+    """specctl: the toolchain that gives a served LLM a parallel drafter."""
+
+
+def _summary(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows:
+        table.add_row(k, v)
+    out.print(table)
+
+
+@app.command("collect-hidden-states")
+def collect_hidden_states(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    max_samples: Annotated[int | None, typer.Option(help="Use at most N conversations.")] = None,
+    shard: Annotated[
+        str | None, typer.Option(help="Work on part I of N (I/N), e.g. one per machine; default: torchrun rank.")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(help="hf or vllm (default: the recipe's features.backend).")] = None,
+) -> None:
+    """Run the verifier over the recipe's conversations and keep the hidden states drafters learn from.
+
+    Resumable: rerun the same command after an interruption and it finishes the missing shards.
+
+    Example: specctl collect-hidden-states recipes/quickstart.yaml --set data.max_samples=16
+    """
+    from specctl.collect import collect
+    from specctl.recipe import load_recipe
+
+    overrides = list(set_ or [])
+    if max_samples is not None:
+        overrides.append(f"data.max_samples={max_samples}")
+    if backend is not None:
+        overrides.append(f"features.backend={backend}")
+    r = load_recipe(recipe, overrides)
+    s = collect(r, shard=shard)
+    _summary(
+        "collect-hidden-states",
+        [
+            ("features", str(s.features_dir)),
+            ("samples", f"{s.num_samples:,}"),
+            ("shards written / already done", f"{s.shards_written} / {s.shards_skipped}"),
+            ("tokens this run", f"{s.num_tokens:,} ({s.tokens_per_s:,.0f} tok/s)"),
+            ("bytes per token", f"{s.bytes_per_token:,.0f}" if s.bytes_per_token else "-"),
+            ("store", "complete" if s.complete else "waiting for other --shard workers"),
+        ],
+    )
+
+
+def main() -> None:
+    """Entry point: run the app, turning known errors into one line and an exit code."""
+    from specctl.errors import SpecctlError
+
+    debug = os.environ.get("SPECCTL_DEBUG") == "1"
+    try:
+        app()
+    except SpecctlError as e:
+        if debug:
+            raise
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except OSError as e:
+        if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        err.print(f"[red]error:[/red] disk full{where}; free space and rerun (finished work is kept)",
+                  highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("interrupted; rerun the same command to resume")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Data parallelism for the training loop: torchrun environment, DDP / FSDP2 wrapping, reductions.
+
+`torchrun` sets WORLD_SIZE / RANK / LOCAL_RANK; without them everything here degrades to
+single-process no-ops, so the loop has one code path. Every rank runs the same loop on its own
+micro-batches; gradients are averaged (DDP all-reduce, or FSDP2 reduce-scatter when the drafter
+is sharded), metrics are summed across ranks, and only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from specctl.errors import SpecctlError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # this process initialised the process group, so it tears it down
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` = cuda when available, else cpu (the recipe's verifier.device convention)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def setup(device: str = "auto") -> DistContext:
+    """Join the torchrun process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on CPU).
+
+    Each rank takes GPU LOCAL_RANK; a process group created by the caller is reused as is.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    base = resolve_device(device)
+    if world_size == 1:
+        return DistContext(0, 1, 0, base, owns_group=False)
+    if base.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise SpecctlError(
+                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) visible; "
+                "use --nproc-per-node <= the GPU count"
+            )
+        base = torch.device("cuda", local_rank)
+        torch.cuda.set_device(base)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if base.type == "cuda" else "gloo")
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns_group=owns)
+
+
+def teardown(ctx: DistContext) -> None:
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.Module:
+    """The module the loop calls: the drafter itself (one rank), DDP, or FSDP2-sharded.
+
+    FSDP2 (`strategy="fsdp"`) shards parameters, gradients and optimizer state across ranks
+    (ZeRO-3), for drafters whose training state does not fit one GPU; it also works with one
+    rank. The whole drafter is one FSDP unit, gathered at its forward: drafters call into their
+    blocks through helper methods (not only `block.forward`), so per-block units would see
+    sharded weights. DDP looks for unused parameters because drafters legitimately skip some
+    (e.g. a mask embedding when a micro-batch samples no deeper rows); it does not broadcast
+    buffers, which are the verifier's frozen tensors, identical on every rank.
+    """
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            raise SpecctlError("FSDP2 needs a process group: launch with torchrun (even --nproc-per-node 1)")
+        return fully_shard(model)
+    if strategy != "ddp":
+        raise SpecctlError(f"unknown parallelism {strategy!r}; use ddp or fsdp")
+    if not ctx.distributed:
+        return model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=ids, find_unused_parameters=True, broadcast_buffers=False
+    )
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Around forward + backward of a micro-batch: reduce gradients only on the last one of a step."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum over ranks (in place, and returned); identity on one rank."""
+    if ctx.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def rank_share(chunk: list, per_rank: int, rank: int) -> list:
+    """Rank `rank`'s `per_rank` consecutive items of a step's chunk of `world_size * per_rank`.
+
+    The union over ranks is the whole chunk, so one rank with `per_rank * W` micro-batches
+    sees the same global batch as W ranks with `per_rank` each.
+    """
+    return chunk[rank * per_rank : (rank + 1) * per_rank]

@@ -1,0 +1,584 @@
+"""DFlash: a block drafter that fills a block of masked slots in one forward pass.
+
+The verifier's aux hidden states pass through `fc` and `hidden_norm` and become extra
+keys/values in every draft layer: the drafter never runs over context tokens, only over a
+query block `[anchor, MASK x (L-1)]` at positions anchor..anchor+L-1. The block attends to
+itself bidirectionally and to context strictly before the anchor: at serve time the anchor
+is the token the verifier just produced, so its own hidden state does not exist yet
+(vLLM `_prepare_dflash_inputs_kernel`: context = verified tokens, query positions start at
+last context position + 1). Training runs many anchors of a sequence side by side, each
+block seeing only its own context (arXiv 2602.06036).
+
+Where a block's predictions sit, as vLLM samples them (the training layout must match, or
+acceptance collapses with no error):
+  sample_from_anchor=False (DFlash): block `[anchor, MASK x K]`; prediction k = 1..K is
+      the output at block offset k and stands for token anchor+k.
+  sample_from_anchor=True (DSpark's default): block `[anchor, MASK x (K-1)]`; prediction k
+      is the output at offset k-1 (next-token style) and stands for token anchor+k.
+The target of the token at position j is the verifier's distribution at j-1.
+
+dspark.py reuses this backbone and adds its Markov and confidence heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import nn
+
+from specctl.drafters import register
+from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
+from specctl.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from specctl.drafters.targets import draft_loss, draft_to_target, verifier_logits
+
+# ---------------------------------------------------------------- configuration
+
+
+class BlockConfig(DrafterConfig):
+    """Hyper-parameters every block drafter (DFlash, DSpark) has."""
+
+    num_layers: int = Field(5, ge=1, description="Draft decoder layers (Qwen3-style, with q_norm/k_norm).")
+    block_size: int = Field(
+        16, ge=2, description="Query block length: the anchor token plus masked slots (training and serving)."
+    )
+    max_anchors: int = Field(
+        512, ge=1, description="Most blocks (anchors) sampled per sequence per training step."
+    )
+    gamma: float = Field(
+        4.0, gt=0, description="Loss weight of draft position k is exp(-(k-1)/gamma): early positions matter most."
+    )
+    sample_from_anchor: bool = Field(
+        False,
+        description="True: the anchor's output predicts the next token (block of K slots drafts K tokens). "
+        "False: the anchor is the bonus token and only the K masked slots predict (block of K+1).",
+    )
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens vLLM drafts per step (`speculative_tokens` of the exported config); "
+        "None = every prediction of a full block.",
+    )
+    intermediate_size: int | None = Field(None, ge=1, description="Draft MLP width; None = the verifier's.")
+
+    @property
+    def predictions_per_block(self) -> int:
+        """Draft tokens one full block proposes."""
+        return self.block_size - 1 + int(self.sample_from_anchor)
+
+    @model_validator(mode="after")
+    def _check_speculative_tokens(self) -> BlockConfig:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > self.predictions_per_block:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} exceeds the "
+                f"{self.predictions_per_block} predictions of a block of {self.block_size}"
+            )
+        return self
+
+
+class Config(BlockConfig):
+    """`drafter.dflash`: published DFlash recipe (5 layers, block 16, 512 anchors, gamma 4)."""
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> Config:
+        if self.sample_from_anchor:
+            raise ValueError(
+                "sample_from_anchor=true is not served by vLLM's DFlash (the anchor is the bonus "
+                "token there); use the dspark drafter for anchor-as-first-prediction"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- pure block functions
+
+
+def position_weights(num_predictions: int, gamma: float) -> torch.Tensor:
+    """[K] loss weight of draft positions k = 1..K: exp(-(k-1)/gamma)."""
+    return torch.exp(-torch.arange(num_predictions, dtype=torch.float32) / gamma)
+
+
+def anchor_candidates(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: positions that may anchor a block.
+
+    Anchor a needs context before it (a >= 1, as at serve time where the prompt precedes the
+    first anchor), must be a real token, and the block's first prediction, token a+1, must be
+    a real loss-masked (assistant) token; later block tokens that are not simply don't count.
+    """
+    loss_mask, attention_mask = loss_mask.bool(), attention_mask.bool()
+    next_counted = torch.zeros_like(loss_mask)
+    next_counted[:, :-1] = loss_mask[:, 1:] & attention_mask[:, 1:]
+    ok = attention_mask & next_counted
+    ok[:, 0] = False
+    return ok
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `max_anchors` distinct random anchors per row among `anchor_candidates`.
+
+    Returns anchors [B, A] int64 (valid ones first, ascending; unused slots hold 0) and
+    anchor_valid [B, A] bool, with A = min(max_anchors, most candidates of any row), at
+    least 1 so shapes never vanish. `generator` None = the global RNG of the masks' device.
+    """
+    cand = anchor_candidates(loss_mask, attention_mask)  # [B, T]
+    B, T = cand.shape
+    A = max(1, min(max_anchors, int(cand.sum(1).max())))
+    device = generator.device if generator is not None else cand.device
+    keys = torch.rand(B, T, generator=generator, device=device).to(cand.device)
+    keys = keys.masked_fill(~cand, 2.0)  # non-candidates sort last
+    picked = keys.topk(A, dim=1, largest=False)
+    anchors = torch.where(picked.values < 1.5, picked.indices, T).sort(dim=1).values  # [B, A]
+    valid = anchors < T
+    return anchors.masked_fill(~valid, 0), valid
+
+
+def block_queries(
+    input_ids: torch.Tensor, anchors: torch.Tensor, block_len: int, mask_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query tokens [B, A, L] = [anchor token, MASK x (L-1)] and their positions anchor + 0..L-1."""
+    B, A = anchors.shape
+    ids = torch.full((B, A, block_len), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[..., 0] = input_ids.gather(1, anchors)
+    positions = anchors[..., None] + torch.arange(block_len, device=anchors.device)
+    return ids, positions
+
+
+def block_attention_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_len: int
+) -> torch.Tensor:
+    """[B, A, L, T + L] bool (True = attend): keys are the row's T context positions, then the
+    block's own L slots. A block sees context strictly before its anchor and all of itself
+    (bidirectional); other blocks never. Invalid anchors see only their own block, so no row
+    is empty. Per-block keys keep the cost linear in the number of anchors."""
+    B, A = anchors.shape
+    context = torch.arange(seq_len, device=anchors.device) < anchors[..., None]  # [B, A, T]
+    context = context & anchor_valid[..., None]
+    own_block = torch.ones(B, A, block_len, block_len, dtype=torch.bool, device=anchors.device)
+    return torch.cat([context[:, :, None, :].expand(B, A, block_len, seq_len), own_block], dim=-1)
+
+
+def block_targets(
+    anchors: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_predictions: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [B, A, K] of the tokens predictions k = 1..K stand for (anchor + k), and
+    whether each counts: inside the sequence, a real loss-masked token, from a valid anchor."""
+    T = loss_mask.shape[1]
+    positions = anchors[..., None] + torch.arange(1, num_predictions + 1, device=anchors.device)
+    counted_tokens = loss_mask.bool() & attention_mask.bool()  # [B, T]
+    safe = positions.clamp(max=T - 1).flatten(1)
+    counted = counted_tokens.gather(1, safe).view_as(positions)
+    return positions, counted & (positions < T) & anchor_valid[..., None]
+
+
+def per_position(values: torch.Tensor, position: torch.Tensor, num_predictions: int) -> torch.Tensor:
+    """Sum `values` [N] into [K] bins by draft position (0-based)."""
+    out = torch.zeros(num_predictions, dtype=torch.float32, device=values.device)
+    return out.index_add_(0, position, values.float())
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(w * x) / sum(w); 0 (still attached to the graph) when nothing counts."""
+    return (values * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+# ---------------------------------------------------------------- the module
+
+
+class DecoderLayer(nn.Module):
+    """Qwen3 decoder layer whose attention also reads the context keys/values (vLLM's names)."""
+
+    def __init__(self, verifier: VerifierSpec, intermediate_size: int):
+        super().__init__()
+        H, eps = verifier.hidden_size, verifier.rms_norm_eps
+        self.self_attn = Attention(
+            H, verifier.num_attention_heads, verifier.num_key_value_heads, verifier.head_dim, qk_norm=True, eps=eps
+        )
+        self.mlp = MLP(H, intermediate_size)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [N, L, H] block hidden; context_k/v [N, kvh, S, hd]; mask [N, 1, L, S + L] or None (all)."""
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = attn.project_q(h, cos, sin)  # [N, heads, L, hd]
+        k, v = attn.project_kv(h, cos, sin)  # [N, kvh, L, hd]
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        x = x + attn.attend(q, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class BlockRows:
+    """The counted predictions of a batch, one row each (N rows), ready for a loss."""
+
+    hidden: torch.Tensor  # [N, H] draft hidden state after the final norm
+    target_logits: torch.Tensor  # [N, V] verifier logits for the same token
+    prev_ids: torch.Tensor  # [N] the token before the predicted one (data, teacher forced)
+    position: torch.Tensor  # [N] draft position k - 1 (0-based)
+    num_predictions: int  # K
+
+
+class DFlashDrafter(nn.Module):
+    """fc + hidden_norm -> context K/V of every layer; Qwen3 layers over the query block; norm;
+    LM head (the verifier's, or its own over a reduced draft vocabulary)."""
+
+    algo: ClassVar[str] = "dflash"
+    architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
+
+    def __init__(
+        self,
+        config: BlockConfig,
+        verifier: VerifierSpec,
+        weights: VerifierWeights,
+        d2t: torch.Tensor | None = None,
+        loss: str = "kl",
+    ):
+        super().__init__()
+        if loss not in ("kl", "ce"):
+            raise ValueError(f"unknown loss {loss!r}; use 'kl' or 'ce'")
+        if not 0 <= verifier.mask_token_id < verifier.vocab_size:
+            raise ValueError(
+                f"mask_token_id {verifier.mask_token_id} is outside the verifier's vocabulary "
+                f"(0..{verifier.vocab_size - 1}); the drafter embeds it with the verifier's embeddings"
+            )
+        self.config, self.verifier, self.loss_kind = config, verifier, loss
+        H, eps = verifier.hidden_size, verifier.rms_norm_eps
+        self.fc = nn.Linear(len(verifier.aux_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, eps)
+        inter = config.intermediate_size or verifier.intermediate_size
+        self.layers = nn.ModuleList(DecoderLayer(verifier, inter) for _ in range(config.num_layers))
+        self.norm = RMSNorm(H, eps)
+        # The verifier's frozen tensors: buffers outside the state dict, never exported (vLLM
+        # shares embed_tokens and, with the full vocabulary, lm_head from the verifier).
+        self.register_buffer("embed_tokens", weights.embed_tokens.detach(), persistent=False)
+        self.register_buffer("verifier_norm", weights.norm.detach(), persistent=False)
+        self.register_buffer("verifier_lm_head", weights.lm_head.detach(), persistent=False)
+        # float32 on purpose and not a buffer: module.to(bfloat16) must not coarsen rotations.
+        self.inv_freq = rope_inv_freq(verifier.head_dim, verifier.rope_theta, verifier.rope_scaling)
+        if d2t is None:
+            self.lm_head = None
+            self.register_buffer("d2t", None)
+            self.register_buffer("t2d", None)
+        else:
+            d2t = d2t.detach().long().cpu()
+            kept = torch.arange(d2t.numel()) + d2t  # target ids of the draft vocabulary
+            t2d = torch.zeros(verifier.vocab_size, dtype=torch.bool)
+            t2d[kept] = True
+            self.lm_head = nn.Linear(H, d2t.numel(), bias=False)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(weights.lm_head.detach()[kept.to(weights.lm_head.device)])
+            self.register_buffer("d2t", d2t)
+            self.register_buffer("t2d", t2d)
+
+    # ---- shape of a block
+
+    @property
+    def num_predictions(self) -> int:
+        """Draft tokens one full block proposes (K)."""
+        return self.config.predictions_per_block
+
+    @property
+    def first_prediction(self) -> int:
+        """Block offset of prediction k=1: 0 when the anchor predicts, else 1."""
+        return 0 if self.config.sample_from_anchor else 1
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.verifier.vocab_size if self.d2t is None else self.d2t.numel()
+
+    # ---- pieces
+
+    def context_kv(self, aux_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """aux_hidden_states [B, T, n_aux, H] at positions 0..T-1 -> per layer (k, v) [B, kvh, T, hd]."""
+        B, T = aux_hidden_states.shape[:2]
+        context = self.hidden_norm(self.fc(aux_hidden_states.flatten(2).to(self.fc.weight.dtype)))  # [B, T, H]
+        positions = torch.arange(T, device=context.device).expand(B, T)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
+
+    def run_blocks(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """ids/positions [B, A, L], context from `context_kv`, mask [B, A, L, T + L] (None = attend
+        everywhere) -> hidden [B, A, L, H] after the final norm."""
+        B, A, L = ids.shape
+        x = F.embedding(ids.flatten(0, 1), self.embed_tokens).to(self.fc.weight.dtype)  # [B*A, L, H]
+        cos, sin = rope_cos_sin(positions.flatten(0, 1), self.inv_freq)  # [B*A, L, hd]
+        mask = None if mask is None else mask.flatten(0, 1)[:, None]  # [B*A, 1, L, T+L]
+        for layer, (k, v) in zip(self.layers, context, strict=True):
+            x = layer(x, cos, sin, k.repeat_interleave(A, dim=0), v.repeat_interleave(A, dim=0), mask)
+        return self.norm(x).view(B, A, L, -1)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V_draft] base draft logits."""
+        weight = self.verifier_lm_head if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden.to(weight.dtype), weight)
+
+    def target_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
+        """Verifier's final hidden state (before its norm) [..., H] -> its logits [..., V]."""
+        return verifier_logits(
+            last_hidden_state, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps
+        )
+
+    # ---- training
+
+    def gather_rows(self, batch: dict[str, torch.Tensor]) -> BlockRows:
+        """Sample anchors, run their blocks, and keep the predictions that count."""
+        input_ids = batch["input_ids"]
+        loss_mask, attention_mask = batch["loss_mask"].bool(), batch["attention_mask"].bool()
+        T = input_ids.shape[1]
+        # validation draws the same anchors every time and leaves the training RNG alone
+        generator = None if self.training else torch.Generator(device=input_ids.device).manual_seed(0)
+        anchors, anchor_valid = sample_anchors(loss_mask, attention_mask, self.config.max_anchors, generator)
+        L, K, first = self.config.block_size, self.num_predictions, self.first_prediction
+        ids, positions = block_queries(input_ids, anchors, L, self.verifier.mask_token_id)
+        mask = block_attention_mask(anchors, anchor_valid, T, L)
+        hidden = self.run_blocks(ids, positions, self.context_kv(batch["aux_hidden_states"]), mask)
+        hidden = hidden[:, :, first : first + K]  # [B, A, K, H]
+        target_pos, counted = block_targets(anchors, anchor_valid, loss_mask, attention_mask, K)
+        b, a, k = counted.nonzero(as_tuple=True)
+        before = target_pos[b, a, k] - 1  # the verifier predicts token j at position j-1
+        return BlockRows(
+            hidden=hidden[b, a, k],
+            target_logits=self.target_logits(batch["last_hidden_state"][b, before]),
+            prev_ids=input_ids[b, before],
+            position=k,
+            num_predictions=K,
+        )
+
+    def rows_loss(self, rows: BlockRows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Position-weighted draft loss and per-position accuracy of the gathered rows."""
+        logits = self.draft_logits(rows.hidden)
+        loss_rows, correct, usable = draft_loss(logits, rows.target_logits, self.t2d, self.loss_kind)
+        weights = position_weights(rows.num_predictions, self.config.gamma).to(logits.device)
+        loss = weighted_mean(loss_rows, weights[rows.position] * usable)
+        return loss, self.position_metrics(rows, correct, loss)
+
+    def position_metrics(
+        self, rows: BlockRows, correct: torch.Tensor, loss: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        K = rows.num_predictions
+        return {
+            "loss": loss.detach(),
+            "correct": per_position(correct, rows.position, K),
+            "count": per_position(torch.ones_like(rows.position), rows.position, K),
+        }
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.rows_loss(self.gather_rows(batch))
+
+    # ---- proposing (what vLLM computes at serve time, recomputed from the full context)
+
+    def propose_hidden(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
+        """Hidden states [K, H] of the K predictions after input_ids[-1] (the anchor)."""
+        N = aux_hidden_states.shape[0]
+        if input_ids.shape[0] != N + 1:
+            raise ValueError(f"propose needs N+1 = {N + 1} input ids for N = {N} feature rows")
+        if not 1 <= num_tokens <= self.num_predictions:
+            raise ValueError(f"num_tokens must be in 1..{self.num_predictions}, got {num_tokens}")
+        first = self.first_prediction
+        L = num_tokens + first  # vLLM's query block: 1 + K slots, or K when the anchor predicts
+        ids, positions = block_queries(
+            input_ids[None], torch.tensor([[N]], device=input_ids.device), L, self.verifier.mask_token_id
+        )
+        hidden = self.run_blocks(ids, positions, self.context_kv(aux_hidden_states[None]), None)[0, 0]
+        return hidden[first : first + num_tokens]
+
+    @torch.no_grad()
+    def propose(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Greedy draft: [K] verifier token ids following input_ids[-1]."""
+        hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens)
+        return draft_to_target(self.draft_logits(hidden).argmax(-1), self.d2t)
+
+    # ---- export (speculators format, as vLLM's qwen3_dflash.py loads it)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Tensors named as vLLM loads them; the module's state dict is exactly that set."""
+        return {name: t.detach().clone().contiguous() for name, t in self.state_dict().items()}
+
+    def export_config(self) -> dict[str, Any]:
+        v, c = self.verifier, self.config
+        return {
+            "speculators_model_type": self.algo,
+            "architectures": list(self.architectures),
+            "transformer_layer_config": transformer_layer_config(
+                v, c.num_layers, self.layers[0].mlp.gate_proj.out_features
+            ),
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": None,
+            "aux_hidden_state_layer_ids": list(v.aux_layer_ids),
+            "mask_token_id": v.mask_token_id,
+            "block_size": c.block_size,
+            "sample_from_anchor": c.sample_from_anchor,
+            "sliding_window_non_causal": True,  # the block is bidirectional (vLLM: causal = not this)
+            "speculators_config": {
+                "algorithm": self.algo,
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": c.num_speculative_tokens or self.num_predictions,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": v.name_or_path, "architectures": list(v.architectures)},
+            },
+            # ignored by vLLM; lets from_export rebuild this module exactly
+            "specctl": {
+                "algo": self.algo,
+                "loss": self.loss_kind,
+                "drafter": c.model_dump(),
+                "verifier": dataclasses.asdict(v),
+            },
+        }
+
+
+def transformer_layer_config(verifier: VerifierSpec, num_layers: int, intermediate_size: int) -> dict[str, Any]:
+    """The draft decoder's HF config (Qwen3): geometry and rope equal to the verifier's."""
+    rope = {k: val for k, val in (verifier.rope_scaling or {}).items() if k != "rope_theta"}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out: dict[str, Any] = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": verifier.vocab_size,
+        "hidden_size": verifier.hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": verifier.num_attention_heads,
+        "num_key_value_heads": verifier.num_key_value_heads,
+        "head_dim": verifier.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": verifier.max_position_embeddings,
+        "rms_norm_eps": verifier.rms_norm_eps,
+        "rope_theta": verifier.rope_theta,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    }
+    if rope_type != "default":
+        out["rope_scaling"] = {"rope_type": rope_type, **{k: val for k, val in rope.items() if k != "type"}}
+    return out
+
+
+# ---------------------------------------------------------------- build / reload
+
+
+def verifier_from_export(config_json: dict[str, Any]) -> VerifierSpec:
+    """The VerifierSpec an exported config was built against (specctl's own record when present)."""
+    stored = (config_json.get("specctl") or {}).get("verifier")
+    if stored:
+        fields = {**stored, "architectures": tuple(stored["architectures"])}
+        fields["aux_layer_ids"] = tuple(config_json["aux_hidden_state_layer_ids"])
+        fields["mask_token_id"] = int(config_json["mask_token_id"])
+        return VerifierSpec(**fields)
+    tlc = config_json["transformer_layer_config"]
+    verifier = config_json["speculators_config"]["verifier"]
+    rope = dict(tlc.get("rope_parameters") or tlc.get("rope_scaling") or {})
+    theta = tlc.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope.pop("rope_theta", None)
+    return VerifierSpec(
+        name_or_path=verifier["name_or_path"],
+        architectures=tuple(verifier.get("architectures") or ()),
+        hidden_size=tlc["hidden_size"],
+        vocab_size=tlc["vocab_size"],
+        num_hidden_layers=0,  # unknown from a foreign config; drafters do not use it
+        num_attention_heads=tlc["num_attention_heads"],
+        num_key_value_heads=tlc["num_key_value_heads"],
+        head_dim=tlc.get("head_dim") or tlc["hidden_size"] // tlc["num_attention_heads"],
+        intermediate_size=tlc["intermediate_size"],
+        rms_norm_eps=tlc["rms_norm_eps"],
+        rope_theta=theta,
+        max_position_embeddings=tlc["max_position_embeddings"],
+        aux_layer_ids=tuple(config_json["aux_hidden_state_layer_ids"]),
+        mask_token_id=int(config_json["mask_token_id"]),
+        rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
+    )
+
+
+def config_from_export(config_json: dict[str, Any], config_cls: type[BlockConfig]) -> BlockConfig:
+    """The drafter's config: specctl's record when present, else what the speculators fields say."""
+    stored = (config_json.get("specctl") or {}).get("drafter")
+    if stored:
+        return config_cls(**stored)
+    known = set(config_cls.model_fields)
+    fields = {k: config_json[k] for k in known & set(config_json) if config_json[k] is not None}
+    fields["num_layers"] = config_json["transformer_layer_config"]["num_hidden_layers"]
+    fields["intermediate_size"] = config_json["transformer_layer_config"]["intermediate_size"]
+    tokens = config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    fields.setdefault("block_size", tokens + 1 - int(fields.get("sample_from_anchor", False)))
+    fields["num_speculative_tokens"] = tokens
+    return config_cls(**fields)
+
+
+def reload(
+    config_json: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    weights: VerifierWeights,
+    config_cls: type[BlockConfig],
+    drafter_cls: type[DFlashDrafter],
+) -> DFlashDrafter:
+    """Rebuild a block drafter from a speculators-format directory's config and tensors."""
+    verifier = verifier_from_export(config_json)
+    config = config_from_export(config_json, config_cls)
+    tensors = dict(tensors)
+    d2t = tensors.get("d2t")
+    if d2t is not None and "t2d" not in tensors:  # vLLM ignores t2d; a foreign checkpoint may omit it
+        t2d = torch.zeros(verifier.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(d2t.numel()) + d2t.long()] = True
+        tensors["t2d"] = t2d
+    loss = (config_json.get("specctl") or {}).get("loss", "kl")
+    module = drafter_cls(config, verifier, weights, d2t, loss)
+    module.load_state_dict(tensors, strict=True)
+    return module
+
+
+def build(
+    config: Config, verifier: VerifierSpec, weights: VerifierWeights, d2t: torch.Tensor | None, loss: str
+) -> DFlashDrafter:
+    return DFlashDrafter(config, verifier, weights, d2t, loss)
+
+
+def from_export(
+    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
+) -> DFlashDrafter:
+    return reload(config_json, tensors, weights, Config, DFlashDrafter)
+
+
+register(
+    DrafterSpec(
+        name="dflash",
+        config_cls=Config,
+        build=build,
+        from_export=from_export,
+        speculators_model_type="dflash",
+        architectures=DFlashDrafter.architectures,
+    )
+)

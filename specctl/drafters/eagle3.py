@@ -1,0 +1,533 @@
+"""EAGLE-3: the autoregressive baseline drafter, in the layout vLLM's `llama_eagle3.py` loads.
+
+The verifier's aux hidden states (n_aux of them, concatenated) go through `fc` to H; layer 0
+attends over `[input_layernorm(embed(token)), hidden_norm(hidden)]` (2H in-features); later
+layers are plain Llama layers; `norm` + `lm_head` give the draft logits. Drafting feeds the
+drafter's own pre-norm output back as the next step's `hidden`, one forward pass per token.
+
+Alignment (vLLM `set_inputs_first_pass`): drafter row t holds token x_{t+1}, the verifier's
+feature at t and position t; it predicts x_{t+2}, whose verifier distribution is at t+1.
+Training-time test (TTT) unrolls steps s = 0..S-1: step s at row t is teacher-forced with
+x_{t+1+s}, takes step s-1's output at row t as its hidden, sits at position t+s, attends to
+the step-0 rows 0..t plus its own steps 1..s (`ttt_attention_mask`), and is scored against
+the verifier's distribution at t+1+s. That is exactly the K/V cache vLLM holds when it drafts
+token s+1 after anchor t, so what training sees is what serving computes.
+
+The backbone (`Eagle3Backbone`) is shared with P-EAGLE, which drafts with the same layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from specctl.drafters import register
+from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
+from specctl.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from specctl.drafters.targets import draft_loss, draft_to_target, verifier_logits
+
+
+class Config(DrafterConfig):
+    """Recipe section `drafter.eagle3`; defaults follow the speculators EAGLE-3 trainer."""
+
+    num_layers: int = Field(1, ge=1, description="Decoder layers of the drafter (EAGLE-3 uses one).")
+    ttt_steps: int = Field(
+        3, ge=1, description="Training-time-test unroll: draft steps trained per position (speculators: 3)."
+    )
+    ttt_step_loss_decay: float = Field(
+        1.0, gt=0, description="Weight of step s in the loss is decay**s (1.0 = all steps equal)."
+    )
+    num_speculative_tokens: int = Field(
+        3, ge=1, description="Tokens drafted per verification at serve time (config `speculative_tokens`)."
+    )
+    norm_before_residual: bool = Field(
+        False, description="Layer 0 keeps hidden_norm(hidden) as its residual instead of the raw hidden."
+    )
+    norm_before_fc: bool = Field(
+        False, description="RMSNorm (`input_norm`) over the concatenated aux features before `fc`."
+    )
+    fc_norm: bool = Field(False, description="One RMSNorm (`fc_norm.i`) per aux feature before `fc`.")
+    norm_output: bool = Field(
+        False, description="Feed the normed (not the pre-norm) output back as the next step's hidden."
+    )
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def ttt_attention_mask(num_rows: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Which keys a TTT query attends to: [R, (step+1)*R] bool, True = attend.
+
+    Keys are the rows of steps 0..step, step-major (key k*R + j = row j of step k). A step-s
+    query at row t sees step-0 rows j <= t (the real context vLLM has cached) and its own
+    rows at steps 1..s (the tokens it drafted itself); never another row's drafts.
+    """
+    rows = torch.arange(num_rows, device=device)
+    causal = rows[None, :] <= rows[:, None]  # [R, R] step-0 context
+    own = torch.eye(num_rows, dtype=torch.bool, device=device)  # [R, R] same row, later steps
+    return torch.cat([causal] + [own] * step, dim=1)
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
+    """x[:, i] -> x[:, i+n] along dim 1, filling the last n columns with `fill`."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Offset table [Vd] -> [V] bool marking the kept target ids."""
+    kept = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
+    t2d[kept] = True
+    return t2d
+
+
+def check_d2t(d2t: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """Validate a draft->target offset table; an identity table means the full vocabulary.
+
+    vLLM only creates `draft_id_to_target_id` when draft_vocab_size != vocab_size, so a
+    full-size table must not be exported: it is folded into None here.
+    """
+    if d2t is None:
+        return None
+    d2t = d2t.long().flatten()
+    kept = torch.arange(d2t.numel()) + d2t.cpu()
+    if d2t.numel() == 0 or kept.min() < 0 or kept.max() >= vocab_size or (kept.diff() <= 0).any():
+        raise ValueError("d2t must map draft ids to strictly increasing target ids below the vocab size")
+    if d2t.numel() == vocab_size:
+        return None
+    return d2t
+
+
+# ---------------------------------------------------------------- backbone
+
+
+class DecoderLayer(nn.Module):
+    """One Llama layer as vLLM's EAGLE-3 runs it; layer 0 takes [embeds, hidden] (2H)."""
+
+    def __init__(self, verifier: VerifierSpec, layer_idx: int, norm_before_residual: bool):
+        super().__init__()
+        H, eps = verifier.hidden_size, verifier.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(H, eps)
+        if layer_idx == 0:
+            self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(
+            H,
+            verifier.num_attention_heads,
+            verifier.num_key_value_heads,
+            verifier.head_dim,
+            in_features=2 * H if layer_idx == 0 else H,
+        )
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = MLP(H, verifier.intermediate_size)
+
+    def attn_input(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (attention input [.., 2H or H], residual [.., H]), vLLM's fused add-norm order."""
+        if self.layer_idx == 0:
+            if self.norm_before_residual:
+                hidden = self.hidden_norm(hidden)
+                residual = hidden
+            else:
+                residual = hidden
+                hidden = self.hidden_norm(hidden)
+            return torch.cat([self.input_layernorm(embeds), hidden], dim=-1), residual
+        residual = hidden + residual
+        return self.input_layernorm(residual), residual
+
+    def mlp_output(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = attn_out + residual
+        return self.mlp(self.post_attention_layernorm(residual)), residual
+
+
+# attend(layer_idx, attn, x [B, M, d_in], cos, sin) -> [B, M, H]: how one layer's queries meet keys
+AttendFn = Callable[[int, Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Eagle3Backbone(nn.Module):
+    """fc + decoder layers + norm + lm_head, named exactly as vLLM's Eagle3LlamaForCausalLM loads.
+
+    The persistent state_dict IS the export: fc.weight, [input_norm.weight], [fc_norm.i.weight],
+    layers.N.*, norm.weight, lm_head.weight, [d2t, t2d] (+ mask_hidden in P-EAGLE). The verifier's
+    embeddings, final norm and LM head are non-persistent buffers: frozen, shared at serve time.
+    """
+
+    algo = "eagle3"
+
+    def __init__(
+        self,
+        verifier: VerifierSpec,
+        weights: VerifierWeights,
+        d2t: torch.Tensor | None,
+        loss: str,
+        *,
+        num_layers: int,
+        norm_before_residual: bool,
+        norm_before_fc: bool,
+        fc_norm: bool = False,
+        norm_output: bool = False,
+    ):
+        super().__init__()
+        if loss not in ("kl", "ce"):
+            raise ValueError(f"unknown loss kind {loss!r}; use 'kl' or 'ce'")
+        H, V = verifier.hidden_size, verifier.vocab_size
+        n_aux = len(verifier.aux_layer_ids)
+        if tuple(weights.embed_tokens.shape) != (V, H) or tuple(weights.lm_head.shape) != (V, H):
+            raise ValueError(f"verifier embed_tokens/lm_head must be [{V}, {H}]")
+        self.verifier, self.loss_kind, self.norm_output = verifier, loss, norm_output
+        self.register_buffer("embed_tokens", weights.embed_tokens.detach(), persistent=False)
+        self.register_buffer("verifier_norm", weights.norm.detach(), persistent=False)
+        self.register_buffer("verifier_lm_head", weights.lm_head.detach(), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            rope_inv_freq(verifier.head_dim, verifier.rope_theta, verifier.rope_scaling),
+            persistent=False,
+        )
+        if norm_before_fc:
+            self.input_norm = RMSNorm(n_aux * H, verifier.rms_norm_eps)
+        if fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(H, verifier.rms_norm_eps) for _ in range(n_aux))
+        self.fc = nn.Linear(n_aux * H, H, bias=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(verifier, i, norm_before_residual) for i in range(num_layers)
+        )
+        self.norm = RMSNorm(H, verifier.rms_norm_eps)
+        d2t = check_d2t(d2t, V)
+        kept = torch.arange(V) if d2t is None else torch.arange(d2t.numel()) + d2t
+        self.lm_head = nn.Linear(H, kept.numel(), bias=False)
+        with torch.no_grad():  # start from the verifier's head: draft == verifier's own readout
+            self.norm.weight.copy_(weights.norm)
+            self.lm_head.weight.copy_(weights.lm_head[kept.to(weights.lm_head.device)])
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", None if d2t is None else t2d_from_d2t(d2t, V))
+
+    # -- pieces shared by training and proposing
+
+    def combine(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[..., n_aux, H] verifier features -> [..., H] (vLLM `combine_hidden_states`)."""
+        x = aux_hidden_states.flatten(-2).to(self.fc.weight.dtype)  # [..., n_aux*H]
+        if hasattr(self, "input_norm"):
+            x = self.input_norm(x)
+        if hasattr(self, "fc_norm"):
+            chunks = x.chunk(len(self.fc_norm), dim=-1)
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(x)
+
+    def run_layers(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, M] (target ids), hidden [B, M, H], positions [B, M] -> (normed out, fed-back hidden)."""
+        embeds = F.embedding(tokens, self.embed_tokens).to(hidden.dtype)  # [B, M, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [B, M, hd]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer.attn_input(embeds, hidden, residual)
+            hidden, residual = layer.mlp_output(attend(i, layer.self_attn, x, cos, sin), residual)
+        pre = hidden + residual  # vLLM's final fused add-norm
+        out = self.norm(pre)
+        return out, (out if self.norm_output else pre)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def score(
+        self, out: torch.Tensor, target_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft rows [n, H] vs the verifier's final hidden there [n, H] -> (loss, correct, valid) [n]."""
+        target_logits = verifier_logits(
+            target_hidden, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps
+        )
+        return draft_loss(self.lm_head(out), target_logits, self.t2d, self.loss_kind)
+
+    # -- export
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Tensors under the names vLLM's Eagle3LlamaForCausalLM.load_weights accepts."""
+        return {k: v.detach().clone().contiguous() for k, v in self.state_dict().items()}
+
+    def load_export_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        own = self.state_dict()
+        missing, unexpected = own.keys() - tensors.keys(), tensors.keys() - own.keys()
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.algo} checkpoint does not match the drafter: "
+                f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+            )
+        for k, v in tensors.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                # mask_hidden is [1, n_aux*H] here; speculators writes [1, 1, n_aux*H]
+                if v.numel() != own[k].numel() or k != "mask_hidden":
+                    raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != {tuple(own[k].shape)}")
+                tensors = {**tensors, k: v.reshape(own[k].shape)}
+        self.load_state_dict(tensors, strict=True)
+
+    def layer_config(self) -> dict[str, Any]:
+        """`transformer_layer_config`: the draft decoder as an HF Llama config (vocab = verifier's)."""
+        v = self.verifier
+        rope_parameters = {"rope_theta": v.rope_theta, "rope_type": "default", **(v.rope_scaling or {})}
+        if "type" in rope_parameters:
+            rope_parameters["rope_type"] = rope_parameters.pop("type")
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": v.vocab_size,
+            "hidden_size": v.hidden_size,
+            "intermediate_size": v.intermediate_size,
+            "num_hidden_layers": len(self.layers),
+            "num_attention_heads": v.num_attention_heads,
+            "num_key_value_heads": v.num_key_value_heads,
+            "head_dim": v.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": v.rms_norm_eps,
+            "max_position_embeddings": v.max_position_embeddings,
+            "rope_theta": v.rope_theta,
+            "rope_scaling": v.rope_scaling,
+            "rope_parameters": rope_parameters,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+        }
+
+    def base_export_config(self, model_type: str, architectures: tuple[str, ...], tokens: int) -> dict:
+        v = self.verifier
+        return {
+            "speculators_model_type": model_type,
+            "architectures": list(architectures),
+            "transformer_layer_config": self.layer_config(),
+            "draft_vocab_size": self.lm_head.out_features,
+            "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": list(v.aux_layer_ids),
+            "speculators_config": {
+                "algorithm": model_type,
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": tokens,
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": v.name_or_path, "architectures": list(v.architectures)},
+            },
+        }
+
+
+def verifier_from_export(config_json: dict[str, Any]) -> VerifierSpec:
+    """Rebuild the VerifierSpec a checkpoint was trained against (exact when specctl wrote it)."""
+    saved = config_json.get("specctl", {}).get("verifier")
+    if saved is not None:
+        saved = dict(saved)
+        saved["architectures"] = tuple(saved["architectures"])
+        saved["aux_layer_ids"] = tuple(saved["aux_layer_ids"])
+        return VerifierSpec(**saved)
+    layer = config_json["transformer_layer_config"]
+    verifier = config_json["speculators_config"]["verifier"]
+    aux = tuple(config_json["eagle_aux_hidden_state_layer_ids"])
+    rope = layer.get("rope_parameters") or {}
+    H, heads = layer["hidden_size"], layer["num_attention_heads"]
+    return VerifierSpec(
+        name_or_path=verifier["name_or_path"],
+        architectures=tuple(verifier.get("architectures") or ()),
+        hidden_size=H,
+        vocab_size=layer["vocab_size"],
+        num_hidden_layers=max(aux) + 1,  # unknown from the format; only the aux ids matter here
+        num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or H // heads,
+        intermediate_size=layer["intermediate_size"],
+        rms_norm_eps=layer["rms_norm_eps"],
+        rope_theta=layer.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=layer["max_position_embeddings"],
+        aux_layer_ids=aux,
+        mask_token_id=config_json.get("mask_token_id", 0),
+        rope_scaling=layer.get("rope_scaling"),
+    )
+
+
+def specctl_block(config: DrafterConfig, verifier: VerifierSpec, loss: str) -> dict[str, Any]:
+    """Extra `specctl` key in config.json (vLLM ignores it): what from_export needs to be exact."""
+    return {"drafter": config.model_dump(), "loss": loss, "verifier": dataclasses.asdict(verifier)}
+
+
+# ---------------------------------------------------------------- EAGLE-3
+
+
+class Eagle3Drafter(Eagle3Backbone):
+    algo = "eagle3"
+
+    def __init__(
+        self,
+        config: Config,
+        verifier: VerifierSpec,
+        weights: VerifierWeights,
+        d2t: torch.Tensor | None,
+        loss: str,
+    ):
+        super().__init__(
+            verifier,
+            weights,
+            d2t,
+            loss,
+            num_layers=config.num_layers,
+            norm_before_residual=config.norm_before_residual,
+            norm_before_fc=config.norm_before_fc,
+            fc_norm=config.fc_norm,
+            norm_output=config.norm_output,
+        )
+        self.config = config
+
+    @staticmethod
+    def _attend(
+        cache: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        mask: torch.Tensor,
+        i: int,
+        attn: Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """One draft step: append this step's K/V to layer i's cache, attend over all of it.
+
+        cache[i] holds (k, v) [B, kvh, M_k, hd] of steps 0..s-1 (step 0 = the context rows);
+        mask [B|1, M, sum M_k] is `ttt_attention_mask` in training, all-True in `propose`.
+        """
+        q = attn.project_q(x, cos, sin)
+        cache[i].append(attn.project_kv(x, cos, sin))
+        k = torch.cat([kv[0] for kv in cache[i]], dim=2)
+        v = torch.cat([kv[1] for kv in cache[i]], dim=2)
+        return attn.attend(q, k, v, mask[:, None])
+
+    def ttt_outputs(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor) -> list[torch.Tensor]:
+        """Normed outputs [B, T-1, H] of TTT steps 0..S-1 (row t of step s predicts x_{t+2+s})."""
+        B, T = input_ids.shape
+        R = T - 1
+        hidden = self.combine(aux_hidden_states[:, :R])  # [B, R, H]
+        positions = torch.arange(R, device=input_ids.device).expand(B, R)
+        cache: list[list] = [[] for _ in self.layers]
+        outs = []
+        for s in range(self.config.ttt_steps):
+            tokens = shift_left(input_ids, 1 + s)[:, :R]  # x_{t+1+s}; padding past the end
+            mask = ttt_attention_mask(R, s, input_ids.device)[None]  # [1, R, (s+1)R]
+            out, hidden = self.run_layers(tokens, hidden, positions + s, partial(self._attend, cache, mask))
+            outs.append(out)
+        return outs
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        input_ids = batch["input_ids"]
+        R = input_ids.shape[1] - 1
+        # a row is scored where the token it predicts is a real assistant token
+        target_ok = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # [B, T]
+        S = self.config.ttt_steps
+        correct = torch.zeros(S, device=input_ids.device)
+        count = torch.zeros(S, device=input_ids.device)
+        step_loss = torch.zeros(S, device=input_ids.device)
+        loss = torch.zeros((), device=input_ids.device)
+        for s, out in enumerate(self.ttt_outputs(input_ids, batch["aux_hidden_states"])):
+            b, t = shift_left(target_ok, 2 + s, False)[:, :R].nonzero(as_tuple=True)
+            rows_loss, ok, valid = self.score(out[b, t], batch["last_hidden_state"][b, t + 1 + s])
+            mean = rows_loss.sum() / valid.sum().clamp(min=1)
+            loss = loss + self.config.ttt_step_loss_decay**s * mean
+            step_loss[s], correct[s], count[s] = mean.detach(), ok.sum(), b.numel()
+        return loss, {"loss": loss.detach(), "correct": correct, "count": count, "step_loss": step_loss}
+
+    @torch.no_grad()
+    def propose(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
+        """K greedy drafts after input_ids[-1], as vLLM's EAGLE-3 proposer computes them."""
+        N = aux_hidden_states.shape[0]
+        if input_ids.shape[0] != N + 1:
+            raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
+        device = input_ids.device
+        tokens = input_ids[1:][None]  # [1, N]
+        hidden = self.combine(aux_hidden_states[None])  # [1, N, H]
+        positions = torch.arange(N, device=device)[None]
+        cache: list[list] = [[] for _ in self.layers]
+        mask = ttt_attention_mask(N, 0, device)[None]
+        drafts = []
+        for s in range(num_tokens):
+            out, hidden = self.run_layers(tokens, hidden, positions, partial(self._attend, cache, mask))
+            out, hidden = out[:, -1:], hidden[:, -1:]
+            drafts.append(self.to_target_ids(self.lm_head(out)[0, 0].argmax()))
+            tokens = drafts[-1].view(1, 1)
+            positions = torch.full((1, 1), N + s, device=device)
+            mask = torch.ones(1, 1, N + s + 1, dtype=torch.bool, device=device)
+        return torch.stack(drafts)
+
+    def export_config(self) -> dict[str, Any]:
+        c = self.config
+        cfg = self.base_export_config("eagle3", SPEC.architectures, c.num_speculative_tokens)
+        cfg.update(
+            norm_before_residual=c.norm_before_residual,
+            norm_before_fc=c.norm_before_fc,
+            fc_norm=c.fc_norm,
+            norm_output=c.norm_output,
+            specctl=specctl_block(c, self.verifier, self.loss_kind),
+        )
+        return cfg
+
+
+def build(
+    config: Config,
+    verifier: VerifierSpec,
+    weights: VerifierWeights,
+    d2t: torch.Tensor | None = None,
+    loss: str = "kl",
+) -> Eagle3Drafter:
+    return Eagle3Drafter(config, verifier, weights, d2t, loss)
+
+
+def config_from_export(config_json: dict[str, Any]) -> Config:
+    """The drafter settings a speculators config.json describes (training-only ones from `specctl`)."""
+    saved = config_json.get("specctl", {}).get("drafter", {})
+    return Config(
+        **{
+            **saved,
+            "num_layers": config_json["transformer_layer_config"]["num_hidden_layers"],
+            "num_speculative_tokens": config_json["speculators_config"]["proposal_methods"][0][
+                "speculative_tokens"
+            ],
+            # vLLM's defaults when a key is absent (speculators/algos.py update_eagle3)
+            "norm_before_residual": config_json.get("norm_before_residual", True),
+            "norm_before_fc": config_json.get("norm_before_fc", False),
+            "fc_norm": config_json.get("fc_norm", False),
+            "norm_output": config_json.get("norm_output", False),
+        }
+    )
+
+
+def from_export(
+    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
+) -> Eagle3Drafter:
+    if config_json.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"not an eagle3 checkpoint: {config_json.get('speculators_model_type')!r}")
+    loss = config_json.get("specctl", {}).get("loss", "kl")
+    config, verifier = config_from_export(config_json), verifier_from_export(config_json)
+    model = build(config, verifier, weights, tensors.get("d2t"), loss)
+    model.load_export_state(tensors)
+    return model
+
+
+SPEC = register(
+    DrafterSpec(
+        name="eagle3",
+        config_cls=Config,
+        build=build,
+        from_export=from_export,
+        speculators_model_type="eagle3",
+        architectures=("Eagle3DraftModel",),
+    )
+)

@@ -1,0 +1,376 @@
+"""P-EAGLE: EAGLE-3 layers that draft K tokens in ONE forward pass (arXiv 2602.01469).
+
+Serving (vLLM `parallel_drafting`, `copy_and_expand_eagle_inputs_kernel`): after the usual
+EAGLE rows (row t: token x_{t+1}, verifier feature at t, position t), the anchor row N-1
+carries the newest token, and K-1 extra slots follow it: slot d = `mask_token_id` + the
+learned `mask_hidden` (in fc-input space, so it goes through `fc` like real features), at
+position N-1+d. Attention is plain causal over that sequence, so slot d sees the real
+context up to the anchor and slots 1..d. Slot d predicts the token d+1 after the newest.
+
+Training builds the same thing for every anchor at once: all real rows (depth 0) plus, per
+depth d >= 1, a sampled subset of anchors whose depth-d row is kept (draft-block
+sparsification, "COD": nested, count floor(n * max(r^d, r_min))). Depth rows attend to the
+real rows up to their anchor and to their own block's rows 1..d; the attention gathers those
+few block keys per row (`block_layout`) instead of materialising a mask over every pair of
+rows, so its cost is (real rows + kept rows) x real rows, linear in the rows kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from pydantic import Field, model_validator
+from torch import nn
+
+from specctl.drafters import register
+from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
+from specctl.drafters.eagle3 import (
+    Eagle3Backbone,
+    shift_left,
+    specctl_block,
+    verifier_from_export,
+)
+from specctl.drafters.layers import Attention
+
+
+class Config(DrafterConfig):
+    """Recipe section `drafter.peagle`; defaults follow the published P-EAGLE recipe/checkpoints."""
+
+    num_layers: int = Field(4, ge=1, description="Decoder layers of the drafter (P-EAGLE uses four).")
+    num_depths: int = Field(
+        8, ge=1, description="Parallel depths trained per anchor (speculators `para_depths`: 8)."
+    )
+    num_speculative_tokens: int = Field(
+        5, ge=1, description="Tokens drafted per forward pass at serve time; at most `num_depths`."
+    )
+    down_sample_ratio: float = Field(
+        0.7, gt=0, le=1, description="r: depth d keeps a fraction max(r**d, r_min) of the anchors."
+    )
+    down_sample_ratio_min: float = Field(
+        0.2, ge=0, le=1, description="r_min: floor of the kept fraction at deep depths."
+    )
+    max_anchors: int | None = Field(
+        None, ge=1, description="Cap on anchors per sequence that get depth rows (None = no cap)."
+    )
+    norm_before_residual: bool = Field(
+        False, description="Layer 0 keeps hidden_norm(hidden) as its residual instead of the raw hidden."
+    )
+    norm_before_fc: bool = Field(
+        False, description="RMSNorm (`input_norm`) over the concatenated aux features before `fc`."
+    )
+
+    @model_validator(mode="after")
+    def _tokens_within_depths(self) -> Config:
+        if self.num_speculative_tokens > self.num_depths:
+            raise ValueError(
+                f"num_speculative_tokens ({self.num_speculative_tokens}) cannot exceed "
+                f"num_depths ({self.num_depths}): deeper slots were never trained"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- pure helpers
+
+
+def kept_fraction(depth: int, ratio: float, ratio_min: float) -> float:
+    return 1.0 if depth == 0 else max(ratio**depth, ratio_min)
+
+
+def sample_draft_blocks(
+    valid: torch.Tensor,
+    ratio: float,
+    ratio_min: float,
+    max_anchors: int | None = None,
+    keep_all: bool = False,
+    generator: torch.Generator | None = None,
+) -> list[torch.Tensor]:
+    """Which anchors get a depth-d row, d = 1..K-1 (draft-block sparsification).
+
+    valid [K, R] bool: row t's depth-d target exists and is loss-masked. Returns K-1 sorted
+    anchor tensors. Depth d is drawn from the anchors kept at d-1 whose depth-d target is
+    valid (nested, so every kept row's block rows 1..d-1 exist, as at serve time), and keeps
+    floor(n * max(r^d, r_min)) of them (n = valid depth-0 targets, capped by max_anchors),
+    or all of them, uncapped, with keep_all (validation: exact, not sampled, metrics).
+    """
+    K = valid.shape[0]
+    n = int(valid[0].sum())
+    if K < 2:
+        return []
+    pool = valid[1].nonzero()[:, 0]
+    if max_anchors is not None and not keep_all:
+        n = min(n, max_anchors)
+        if pool.numel() > max_anchors:
+            pick = torch.randperm(pool.numel(), generator=generator)[:max_anchors].to(pool.device)
+            pool = pool[pick].sort().values
+    kept = []
+    for d in range(1, K):
+        if d > 1:
+            pool = kept[-1][valid[d, kept[-1]]]
+        size = pool.numel()
+        if not keep_all:
+            size = min(size, math.floor(n * kept_fraction(d, ratio, ratio_min) + 1e-9))
+        pick = torch.randperm(pool.numel(), generator=generator)[:size].to(pool.device)
+        kept.append(pool[pick].sort().values)
+    return kept
+
+
+def block_layout(
+    anchor: torch.Tensor, depth: torch.Tensor, present: torch.Tensor, num_rows: int, num_depths: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention layout of the depth rows (the compact form of the P-EAGLE mask).
+
+    anchor, depth, present [B, M] describe the depth rows (d >= 1) after the R real rows.
+    Returns ctx_mask [B, M, R] (real row j visible iff j <= anchor), blk_index [B, M, K-1]
+    (index among the M depth rows of the same anchor's depth j+1 row, -1 if absent) and
+    blk_mask [B, M, K-1] (that row is visible: present and j+1 <= own depth). Padding rows
+    (present False) see real row 0 only, so their softmax stays finite.
+    """
+    B, M = anchor.shape
+    device = anchor.device
+    ctx_mask = torch.arange(num_rows, device=device)[None, None, :] <= anchor[:, :, None]  # [B, M, R]
+    table = torch.full((B, num_depths, num_rows), -1, dtype=torch.long, device=device)  # [B, K, R]
+    b, m = present.nonzero(as_tuple=True)
+    table[b, depth[b, m], anchor[b, m]] = m
+    J = num_depths - 1
+    members = torch.arange(1, num_depths, device=device)  # depths 1..K-1
+    bidx = torch.arange(B, device=device)[:, None, None]
+    blk_index = table[bidx, members[None, None, :], anchor[:, :, None].expand(B, M, J)]  # [B, M, K-1]
+    blk_mask = (blk_index >= 0) & (members[None, None, :] <= depth[:, :, None]) & present[:, :, None]
+    return ctx_mask, blk_index, blk_mask
+
+
+def block_attention(
+    attn: Attention,
+    q: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    ctx_mask: torch.Tensor,
+    blk_k: torch.Tensor,
+    blk_v: torch.Tensor,
+    blk_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of M queries over shared context keys plus J gathered keys of their own.
+
+    q [B, h, M, hd]; ctx_k/v [B, kvh, R, hd], ctx_mask [B, M, R]; blk_k/v [B, kvh, M, J, hd],
+    blk_mask [B, M, J]. One softmax over both key sets -> [B, M, H] (after o_proj).
+    """
+    B, h, M, hd = q.shape
+    kvh, R = ctx_k.shape[1], ctx_k.shape[2]
+    q = q.view(B, kvh, h // kvh, M, hd) * hd**-0.5  # grouped-query heads share a kv head
+    s_ctx = q @ ctx_k[:, :, None].transpose(-1, -2)  # [B, kvh, rep, M, R]
+    s_blk = (q[..., None, :] * blk_k[:, :, None]).sum(-1)  # [B, kvh, rep, M, J]
+    mask = torch.cat([ctx_mask, blk_mask], dim=-1)[:, None, None]  # [B, 1, 1, M, R+J]
+    scores = torch.cat([s_ctx, s_blk], dim=-1).float().masked_fill(~mask, float("-inf"))
+    p = scores.softmax(-1).to(q.dtype)
+    out = p[..., :R] @ ctx_v[:, :, None] + (p[..., R:, None] * blk_v[:, :, None]).sum(-2)  # [.., M, hd]
+    return attn.o_proj(out.reshape(B, h, M, hd).transpose(1, 2).reshape(B, M, h * hd))
+
+
+# ---------------------------------------------------------------- module
+
+
+class PEagleDrafter(Eagle3Backbone):
+    algo = "peagle"
+
+    def __init__(
+        self,
+        config: Config,
+        verifier: VerifierSpec,
+        weights: VerifierWeights,
+        d2t: torch.Tensor | None,
+        loss: str,
+    ):
+        super().__init__(
+            verifier,
+            weights,
+            d2t,
+            loss,
+            num_layers=config.num_layers,
+            norm_before_residual=config.norm_before_residual,
+            norm_before_fc=config.norm_before_fc,
+        )
+        if not 0 <= verifier.mask_token_id < verifier.vocab_size:
+            raise ValueError(
+                f"mask_token_id {verifier.mask_token_id} is outside the verifier vocabulary "
+                f"(size {verifier.vocab_size}); P-EAGLE embeds it with the verifier's embeddings"
+            )
+        self.config = config
+        n_aux = len(verifier.aux_layer_ids)
+        # the hidden of every mask slot, in fc-input space (vLLM passes it through combine)
+        self.mask_hidden = nn.Parameter(torch.randn(1, n_aux * verifier.hidden_size) * 0.02)
+
+    def rows_forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        anchor: torch.Tensor,
+        depth: torch.Tensor,
+        present: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over real rows + depth rows -> normed outputs ([B, R, H], [B, M, H]).
+
+        input_ids [B, R+1], aux_hidden_states [B, R, n_aux, H] (real row t: token x_{t+1},
+        feature t, position t); anchor/depth/present [B, M]: depth rows (mask token,
+        mask_hidden, position anchor+depth).
+        """
+        B, R = aux_hidden_states.shape[:2]
+        M = anchor.shape[1]
+        device = input_ids.device
+        ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, self.config.num_depths)
+        causal = torch.ones(R, R, dtype=torch.bool, device=device).tril()[None, None]  # [1, 1, R, R]
+        tokens = torch.cat([input_ids[:, 1 : R + 1], torch.full_like(anchor, self.verifier.mask_token_id)], 1)
+        mask_feature = self.combine(self.mask_hidden.view(1, *aux_hidden_states.shape[-2:]))  # [1, H]
+        features = torch.cat([self.combine(aux_hidden_states), mask_feature.expand(B, M, -1)], 1)
+        positions = torch.cat([torch.arange(R, device=device).expand(B, R), anchor + depth], 1)
+        bidx = torch.arange(B, device=device)[:, None, None]
+        gather = blk_index.clamp(min=0)  # [B, M, J]
+
+        def attend(i: int, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            q = attn.project_q(x, cos, sin)  # [B, h, R+M, hd]
+            k, v = attn.project_kv(x, cos, sin)
+            real = attn.attend(q[:, :, :R], k[:, :, :R], v[:, :, :R], causal)
+            if M == 0:
+                return real
+            # block keys of each depth row: [B, kvh, M, J, hd], gathered from the depth rows
+            bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
+            bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
+            drafts = block_attention(
+                attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_mask, bk, bv, blk_mask
+            )
+            return torch.cat([real, drafts], 1)
+
+        out, _ = self.run_layers(tokens, features, positions, attend)
+        return out[:, :R], out[:, R:]
+
+    def sample_rows(
+        self, valid: torch.Tensor, keep_all: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """valid [K, B, R] -> depth rows anchor, depth, present [B, M] (M = most rows of any sample)."""
+        c = self.config
+        per_sample = []
+        for b in range(valid.shape[1]):
+            kept = sample_draft_blocks(
+                valid[:, b].cpu(), c.down_sample_ratio, c.down_sample_ratio_min, c.max_anchors, keep_all
+            )
+            empty = [torch.zeros(0, dtype=torch.long)]
+            depth = torch.cat([torch.full_like(a, d + 1) for d, a in enumerate(kept)] + empty)
+            anchor = torch.cat(kept + empty)
+            per_sample.append((anchor, depth))
+        M = max(a.numel() for a, _ in per_sample)
+        B = valid.shape[1]
+        anchor = torch.zeros(B, M, dtype=torch.long)
+        depth = torch.ones(B, M, dtype=torch.long)
+        present = torch.zeros(B, M, dtype=torch.bool)
+        for b, (a, d) in enumerate(per_sample):
+            anchor[b, : a.numel()], depth[b, : a.numel()], present[b, : a.numel()] = a, d, True
+        return anchor.to(valid.device), depth.to(valid.device), present.to(valid.device)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        input_ids, last = batch["input_ids"], batch["last_hidden_state"]
+        R = input_ids.shape[1] - 1
+        K = self.config.num_depths
+        target_ok = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # [B, T]
+        valid = torch.stack([shift_left(target_ok, 2 + d, False)[:, :R] for d in range(K)])  # [K, B, R]
+        anchor, depth, present = self.sample_rows(valid, keep_all=not self.training)
+        aux = batch["aux_hidden_states"][:, :R]
+        out_real, out_depth = self.rows_forward(input_ids, aux, anchor, depth, present)
+
+        device = input_ids.device
+        correct, count, depth_loss = (torch.zeros(K, device=device) for _ in range(3))
+        loss = torch.zeros((), device=device)
+        b, t = valid[0].nonzero(as_tuple=True)
+        rows = [(out_real[b, t], last[b, t + 1])]
+        for d in range(1, K):
+            b, m = (present & (depth == d)).nonzero(as_tuple=True)
+            rows.append((out_depth[b, m], last[b, anchor[b, m] + 1 + d]))
+        for d, (out, target_hidden) in enumerate(rows):
+            rows_loss, ok, ok_rows = self.score(out, target_hidden)
+            mean = rows_loss.sum() / ok_rows.sum().clamp(min=1)
+            loss = loss + mean / K
+            depth_loss[d], correct[d], count[d] = mean.detach(), ok.sum(), out.shape[0]
+        return loss, {"loss": loss.detach(), "correct": correct, "count": count, "depth_loss": depth_loss}
+
+    @torch.no_grad()
+    def propose(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
+        """K greedy drafts in one pass: anchor row N-1 plus mask slots 1..K-1 (vLLM parallel drafting)."""
+        N = aux_hidden_states.shape[0]
+        if input_ids.shape[0] != N + 1:
+            raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
+        if num_tokens > self.config.num_depths:
+            raise ValueError(f"this drafter was trained for at most {self.config.num_depths} tokens")
+        device = input_ids.device
+        depth = torch.arange(1, num_tokens, device=device)[None]  # [1, K-1]
+        anchor = torch.full_like(depth, N - 1)
+        out_real, out_depth = self.rows_forward(
+            input_ids[None], aux_hidden_states[None], anchor, depth, torch.ones_like(depth, dtype=torch.bool)
+        )
+        logits = self.lm_head(torch.cat([out_real[:, -1:], out_depth], 1))[0]  # [K, Vd]
+        return self.to_target_ids(logits.argmax(-1))
+
+    def export_config(self) -> dict[str, Any]:
+        c = self.config
+        cfg = self.base_export_config("peagle", SPEC.architectures, c.num_speculative_tokens)
+        cfg.update(
+            mask_token_id=self.verifier.mask_token_id,
+            norm_before_residual=c.norm_before_residual,
+            norm_before_fc=c.norm_before_fc,
+            fc_norm=False,
+            norm_output=False,
+            specctl=specctl_block(c, self.verifier, self.loss_kind),
+        )
+        return cfg
+
+
+def build(
+    config: Config,
+    verifier: VerifierSpec,
+    weights: VerifierWeights,
+    d2t: torch.Tensor | None = None,
+    loss: str = "kl",
+) -> PEagleDrafter:
+    return PEagleDrafter(config, verifier, weights, d2t, loss)
+
+
+def from_export(
+    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
+) -> PEagleDrafter:
+    if config_json.get("speculators_model_type") != "peagle":
+        raise ValueError(f"not a peagle checkpoint: {config_json.get('speculators_model_type')!r}")
+    if "mask_token_id" not in config_json:
+        raise ValueError("peagle checkpoint config has no mask_token_id (vLLM requires it)")
+    spec = config_json.get("specctl", {})
+    tokens = config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    drafter = dict(spec.get("drafter", {}))
+    drafter.setdefault("num_depths", max(tokens, Config.model_fields["num_depths"].default))
+    config = Config(
+        **{
+            **drafter,
+            "num_layers": config_json["transformer_layer_config"]["num_hidden_layers"],
+            "num_speculative_tokens": tokens,
+            # vLLM's defaults when a key is absent (speculators/algos.py update_peagle)
+            "norm_before_residual": config_json.get("norm_before_residual", False),
+            "norm_before_fc": config_json.get("norm_before_fc", False),
+        }
+    )
+    verifier = verifier_from_export(config_json)
+    if verifier.mask_token_id != config_json["mask_token_id"]:
+        raise ValueError("mask_token_id differs between the checkpoint config and its specctl block")
+    model = build(config, verifier, weights, tensors.get("d2t"), spec.get("loss", "kl"))
+    model.load_export_state(tensors)
+    return model
+
+
+SPEC = register(
+    DrafterSpec(
+        name="peagle",
+        config_cls=Config,
+        build=build,
+        from_export=from_export,
+        speculators_model_type="peagle",
+        architectures=("PEagleDraftModel",),
+    )
+)

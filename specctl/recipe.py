@@ -1,0 +1,331 @@
+"""The recipe: one YAML file, validated into typed sections. Every default lives here.
+
+`docs/recipe.md` is generated from these models (`python -m specctl.recipe --markdown`)
+and a test keeps it in sync, so the documented defaults are the ones the code uses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from specctl.drafters import DRAFTERS
+from specctl.errors import RecipeError
+
+BUILTIN_RECIPES = Path(__file__).parent / "recipes"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class VerifierSection(Section):
+    name_or_path: str = Field(
+        "smollm2-135m-instruct",
+        description="Hub id, local HF model directory, or the built-in alias `smollm2-135m-instruct`.",
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="`auto` = bfloat16 on CUDA, float32 on CPU."
+    )
+    device: str = Field("auto", description="`auto` = cuda when available, else cpu; or any torch device.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with the checkpoint (warns when on)."
+    )
+
+
+class GenerateSection(Section):
+    """Self-generated conversations (Magpie): the verifier writes the question, then answers."""
+
+    num_conversations: int = Field(64, ge=1, description="How many conversations to generate.")
+    user_max_new_tokens: int = Field(96, ge=1, description="Length cap of a generated user turn.")
+    user_temperature: float = Field(1.0, gt=0, description="Sampling temperature for user turns.")
+    user_top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling for user turns.")
+    system_prompt: str | None = Field(
+        None, description="System prompt placed before the user turn (None = the template's default)."
+    )
+    batch_size: int = Field(8, ge=1, description="Conversations generated per batch.")
+
+
+class DataSection(Section):
+    source: str = Field(
+        "self-generated",
+        description="`self-generated`, a local .json/.jsonl file, or a hub dataset id "
+        "(UltraChat-style `messages`, ShareGPT-style `conversations`, or pre-tokenized "
+        "`input_ids` + `loss_mask`).",
+    )
+    split: str = Field("train", description="Dataset split (hub datasets).")
+    subset: str | None = Field(None, description="Dataset configuration name (hub datasets).")
+    max_samples: int | None = Field(None, ge=1, description="Use at most this many conversations.")
+    max_length: int = Field(2048, ge=8, description="Token limit per conversation.")
+    overlong: Literal["truncate", "skip"] = Field(
+        "truncate", description="What to do with conversations longer than `max_length`."
+    )
+    shuffle: bool = Field(True, description="Shuffle the source before taking `max_samples`.")
+    seed: int = Field(0, description="Seed for shuffling and sampling.")
+    regenerate: bool = Field(
+        False, description="Replace assistant turns with the verifier's own answers."
+    )
+    max_new_tokens: int = Field(
+        256, ge=1, description="Length cap of an answer written by the verifier (generate/regenerate)."
+    )
+    temperature: float = Field(0.0, ge=0, description="Answer sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for answers.")
+    batch_size: int = Field(8, ge=1, description="Answers generated per batch.")
+    generate: GenerateSection = Field(default_factory=GenerateSection)
+
+
+class FeaturesSection(Section):
+    aux_layer_ids: list[int] | None = Field(
+        None,
+        description="Verifier layers to keep, HF `output_hidden_states` indices "
+        "(0 = embeddings). None = (2, L//2, L-3).",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="On-disk dtype of hidden states."
+    )
+    batch_tokens: int = Field(8192, ge=1, description="Token budget of one verifier forward pass.")
+    shard_tokens: int = Field(
+        65536, ge=1, description="Tokens per safetensors shard (the unit of resume; held in memory once)."
+    )
+    backend: Literal["hf", "vllm"] = Field("hf", description="Engine that runs the verifier.")
+
+
+class DrafterSectionBase(Section):
+    algo: str = Field("dflash", description="Algorithm to train: " + ", ".join(DRAFTERS) + ".")
+    draft_vocab_size: int | None = Field(
+        None, ge=1, description="Keep only the N most frequent assistant tokens (None = full vocabulary)."
+    )
+    mask_token_id: int | None = Field(
+        None,
+        description="Mask token for parallel drafters; None = the tokenizer's mask token, "
+        "else one id past the tokenizer's length.",
+    )
+
+
+def _drafter_section() -> type[Section]:
+    fields: dict[str, Any] = {
+        name: (spec.config_cls, Field(default_factory=spec.config_cls, description=f"{name} settings."))
+        for name, spec in DRAFTERS.items()
+    }
+    return create_model("DrafterSection", __base__=DrafterSectionBase, **fields)
+
+
+DrafterSection = _drafter_section()
+
+
+class TrainSection(Section):
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline = read the feature store; online = run the verifier in the loop."
+    )
+    loss: Literal["kl", "ce"] = Field(
+        "kl", description="kl = match the verifier's distribution; ce = its next token."
+    )
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warmup steps.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="LR decay after warmup.")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon = Muon on 2-D weights, AdamW on the rest."
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    grad_clip: float = Field(1.0, ge=0, description="Max gradient norm (0 = off).")
+    batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (per rank).")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    val_fraction: float = Field(0.05, ge=0, lt=1, description="Held-out share of samples.")
+    seed: int = Field(0, description="Seed for the split, batching, anchors and init.")
+    eval_every: int = Field(100, ge=1, description="Validate every N steps.")
+    save_every: int = Field(500, ge=1, description="Checkpoint every N steps.")
+    log_every: int = Field(10, ge=1, description="Log the training loss every N steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+
+
+class ExportSection(Section):
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Weights dtype.")
+
+
+class BenchSection(Section):
+    backend: Literal["embedded", "vllm"] = Field("embedded", description="Engine that serves the drafters.")
+    dataset: str = Field("builtin", description="`builtin`, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl.")
+    num_prompts: int = Field(16, ge=1, description="Prompts per method.")
+    max_new_tokens: int = Field(128, ge=1, description="Output tokens per prompt.")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    concurrency: int = Field(1, ge=1, description="Concurrent requests (vLLM backend).")
+    seed: int = Field(0, description="Sampling seed.")
+    require: list[str] = Field(
+        default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."
+    )
+
+
+class Recipe(Section):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9._-]+$", description="Run name: outputs go to runs/<name>/.")
+    output_dir: str = Field("runs", description="Parent directory of run directories.")
+    verifier: VerifierSection = Field(default_factory=VerifierSection)
+    data: DataSection = Field(default_factory=DataSection)
+    features: FeaturesSection = Field(default_factory=FeaturesSection)
+    drafter: DrafterSection = Field(default_factory=DrafterSection)  # type: ignore[valid-type]
+    train: TrainSection = Field(default_factory=TrainSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+    bench: BenchSection = Field(default_factory=BenchSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe not found; pass a YAML file (see recipes/ for examples)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{path}{where}: not valid YAML ({problem})") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a text file; a recipe is UTF-8 YAML") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _load_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a recipe and the recipes it `extends` (paths relative to the file)."""
+    path = path.resolve() if path.exists() else path
+    if path in seen:
+        raise RecipeError(f"{path}: `extends` forms a cycle")
+    data = _read_yaml(path)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise RecipeError(f"{path}: extends: expected a path to another recipe")
+    return _merge(_load_tree(path.parent / parent, (*seen, path)), data)
+
+
+def _set(tree: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"--set {assignment!r}: expected key=value, e.g. --set train.lr=3e-4")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node = tree
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        if not isinstance(node.get(p, {}), dict):
+            raise RecipeError(f"--set {key}: {p} is not a section")
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if kind == "missing":
+        return f"{loc}: required field is missing"
+    return f"{loc}: {err['msg']} (got {err.get('input')!r})"
+
+
+def recipe_from_dict(tree: dict[str, Any], source: str = "<recipe>") -> Recipe:
+    try:
+        return Recipe.model_validate(tree)
+    except ValidationError as e:
+        errors = e.errors()
+        more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise RecipeError(f"{source}: {_describe(errors[0])}{more}") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe file (or a built-in recipe name such as `quickstart`) with --set overrides."""
+    path = resolve_recipe_path(path)
+    tree = _load_tree(path)
+    for assignment in overrides:
+        _set(tree, assignment)
+    recipe = recipe_from_dict(tree, str(path))
+    if recipe.drafter.algo not in DRAFTERS:
+        raise RecipeError(
+            f"{path}: drafter.algo: unknown algorithm {recipe.drafter.algo!r}; choose one of "
+            + ", ".join(DRAFTERS)
+        )
+    return recipe
+
+
+def resolve_recipe_path(path: str | Path) -> Path:
+    """A path as given, else a recipe shipped with specctl (`quickstart` -> recipes/quickstart.yaml)."""
+    p = Path(path)
+    if p.exists():
+        return p
+    builtin = BUILTIN_RECIPES / (p.name if p.suffix else f"{p.name}.yaml")
+    return builtin if builtin.exists() else p
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+# ---------------------------------------------------------------- docs
+
+
+def _field_rows(model: type[BaseModel], prefix: str) -> list[str]:
+    rows = []
+    for name, f in model.model_fields.items():
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(_field_rows(ann, f"{prefix}{name}."))
+            continue
+        default = "*required*" if f.is_required() else f"`{_default_repr(f)}`"
+        type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        rows.append(f"| `{prefix}{name}` | {type_name} | {default} | {f.description or ''} |")
+    return rows
+
+
+def _default_repr(f: Any) -> str:
+    value = f.get_default(call_default_factory=True)
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() or "''"
+
+
+def recipe_reference_markdown() -> str:
+    """The recipe reference page, generated from the schema above."""
+    lines = [
+        "# Recipe reference",
+        "",
+        "Generated from `specctl/recipe.py` by `python -m specctl.recipe --markdown`; "
+        "`tests/test_recipe.py` fails when this page and the schema disagree.",
+        "",
+        "A recipe may start with `extends: other.yaml` (relative path) and override any field; "
+        "`--set section.field=value` overrides on the command line.",
+        "",
+        "| field | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    lines.extend(_field_rows(Recipe, ""))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        sys.stdout.write(recipe_reference_markdown())

@@ -1,0 +1,502 @@
+"""The training loop: one loop for every drafter, offline (feature store) or online (verifier in the loop).
+
+The loop only sees the drafter contract (`specctl.drafters.api`): build it from the recipe,
+call `forward(batch) -> (loss, metrics)`, and read `metrics["correct"]` / `["count"]` at
+validation. Everything else is shared: token-budget batching, gradient accumulation, AdamW or
+Muon, warmup + decay, clipping, bf16 autocast on CUDA, DDP/FSDP2 under torchrun, checkpoints
+with exact resume, metrics.jsonl, TensorBoard and a live progress view.
+
+Reproducibility: the torch RNG is reseeded from (train.seed, global micro-batch index) before
+each micro-batch, so whatever a drafter samples (anchors, sparsified rows) depends only on which
+micro-batch it is, not on the rank that runs it or on where a run was interrupted. With the data
+cursor and optimizer state in the checkpoint, a resumed run repeats an uninterrupted one, and
+W ranks x A accumulation steps see the same global batches as one rank with W*A.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specctl import distributed
+from specctl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from specctl.data import load_samples, load_token_freq, prepare_data
+from specctl.distributed import DistContext, all_reduce_sum, rank_share
+from specctl.drafters import DRAFTERS
+from specctl.drafters.api import VerifierSpec, VerifierWeights
+from specctl.drafters.targets import build_draft_vocab
+from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
+from specctl.features import open_features
+from specctl.optim import build_optimizer, build_scheduler
+from specctl.recipe import Recipe, dump_recipe
+from specctl.verifier import (
+    capture_hidden_states,
+    config_hash,
+    default_aux_layer_ids,
+    load_verifier,
+    resolve_mask_token_id,
+    verifier_spec,
+    verifier_weights,
+)
+
+
+@dataclass
+class TrainSummary:
+    algo: str
+    steps: int
+    loss: float | None  # training loss of the last step run (None when resuming a finished run)
+    val_loss: float | None
+    tau_hat: float | None  # 1 + sum_k prod_{i<=k} acc_i at the last validation
+    val_acc_per_position: list[float] | None
+    run_dir: Path
+    output_dir: Path  # run_dir/drafters/<algo>: checkpoints/, metrics.jsonl
+    checkpoint: Path | None
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded train/validation split of n samples: (train, val), each ascending.
+
+    Holds out round(n * val_fraction) samples, at least one when val_fraction > 0 and n > 1.
+    """
+    num_val = round(n * val_fraction)
+    if val_fraction > 0 and n > 1:
+        num_val = min(max(num_val, 1), n - 1)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[num_val:]), sorted(order[:num_val])
+
+
+def token_buckets(lengths: list[int], indices: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group samples of similar length into micro-batches of <= batch_tokens padded tokens.
+
+    Sort by length (ties by index), then fill greedily: a batch of n samples padded to its
+    longest costs n * longest tokens. A sample longer than the budget forms a batch of its
+    own and is cropped to batch_tokens by `collate`.
+    """
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(indices, key=lambda i: (lengths[i], i)):
+        longest = min(lengths[i], batch_tokens)  # ascending order: the newcomer is the longest
+        if current and longest * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def micro_batch_at(buckets: list[list[int]], cursor: int, seed: int) -> list[int]:
+    """The cursor-th micro-batch of the endless stream: epoch e = cursor // len(buckets) visits
+    every bucket once, in an order shuffled by (seed, e)."""
+    epoch, index = divmod(cursor, len(buckets))
+    order = torch.randperm(len(buckets), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return buckets[int(order[index])]
+
+
+def micro_batch_seed(seed: int, cursor: int) -> int:
+    """Torch seed of the cursor-th micro-batch: independent of rank and of interruptions."""
+    return (seed * 2**32 + cursor) % 2**63
+
+
+def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> dict[str, torch.Tensor]:
+    """Right-pad samples into a batch of the drafter contract, cropped to max_tokens.
+
+    input_ids [B, T] int64, loss_mask / attention_mask [B, T] bool, and when the samples carry
+    features, aux_hidden_states [B, T, n_aux, H] and last_hidden_state [B, T, H] (stored dtype).
+    """
+    T = min(max(len(s["input_ids"]) for s in samples), max_tokens)
+    B = len(samples)
+    batch = {
+        "input_ids": torch.zeros(B, T, dtype=torch.long),
+        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+        "attention_mask": torch.zeros(B, T, dtype=torch.bool),
+    }
+    feature_keys = [k for k in ("aux_hidden_states", "last_hidden_state") if k in samples[0]]
+    for k in feature_keys:
+        batch[k] = samples[0][k].new_zeros(B, T, *samples[0][k].shape[1:])
+    for b, s in enumerate(samples):
+        n = min(len(s["input_ids"]), T)
+        batch["input_ids"][b, :n] = s["input_ids"][:n]
+        batch["loss_mask"][b, :n] = s["loss_mask"][:n].bool()
+        batch["attention_mask"][b, :n] = True
+        for k in feature_keys:
+            batch[k][b, :n] = s[k][:n]
+    return batch
+
+
+def tau_hat(acc_per_position: list[float]) -> float:
+    """Expected accepted length from per-position accuracies: 1 + sum_k prod_{i<=k} acc_i
+    (the bonus token counts; accuracy at position k assumes every earlier draft was accepted)."""
+    total, run = 1.0, 1.0
+    for acc in acc_per_position:
+        run *= acc
+        total += run
+    return total
+
+
+# ---------------------------------------------------------------- where samples come from
+
+
+@dataclass
+class Source:
+    """The training data as the loop sees it: lengths (for batching) and batches on a device.
+
+    Offline, samples come from the feature store with their hidden states; online, from the
+    data stage's token samples, and `featurize` runs the verifier on each batch.
+    """
+
+    lengths: list[int]
+    sample: Callable[[int], dict[str, torch.Tensor]]
+    featurize: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    spec: VerifierSpec
+    weights: VerifierWeights
+    features_path: Path | None = None
+
+    def batch(self, indices: list[int], device: torch.device, max_tokens: int) -> dict[str, torch.Tensor]:
+        batch = collate([self.sample(i) for i in indices], max_tokens)
+        batch = self.featurize({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        for k in ("aux_hidden_states", "last_hidden_state"):
+            batch[k] = batch[k].float()  # autocast picks the compute dtype on CUDA
+        return batch
+
+
+def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
+    """Load the verifier (its spec and frozen weights are what every drafter is built from), then
+    the feature store (offline) or the data stage's samples (online), checking they fit."""
+    verifier = load_verifier(recipe.verifier.model_copy(update={"device": str(ctx.device)}))
+    aux_ids = tuple(recipe.features.aux_layer_ids or default_aux_layer_ids(verifier.config.num_hidden_layers))
+    mask_id = resolve_mask_token_id(verifier.tokenizer, verifier.config, recipe.drafter.mask_token_id)
+    spec = verifier_spec(verifier, aux_ids, mask_id)
+    weights = verifier_weights(verifier)
+    if recipe.train.mode == "offline":
+        store = open_store(recipe.run_dir / "features", spec, config_hash(verifier.config))
+        del verifier  # offline needs only the borrowed tensors; the decoder layers can go
+        return Source(
+            list(store.lengths), store.__getitem__, lambda b: b, spec, weights, recipe.run_dir / "features"
+        )
+    data_dir = recipe.run_dir / "data"
+    if ctx.is_main:  # reuses a complete data dir for the same recipe; builds it otherwise
+        prepare_data(recipe.data, verifier.tokenizer, data_dir, model=verifier.model, progress=progress)
+    distributed.barrier(ctx)
+    samples = load_samples(data_dir)
+    if not any(bool(s["loss_mask"].any()) for s in samples):
+        raise DataError(f"{data_dir}: no sample has a loss-masked (assistant) token; nothing to train on")
+
+    @torch.no_grad()
+    def featurize(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        aux, last = capture_hidden_states(
+            verifier.model, batch["input_ids"], batch["attention_mask"].long(), aux_ids
+        )
+        # clone: inference-mode tensors cannot be saved for the drafter's backward
+        return {**batch, "aux_hidden_states": aux.clone(), "last_hidden_state": last.clone()}
+
+    return Source([len(s["input_ids"]) for s in samples], samples.__getitem__, featurize, spec, weights)
+
+
+def open_store(path: Path, spec: VerifierSpec, verifier_config_hash: str | None = None):
+    """The feature store at `path`, checked against the verifier and recipe it will train with."""
+    if not (path / "manifest.json").is_file() and not (path / "plan.json").is_file():
+        raise FeatureStoreError(
+            f"{path}: no feature store; run `specctl collect-hidden-states RECIPE` first "
+            "(or set train.mode=online)"
+        )
+    store = open_features(path)  # names an incomplete store itself
+    manifest = store.manifest
+    if manifest.hidden_size != spec.hidden_size:
+        raise FeatureStoreError(
+            f"{path}: features have hidden size {manifest.hidden_size} (verifier {manifest.verifier}) but "
+            f"verifier {spec.name_or_path} has {spec.hidden_size}; re-run collect-hidden-states for it"
+        )
+    if tuple(manifest.aux_layer_ids) != tuple(spec.aux_layer_ids):
+        raise FeatureStoreError(
+            f"{path}: features hold aux layers {list(manifest.aux_layer_ids)} but the recipe asks for "
+            f"{list(spec.aux_layer_ids)} (features.aux_layer_ids); re-run collect-hidden-states or match them"
+        )
+    if verifier_config_hash is not None and manifest.verifier_config_hash != verifier_config_hash:
+        raise FeatureStoreError(
+            f"{path}: features come from verifier {manifest.verifier} "
+            f"(config {manifest.verifier_config_hash}) but the recipe's verifier {spec.name_or_path} "
+            f"has config {verifier_config_hash}; re-run collect-hidden-states for this verifier"
+        )
+    if len(store) == 0:
+        raise FeatureStoreError(f"{path}: the feature store holds no samples; re-run collect-hidden-states")
+    return store
+
+
+def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
+    """d2t offsets of the `drafter.draft_vocab_size` most frequent assistant tokens (None = full vocab)."""
+    size = recipe.drafter.draft_vocab_size
+    if size is None:
+        return None
+    if size > vocab_size:
+        raise RecipeError(
+            f"drafter.draft_vocab_size={size} exceeds the verifier's vocabulary of {vocab_size}"
+        )
+    freq = load_token_freq(recipe.run_dir / "data", vocab_size)[:vocab_size]
+    return build_draft_vocab(freq, size)[0]
+
+
+# ---------------------------------------------------------------- validation, logs, live view
+
+
+@torch.no_grad()
+def validate(
+    model: nn.Module, source: Source, buckets: list[list[int]], ctx: DistContext, max_tokens: int, autocast
+) -> dict[str, Any] | None:
+    """Mean loss over validation micro-batches and per-position accuracy over all their predictions.
+
+    Every rank runs the same number of forwards (FSDP2 gathers weights collectively): ranks
+    short of a batch repeat one with weight 0.
+    """
+    if not buckets:
+        return None
+    model.eval()
+    rounds = math.ceil(len(buckets) / ctx.world_size)
+    sums = None
+    for r in range(rounds):
+        i = r * ctx.world_size + ctx.rank
+        weight = 1.0 if i < len(buckets) else 0.0
+        batch = source.batch(buckets[min(i, len(buckets) - 1)], ctx.device, max_tokens)
+        with autocast:
+            loss, metrics = model(batch)
+        part = (
+            torch.cat(
+                [
+                    loss.detach().float().view(1),
+                    torch.ones(1, device=ctx.device),
+                    metrics["correct"].float(),
+                    metrics["count"].float(),
+                ]
+            )
+            * weight
+        )
+        sums = part if sums is None else sums + part
+    all_reduce_sum(sums, ctx)
+    K = (len(sums) - 2) // 2
+    correct, count = sums[2 : 2 + K], sums[2 + K :]
+    acc = (correct / count.clamp(min=1)).tolist()
+    return {"val_loss": (sums[0] / sums[1]).item(), "val_acc_per_position": acc, "tau_hat": tau_hat(acc)}
+
+
+@dataclass
+class MetricsLog:
+    """metrics.jsonl (one JSON object per line) + TensorBoard when installed; rank 0 only.
+
+    On resume, lines after the resumed step (written by the interrupted run) are dropped so
+    the file reads as one uninterrupted run.
+    """
+
+    path: Path
+    enabled: bool
+    last: dict[str, Any] = field(default_factory=dict)  # latest values seen, for the summary
+    writer: Any = None
+
+    def open(self, keep_until: int | None) -> MetricsLog:
+        if not self.enabled:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_until is not None and self.path.is_file():
+            kept = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
+            kept = [r for r in kept if r["step"] <= keep_until]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        for r in kept:
+            self.last.update(r)
+        with contextlib.suppress(ImportError):
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(
+                str(self.path.parent / "tensorboard"), purge_step=(keep_until or 0) + 1
+            )
+        return self
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.last.update(record)
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for k, v in record.items():
+                if isinstance(v, float | int) and k != "step":
+                    self.writer.add_scalar(k, v, record["step"])
+            self.writer.flush()
+
+
+@contextlib.contextmanager
+def live_view(enabled: bool, total: int, start: int) -> Iterator[Callable[..., None]]:
+    """A rich progress line: step/max, loss, lr, tokens/s and the last tau_hat; yields update(**fields)."""
+    if not enabled:
+        yield lambda **_: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from specctl.progress import console
+
+    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn()]
+    columns += [
+        TextColumn(f"{name} {{task.fields[{key}]}}")
+        for name, key in (("loss", "loss"), ("lr", "lr"), ("tok/s", "tps"), ("tau", "tau"))
+    ]
+    with Progress(*columns, TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("train", total=total, completed=start, loss="-", lr="-", tps="-", tau="-")
+        yield lambda **fields: bar.update(task, **fields)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def run_training(recipe: Recipe, resume: bool = False, progress: bool = True) -> TrainSummary:
+    """Train `recipe.drafter.algo` as the recipe says; under torchrun, on every rank."""
+    ctx = distributed.setup(recipe.verifier.device)
+    try:
+        return train(recipe, ctx, resume, progress, getattr(recipe.train, "parallelism", "ddp"))
+    finally:
+        distributed.teardown(ctx)
+
+
+def train(
+    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, parallelism: str = "ddp"
+) -> TrainSummary:
+    cfg, algo = recipe.train, recipe.drafter.algo
+    out_dir = recipe.run_dir / "drafters" / algo
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    if resume and resume_from is None:
+        raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
+
+    # ---- the pieces: data, drafter, optimizer (seeded init: identical weights on every rank)
+    source = open_source(recipe, ctx, progress)
+    d2t = draft_vocab(recipe, source.spec.vocab_size)
+    torch.manual_seed(cfg.seed)
+    drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
+    model = distributed.wrap(drafter.to(ctx.device), ctx, parallelism)
+    vocab_sizes = {source.spec.vocab_size, source.spec.vocab_size if d2t is None else d2t.numel()}
+    optimizer = build_optimizer(drafter, cfg, vocab_sizes)
+    scheduler = build_scheduler(optimizer, cfg)
+    train_ids, val_ids = split_indices(len(source.lengths), cfg.val_fraction, cfg.seed)
+    buckets = token_buckets(source.lengths, train_ids, cfg.batch_tokens)
+    val_buckets = token_buckets(source.lengths, val_ids, cfg.batch_tokens)
+    if not buckets:
+        raise DataError(
+            f"no training samples ({len(source.lengths)} in all, train.val_fraction={cfg.val_fraction})"
+        )
+
+    step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, ctx)
+        scheduler.load_state_dict(state["scheduler"])
+        step, cursor = state["step"], state["cursor"]
+    start = step
+    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main).open(keep_until=step if resume else None)
+    meta = {
+        "algo": algo,
+        "loss": cfg.loss,
+        "world_size": ctx.world_size,
+        "parallelism": parallelism,
+        "verifier": asdict(source.spec),
+        "features": str(source.features_path) if source.features_path else None,
+    }
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if ctx.device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    recipe_yaml, keep = dump_recipe(recipe), cfg.keep_checkpoints
+    per_step = ctx.world_size * cfg.grad_accum  # micro-batches in one optimizer step, all ranks
+    checkpoint = resume_from
+    tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
+
+    with live_view(progress and ctx.is_main, cfg.max_steps, step) as live:
+        while True:
+            done = step >= cfg.max_steps
+            # ---- periodic blocks: validate, checkpoint (not again right after resuming)
+            if step > start:
+                if step % cfg.eval_every == 0 or done:
+                    val = validate(model, source, val_buckets, ctx, cfg.batch_tokens, autocast)
+                    if val is not None:
+                        log.write({"step": step, **val})
+                        live(tau=f"{val['tau_hat']:.2f}")
+                if step % cfg.save_every == 0 or done:
+                    trainer_state = {"step": step, "cursor": cursor, "scheduler": scheduler.state_dict()}
+                    checkpoint = save_checkpoint(
+                        ckpt_root, step, model, optimizer, trainer_state, recipe_yaml, meta, ctx, keep
+                    )
+            if done:
+                break
+
+            # ---- one optimizer step over this rank's share of per_step micro-batches
+            began = time.perf_counter()
+            model.train()
+            lr = scheduler.get_last_lr()[0]
+            chunk = [micro_batch_at(buckets, cursor + i, cfg.seed) for i in range(per_step)]
+            mine = rank_share(chunk, cfg.grad_accum, ctx.rank)
+            totals = torch.zeros(3, device=ctx.device)  # loss sum, counted predictions, tokens
+            for i, indices in enumerate(mine):
+                torch.manual_seed(micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i))
+                batch = source.batch(indices, ctx.device, cfg.batch_tokens)
+                with distributed.gradient_sync(model, enabled=i == len(mine) - 1):
+                    with autocast:
+                        loss, metrics = model(batch)
+                    (loss / cfg.grad_accum).backward()
+                counted = metrics["count"].sum().float()
+                totals += torch.stack([loss.detach().float(), counted, batch["attention_mask"].sum().float()])
+            cursor += per_step
+            loss_sum, counted, tokens = all_reduce_sum(totals, ctx).tolist()
+            step_loss = loss_sum / per_step
+            if not math.isfinite(step_loss):
+                raise SpecctlError(
+                    f"step {step + 1}: training loss is {step_loss}; lower train.lr or check "
+                    "the features for NaN/Inf"
+                )
+            if step == start and counted == 0:
+                raise DataError(
+                    f"step {step + 1}: the drafter found nothing to train on (zero counted "
+                    "predictions): no loss-masked tokens, or block/anchor settings too long "
+                    "for these sequences"
+                )
+            grad_norm = (
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
+            )
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_since, busy = tokens_since + tokens, busy + time.perf_counter() - began
+
+            # ---- log
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_since / busy}
+                if grad_norm is not None:
+                    record["grad_norm"] = float(
+                        grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                    )
+                log.write(record)
+                live(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tps=f"{record['tokens_per_s']:.0f}")
+                tokens_since, busy = 0.0, 0.0
+            live(completed=step)
+
+    last = log.last
+    return TrainSummary(
+        algo=algo,
+        steps=step,
+        loss=last.get("loss"),
+        val_loss=last.get("val_loss"),
+        tau_hat=last.get("tau_hat"),
+        val_acc_per_position=last.get("val_acc_per_position"),
+        run_dir=recipe.run_dir,
+        output_dir=out_dir,
+        checkpoint=checkpoint,
+    )

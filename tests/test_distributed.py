@@ -1,0 +1,131 @@
+"""torchrun: 2 ranks (gloo, CPU) train like 1 rank with the same global batch, under DDP and FSDP2,
+and a checkpoint resumes on a different world size.
+
+Global batch: W ranks x grad_accum A = W*A micro-batches per step, so 2 ranks x A=1 must match
+1 rank x A=2 (allclose: the order of floating-point sums differs). The real DFlash drafter samples
+random anchors, so this also checks that the loop's per-micro-batch seeding makes the draws
+independent of which rank runs a micro-batch.
+
+Run as a script (`torchrun --nproc-per-node 2 tests/test_distributed.py OUT`), this file is the
+worker: it runs the 2-rank jobs on the in-memory tiny world of tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = dict(max_steps=4, eval_every=2, save_every=2, keep_checkpoints=4)
+
+
+def recipe(out: Path, name: str, grad_accum: int, optimizer: str = "adamw"):
+    from test_train import tiny_recipe
+
+    return tiny_recipe(out, name=name, grad_accum=grad_accum, optimizer=optimizer, **STEPS)
+
+
+def use_tiny_world():
+    """Train on the in-memory samples (the store/verifier are exercised in test_train.py)."""
+    from test_train import tiny_source
+
+    from specctl import train as train_mod
+
+    source = tiny_source()
+    train_mod.open_source = lambda recipe, ctx, progress: source
+
+
+def point_latest(run_dir: Path, step: int) -> None:
+    """Pretend the run stopped after `step`: `latest` names that (kept) checkpoint."""
+    (run_dir / "drafters" / "dflash" / "checkpoints" / "latest").write_text(f"step-{step}\n")
+
+
+def worker(out: Path) -> None:
+    import torch.distributed as dist
+
+    from specctl import distributed
+    from specctl.train import train
+
+    use_tiny_world()
+    dist.init_process_group("gloo")
+    ctx = distributed.setup("cpu")
+    assert ctx.world_size == 2 and not ctx.owns_group
+    train(recipe(out, "ddp", grad_accum=1), ctx, resume=False, progress=False, parallelism="ddp")
+    train(recipe(out, "fsdp", grad_accum=1, optimizer="muon"), ctx, False, False, parallelism="fsdp")
+    # a 1-rank run's checkpoint, resumed on 2 ranks (sharded, with Muon state)
+    train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon"), ctx, True, False, parallelism="fsdp")
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the tests (pytest side)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from test_train import read_metrics
+
+    from specctl.distributed import DistContext
+    from specctl.train import train
+
+    out = tmp_path_factory.mktemp("dist")
+    old = __import__("specctl.train", fromlist=["open_source"]).open_source
+    use_tiny_world()
+    try:
+        one = DistContext(0, 1, 0, __import__("torch").device("cpu"), owns_group=False)
+        for name, optimizer in (("ref-adamw", "adamw"), ("ref-muon", "muon")):
+            train(recipe(out, name, grad_accum=2, optimizer=optimizer), one, False, False)
+        shutil.copytree(out / "ref-muon", out / "muon-resumed")
+        point_latest(out / "muon-resumed", 2)
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+
+        # the 2-rank DDP run's step-2 checkpoint, resumed on 1 rank
+        shutil.copytree(out / "ddp", out / "ddp-resumed")
+        point_latest(out / "ddp-resumed", 2)
+        train(recipe(out, "ddp-resumed", grad_accum=2), one, True, False)
+    finally:
+        __import__("specctl.train", fromlist=["open_source"]).open_source = old
+    return {name: read_metrics(recipe(out, name, 1)) for name in
+            ("ref-adamw", "ref-muon", "ddp", "fsdp", "muon-resumed", "ddp-resumed")}  # fmt: skip
+
+
+def losses(records):
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def val_losses(records):
+    return [r["val_loss"] for r in records if "val_loss" in r]
+
+
+def test_ddp_two_ranks_match_one_rank_with_the_same_global_batch(runs):
+    ref, ddp = runs["ref-adamw"], runs["ddp"]
+    assert len(losses(ddp)) == 4
+    assert losses(ddp) == pytest.approx(losses(ref), rel=1e-4)
+    assert val_losses(ddp) == pytest.approx(val_losses(ref), rel=1e-4)
+    assert [r["lr"] for r in ddp if "lr" in r] == pytest.approx([r["lr"] for r in ref if "lr" in r])
+
+
+def test_fsdp2_with_muon_matches_one_rank(runs):
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["ref-muon"]), rel=1e-4)
+    assert val_losses(runs["fsdp"]) == pytest.approx(val_losses(runs["ref-muon"]), rel=1e-4)
+
+
+def test_resume_on_a_different_world_size(runs):
+    # 1 rank -> 2 ranks (FSDP2, Muon state resharded) and 2 ranks (DDP) -> 1 rank
+    for resumed, ref in (("muon-resumed", "ref-muon"), ("ddp-resumed", "ref-adamw")):
+        assert [r["step"] for r in runs[resumed] if "loss" in r] == [1, 2, 3, 4]
+        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=1e-4)
+        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=1e-4)
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

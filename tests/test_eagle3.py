@@ -1,0 +1,458 @@
+"""EAGLE-3 drafter: TTT mask, loss bookkeeping, training/serving agreement, export, overfit.
+
+The helpers at the top (tiny verifier, features, vLLM loader check, overfit loop) are shared
+with tests/test_peagle.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specctl.drafters import DRAFTERS
+from specctl.drafters.api import VerifierSpec, VerifierWeights
+from specctl.drafters.eagle3 import Config, build, from_export, ttt_attention_mask
+from specctl.drafters.targets import build_draft_vocab, draft_to_target, verifier_logits
+
+VOCAB, HIDDEN, LAYERS, AUX = 256, 64, 4, (1, 2, 3)
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def tiny_verifier(seed: int = 0) -> tuple[LlamaForCausalLM, VerifierSpec, VerifierWeights]:
+    """A random 4-layer Llama (vocab 256, H 64, 4 heads / 2 kv heads) and what drafters see of it."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # random init gives near-uniform next-token distributions; be confident
+        model.lm_head.weight.mul_(20.0)
+    spec = VerifierSpec(
+        name_or_path="tiny-llama",
+        architectures=("LlamaForCausalLM",),
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        aux_layer_ids=AUX,
+        mask_token_id=VOCAB - 1,
+    )
+    weights = VerifierWeights(
+        embed_tokens=model.model.embed_tokens.weight.detach(),
+        lm_head=model.lm_head.weight.detach(),
+        norm=model.model.norm.weight.detach(),
+    )
+    return model, spec, weights
+
+
+@torch.no_grad()
+def verifier_batch(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The training batch of the contract: aux states at AUX and the final hidden BEFORE the norm."""
+    captured = {}
+    hook = model.model.norm.register_forward_hook(lambda m, i, o: captured.update(pre_norm=i[0]))
+    out = model(input_ids=input_ids, output_hidden_states=True)
+    hook.remove()
+    ones = torch.ones_like(input_ids, dtype=torch.bool)
+    return {
+        "input_ids": input_ids,
+        "aux_hidden_states": torch.stack([out.hidden_states[k] for k in AUX], dim=2),
+        "last_hidden_state": captured["pre_norm"],
+        "loss_mask": ones.clone() if loss_mask is None else loss_mask,
+        "attention_mask": ones.clone() if attention_mask is None else attention_mask,
+    }
+
+
+@torch.no_grad()
+def greedy_dataset(model: LlamaForCausalLM, num: int, prompt_len: int, new_tokens: int, seed: int = 1):
+    """Conversations the verifier answered greedily: loss_mask on the answer only."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, VOCAB - 1, (num, prompt_len), generator=g)
+    ids = prompts
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[:, prompt_len:] = True
+    return verifier_batch(model, ids, loss_mask)
+
+
+def pad_tail(batch: dict[str, torch.Tensor], row: int, length: int) -> dict[str, torch.Tensor]:
+    """Mark row `row` as padding from `length` on, filling the padded part with junk."""
+    batch = {k: v.clone() for k, v in batch.items()}
+    batch["attention_mask"][row, length:] = False
+    batch["loss_mask"][row, length:] = False
+    g = torch.Generator().manual_seed(123)
+    tail = batch["input_ids"][row, length:]
+    batch["input_ids"][row, length:] = torch.randint(0, VOCAB, tail.shape, generator=g)
+    batch["aux_hidden_states"][row, length:] = 100.0
+    batch["last_hidden_state"][row, length:] = -50.0
+    return batch
+
+
+def expected_counts(batch: dict[str, torch.Tensor], steps: int) -> torch.Tensor:
+    """Brute force: rows t of step s whose predicted token x_{t+2+s} is a real assistant token."""
+    B, T = batch["input_ids"].shape
+    counts = torch.zeros(steps)
+    for s in range(steps):
+        for b in range(B):
+            for t in range(T - 1):
+                j = t + 2 + s
+                if j < T and batch["loss_mask"][b, j] and batch["attention_mask"][b, j]:
+                    counts[s] += 1
+    return counts
+
+
+def accuracy(drafter, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    drafter.eval()
+    with torch.no_grad():
+        _, metrics = drafter(batch)
+    drafter.train()
+    return metrics["correct"] / metrics["count"].clamp(min=1)
+
+
+def overfit(drafter, batch: dict[str, torch.Tensor], max_steps: int, lr: float, target: float = 0.9):
+    """Adam on one repeated batch until validation top-1 > target at every draft position."""
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    drafter.train()
+    acc = accuracy(drafter, batch)
+    for step in range(max_steps):
+        loss, _ = drafter(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 25 == 24:
+            acc = accuracy(drafter, batch)
+            if (acc > target).all():
+                return step + 1, acc
+    return max_steps, acc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_into_vllm(tmp_path, verifier_model, drafter, speculative_config: dict):
+    """Instantiate vLLM's own draft model for our export and run its load_weights on our tensors.
+
+    Returns (vLLM model, names of its parameters/buffers still unset after loading). Every
+    parameter is filled with a sentinel first, so anything our export misses stays a sentinel,
+    and any name vLLM does not know raises inside load_weights.
+    """
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    verifier_dir, drafter_dir = tmp_path / "verifier", tmp_path / "drafter"
+    verifier_model.save_pretrained(verifier_dir)
+    drafter_dir.mkdir()
+    config = drafter.export_config()
+    config["speculators_config"]["verifier"]["name_or_path"] = str(verifier_dir)
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    save_file(drafter.export_state(), drafter_dir / "model.safetensors")
+
+    engine_args = EngineArgs(
+        model=str(verifier_dir),
+        speculative_config={"model": str(drafter_dir), **speculative_config},
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+    )
+    vllm_config = engine_args.create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        vllm_model = Eagle3LlamaForCausalLM(vllm_config=vllm_config)
+        state = dict(vllm_model.named_parameters())
+        if hasattr(vllm_model, "mask_hidden"):
+            state["mask_hidden"] = vllm_model.mask_hidden
+        sentinel = -12345
+        with torch.no_grad():
+            for t in state.values():
+                t.fill_(float("nan") if t.is_floating_point() else sentinel)
+        vllm_model.load_weights(list(load_file(drafter_dir / "model.safetensors").items()))
+    unset = {k for k, t in state.items() if torch.isnan(t.float()).any() or (t == sentinel).any()}
+    return vllm_model, vllm_config, unset
+
+
+def check_vllm_weights(vllm_model, ours: dict[str, torch.Tensor]) -> None:
+    """vLLM's fused tensors hold exactly our tensors (q|k|v and gate|up stacked)."""
+    params = dict(vllm_model.named_parameters())
+    for name, value in params.items():
+        base = name.removeprefix("model.")
+        if base.endswith("qkv_proj.weight"):
+            stem = base.removesuffix("qkv_proj.weight")
+            expected = torch.cat([ours[f"{stem}{p}_proj.weight"] for p in "qkv"])
+        elif base.endswith("gate_up_proj.weight"):
+            stem = base.removesuffix("gate_up_proj.weight")
+            expected = torch.cat([ours[f"{stem}gate_proj.weight"], ours[f"{stem}up_proj.weight"]])
+        elif base == "draft_id_to_target_id":
+            expected = ours["d2t"]
+        elif base in ours:
+            expected = ours[base]
+        else:
+            continue
+        value = value.detach().cpu()
+        if name == "lm_head.weight":  # vLLM pads the vocab dim of its LM head (to 64 rows here)
+            assert not value[expected.shape[0] :].any(), name
+            value = value[: expected.shape[0]]
+        assert torch.equal(value, expected), name
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return tiny_verifier()
+
+
+@pytest.fixture(scope="module")
+def batch(verifier):
+    model, _, _ = verifier
+    ids = torch.randint(0, VOCAB - 1, (3, 24), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.zeros_like(ids, dtype=torch.bool)
+    loss_mask[:, 6:] = True
+    loss_mask[0, 14:17] = False  # a user turn in the middle of the first conversation
+    return pad_tail(verifier_batch(model, ids, loss_mask), row=2, length=15)
+
+
+# ---------------------------------------------------------------- mask
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("step", [0, 1, 3])
+def test_ttt_mask_matches_brute_force(rows, step):
+    mask = ttt_attention_mask(rows, step)
+    assert mask.shape == (rows, (step + 1) * rows)
+    for t in range(rows):
+        for k in range(step + 1):
+            for j in range(rows):
+                # step 0 rows are the cached context (causal); later steps only the query's own chain
+                expected = j <= t if k == 0 else j == t
+                assert bool(mask[t, k * rows + j]) == expected, (t, k, j)
+
+
+# ---------------------------------------------------------------- training forward
+
+
+def test_forward_backward_counts_and_padding(verifier, batch):
+    _, spec, weights = verifier
+    drafter = build(Config(num_layers=2, ttt_steps=3), spec, weights, None, "kl")
+    loss, metrics = drafter(batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert metrics["correct"].shape == metrics["count"].shape == (3,)
+    assert torch.equal(metrics["count"], expected_counts(batch, 3))
+    assert (metrics["correct"] <= metrics["count"]).all()
+    loss.backward()
+    trainable = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    expected = {"fc.weight", "lm_head.weight", "layers.1.mlp.down_proj.weight", "layers.0.hidden_norm.weight"}
+    assert expected <= trainable
+    # the verifier's embeddings / head are frozen buffers, never trained nor exported
+    assert "embed_tokens" not in dict(drafter.named_parameters())
+    assert not any("embed" in k or "verifier" in k for k in drafter.export_state())
+
+    # nothing in the padded tail of row 2 can change the loss
+    junk = pad_tail(batch, row=2, length=15)
+    junk["aux_hidden_states"][2, 15:] = -7.0
+    junk["input_ids"][2, 15:] = 3
+    with torch.no_grad():
+        a, _ = drafter(batch)
+        b, _ = drafter(junk)
+    torch.testing.assert_close(a, b)
+
+
+def test_training_step_equals_serving_step(verifier, batch):
+    """TTT step s at row t computes what propose() computes drafting token s+1 after anchor t."""
+    _, spec, weights = verifier
+    torch.manual_seed(3)
+    drafter = build(
+        Config(num_layers=2, ttt_steps=4, norm_before_residual=True, norm_before_fc=True, fc_norm=True),
+        spec,
+        weights,
+        None,
+        "kl",
+    ).eval()
+    ids, aux = batch["input_ids"][0], batch["aux_hidden_states"][0]
+    for t in (0, 5, 12):
+        drafts = drafter.propose(ids[: t + 2], aux[: t + 1], 4)
+        assert drafts.shape == (4,) and drafts.dtype == torch.long
+        # teacher-force the drafts themselves: x_{t+1+s} := draft s for s >= 1
+        forced = ids.clone()
+        forced[t + 2 : t + 5] = drafts[:3]
+        with torch.no_grad():
+            outs = drafter.ttt_outputs(forced[None], aux[None])
+        trained = torch.stack([drafter.lm_head(out[0, t]).argmax() for out in outs])
+        assert torch.equal(trained, drafts), (t, trained, drafts)
+
+
+def test_step_loss_decay_weights_steps(verifier, batch):
+    _, spec, weights = verifier
+    torch.manual_seed(0)
+    flat = build(Config(ttt_steps=3), spec, weights, None, "kl")
+    decayed = build(Config(ttt_steps=3, ttt_step_loss_decay=0.5), spec, weights, None, "kl")
+    decayed.load_state_dict(flat.state_dict())
+    with torch.no_grad():
+        loss_flat, m = flat(batch)
+        loss_decayed, _ = decayed(batch)
+    torch.testing.assert_close(loss_flat, m["step_loss"].sum())
+    torch.testing.assert_close(loss_decayed, (m["step_loss"] * torch.tensor([1.0, 0.5, 0.25])).sum())
+
+
+@pytest.mark.parametrize("loss_kind", ["kl", "ce"])
+def test_reduced_vocab_and_loss_kinds(verifier, batch, loss_kind):
+    model, spec, weights = verifier
+    freq = torch.bincount(batch["input_ids"].flatten(), minlength=VOCAB).float()
+    # make sure some verifier argmaxes fall outside the draft vocab
+    d2t, t2d = build_draft_vocab(freq, 40)
+    drafter = build(Config(ttt_steps=2), spec, weights, d2t, loss_kind)
+    assert drafter.lm_head.weight.shape == (40, HIDDEN)
+    kept = t2d.nonzero()[:, 0]
+    torch.testing.assert_close(drafter.lm_head.weight, weights.lm_head[kept])
+    loss, metrics = drafter(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and drafter.fc.weight.grad is not None
+
+    # brute-force accuracy: mapped draft argmax == verifier argmax, over counted rows
+    with torch.no_grad():
+        outs = drafter.ttt_outputs(batch["input_ids"], batch["aux_hidden_states"])
+        target = verifier_logits(batch["last_hidden_state"], weights.norm, weights.lm_head, spec.rms_norm_eps)
+    B, T = batch["input_ids"].shape
+    for s, out in enumerate(outs):
+        correct = 0
+        for b in range(B):
+            for t in range(T - 2 - s):
+                j = t + 2 + s
+                if batch["loss_mask"][b, j] and batch["attention_mask"][b, j]:
+                    draft = draft_to_target(drafter.lm_head(out[b, t]).argmax(), d2t)
+                    correct += int(draft == target[b, t + 1 + s].argmax())
+        assert metrics["correct"][s] == correct
+    drafts = drafter.propose(batch["input_ids"][0, :9], batch["aux_hidden_states"][0, :8], 3)
+    assert t2d[drafts].all()
+    assert torch.equal(drafter.export_state()["d2t"], d2t)
+    assert drafter.export_config()["draft_vocab_size"] == 40
+
+
+def test_full_size_d2t_is_the_full_vocabulary(verifier):
+    _, spec, weights = verifier
+    drafter = build(Config(), spec, weights, torch.zeros(VOCAB, dtype=torch.long), "kl")
+    assert "d2t" not in drafter.export_state()  # vLLM has no draft_id_to_target_id at full size
+    with pytest.raises(ValueError):
+        build(Config(), spec, weights, torch.tensor([5, 5, 0]), "kl")  # targets 5, 6, 2: not increasing
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_export_config_is_speculators_format(verifier):
+    _, spec, weights = verifier
+    drafter = build(Config(num_speculative_tokens=4), spec, weights, None, "kl")
+    cfg = json.loads(json.dumps(drafter.export_config()))
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["architectures"] == ["Eagle3DraftModel"]
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["vocab_size"] == VOCAB
+    assert layer["num_hidden_layers"] == 1 and layer["head_dim"] == 16 and layer["num_key_value_heads"] == 2
+    assert cfg["draft_vocab_size"] == VOCAB and cfg["target_hidden_size"] is None
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    sc = cfg["speculators_config"]
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 4
+    assert sc["verifier"] == {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]}
+    assert {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"} <= cfg.keys()
+    assert DRAFTERS["eagle3"].speculators_model_type == "eagle3"
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_export_round_trip(verifier, batch, reduced):
+    _, spec, weights = verifier
+    d2t = build_draft_vocab(torch.arange(VOCAB).float(), 100)[0] if reduced else None
+    torch.manual_seed(5)
+    config = Config(num_layers=2, ttt_steps=2, norm_before_fc=True, norm_output=True)
+    drafter = build(config, spec, weights, d2t, "ce")
+    with torch.no_grad():  # make every exported tensor differ from its init
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    cfg = json.loads(json.dumps(drafter.export_config()))
+    rebuilt = from_export(cfg, drafter.export_state(), weights)
+    assert rebuilt.config == config and rebuilt.loss_kind == "ce"
+    with torch.no_grad():
+        a, ma = drafter(batch)
+        b, mb = rebuilt(batch)
+    assert torch.equal(a, b) and torch.equal(ma["correct"], mb["correct"])
+    ids, aux = batch["input_ids"][1], batch["aux_hidden_states"][1]
+    assert torch.equal(drafter.propose(ids[:11], aux[:10], 3), rebuilt.propose(ids[:11], aux[:10], 3))
+    with pytest.raises(ValueError, match="missing"):
+        from_export(cfg, {k: v for k, v in drafter.export_state().items() if k != "fc.weight"}, weights)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("reduced", [False, True])
+def test_export_loads_in_vllm(tmp_path, verifier, reduced):
+    """vLLM's Eagle3LlamaForCausalLM accepts every exported name and fills every used weight."""
+    model, spec, weights = verifier
+    d2t = build_draft_vocab(torch.arange(VOCAB).float(), 100)[0] if reduced else None
+    drafter = build(Config(num_layers=2, num_speculative_tokens=3), spec, weights, d2t, "kl")
+    vllm_model, vllm_config, unset = load_into_vllm(
+        tmp_path, model, drafter, {"method": "eagle3", "num_speculative_tokens": 3}
+    )
+    # embed_tokens is shared from the verifier at serve time; hidden_norm exists in every vLLM
+    # layer but only layer 0 uses it
+    assert unset == {"model.embed_tokens.weight", "model.layers.1.hidden_norm.weight"}
+    check_vllm_weights(vllm_model, drafter.export_state())
+    hf = vllm_config.speculative_config.draft_model_config.hf_config
+    assert hf.eagle_aux_hidden_state_layer_ids == list(AUX)
+    assert hf.draft_vocab_size == (100 if reduced else VOCAB)
+    assert hf.rope_parameters["rope_theta"] == spec.rope_theta
+
+
+# ---------------------------------------------------------------- learning
+
+
+def test_overfits_a_real_verifier(verifier):
+    model, spec, weights = verifier
+    data = greedy_dataset(model, num=8, prompt_len=4, new_tokens=28)
+    data = pad_tail(data, row=7, length=24)
+    torch.manual_seed(0)
+    drafter = build(Config(ttt_steps=3), spec, weights, None, "kl")
+    start = time.time()
+    steps, acc = overfit(drafter, data, max_steps=600, lr=3e-3)
+    assert (acc > 0.9).all(), (steps, acc)
+    assert time.time() - start < 60

@@ -1,0 +1,733 @@
+"""Training loop: schedules, Muon, batching, checkpoints, resume, validation, fail-fast errors.
+
+Pure pieces are checked against brute-force references; the loop runs end to end on a tiny
+random verifier (features computed in code) with a small test-double drafter and with the real
+drafters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from specctl import checkpoint as ckpt
+from specctl import train as train_mod
+from specctl.collect import collect
+from specctl.data import load_token_freq
+from specctl.distributed import DistContext, rank_share
+from specctl.drafters import DRAFTERS
+from specctl.drafters.api import DrafterSpec, VerifierWeights
+from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_logits
+from specctl.errors import DataError, FeatureStoreError, SpecctlError
+from specctl.features import StorePlan, finalize_store, init_store, write_shard
+from specctl.optim import Muon, build_optimizer, is_hidden_matrix, lr_at, orthogonalize, param_groups
+from specctl.recipe import Recipe, TrainSection, load_recipe, recipe_from_dict
+from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat, token_buckets
+from specctl.verifier import capture_hidden_states, spec_from_config
+
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_lr_schedule_warmup_then_decay(schedule):
+    peak, warmup, max_steps, floor = 1e-3, 4, 20, 0.1
+    lrs = [lr_at(s, peak, warmup, max_steps, schedule, floor) for s in range(max_steps)]
+    assert lrs[:warmup] == pytest.approx([peak * (s + 1) / warmup for s in range(warmup)])
+    assert lrs[warmup] == pytest.approx(peak)
+    if schedule == "constant":
+        assert lrs[warmup:] == pytest.approx([peak] * (max_steps - warmup))
+        return
+    assert lrs[-1] == pytest.approx(peak * floor)
+    decay = lrs[warmup:]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+    progress = [(s - warmup) / (max_steps - 1 - warmup) for s in range(warmup, max_steps)]
+    shape = [0.5 * (1 + math.cos(math.pi * p)) if schedule == "cosine" else 1 - p for p in progress]
+    assert decay == pytest.approx([peak * (floor + (1 - floor) * x) for x in shape])
+
+
+def test_lr_schedule_no_warmup_and_one_step():
+    assert lr_at(0, 2.0, 0, 10, "cosine", 0.0) == pytest.approx(2.0)
+    assert lr_at(0, 2.0, 0, 1, "linear", 0.5) == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- Muon
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)])
+def test_orthogonalize_approximates_polar_factor(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    ortho = orthogonalize(G)
+    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
+    polar = U @ Vh  # the exact orthogonal factor
+    singular = torch.linalg.svdvals(ortho)
+    assert singular.min() > 0.5 and singular.max() < 1.3  # quintic NS: close to, not exactly, 1
+    cosine = (ortho * polar).sum() / (ortho.norm() * polar.norm())
+    assert cosine > 0.95
+    # same singular vectors as G: ortho = U diag(s') Vh
+    inner = U.T @ ortho @ Vh.T
+    assert torch.allclose(inner, torch.diag(torch.diagonal(inner)), atol=0.05)
+
+
+def test_muon_first_step_is_scaled_orthogonal_gradient():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8, bias=False)
+    before = layer.weight.detach().clone()
+    opt = Muon([{"params": [layer.weight], "use_muon": True}], lr=0.01, weight_decay=0.0, momentum=0.95)
+    layer(torch.randn(5, 16)).pow(2).sum().backward()
+    g = layer.weight.grad.clone()
+    opt.step()
+    # step 1: buf = (1-m) g, update = lerp(g, buf, m) = c*g, and orthogonalize ignores the scale c
+    expected = before - 0.01 * 0.2 * math.sqrt(16) * orthogonalize(g * (1 - 0.95**2))
+    assert torch.allclose(layer.weight, expected, atol=1e-5)
+
+
+def test_muon_adamw_groups_match_torch_adamw():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    b = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    b.load_state_dict(a.state_dict())
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ours = Muon([{"params": list(a.parameters()), "use_muon": False}], **kw)
+    ref = torch.optim.AdamW(b.parameters(), eps=1e-8, **kw)
+    for _ in range(5):
+        x = torch.randn(4, 8)
+        for model, opt in ((a, ours), (b, ref)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+class _Toy(nn.Module):
+    def __init__(self, V=50, H=16):
+        super().__init__()
+        self.embed = nn.Embedding(V, H)
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.layers = nn.ModuleList([nn.Linear(H, H), nn.Linear(H, 2 * H)])
+        self.norm = nn.LayerNorm(H)
+        self.confidence = nn.Linear(H, 1)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.frozen = nn.Linear(H, H)
+        self.frozen.requires_grad_(False)
+
+
+def test_muon_takes_hidden_matrices_only():
+    toy = _Toy()
+    assert is_hidden_matrix(toy.fc, {50}) and not is_hidden_matrix(toy.lm_head, {50})
+    assert not is_hidden_matrix(toy.confidence, {50}) and not is_hidden_matrix(toy.embed, {50})
+    groups = param_groups(toy, 0.1, {50})
+    muon = {id(p) for g in groups if g["use_muon"] for p in g["params"]}
+    expected = {id(toy.fc.weight), id(toy.layers[0].weight), id(toy.layers[1].weight)}
+    assert muon == expected
+    everything = [p for g in groups for p in g["params"]]
+    assert len(everything) == len({id(p) for p in everything})  # no parameter twice
+    assert {id(p) for p in everything} == {id(p) for p in toy.parameters() if p.requires_grad}
+    no_decay = [g for g in groups if g["weight_decay"] == 0.0]
+    assert all(p.ndim < 2 for g in no_decay for p in g["params"])
+
+
+def test_build_optimizer_kinds():
+    toy = _Toy()
+    adamw = build_optimizer(toy, TrainSection(optimizer="adamw", weight_decay=0.1), {50})
+    assert isinstance(adamw, torch.optim.AdamW)
+    muon = build_optimizer(toy, TrainSection(optimizer="muon"), {50})
+    assert isinstance(muon, Muon) and muon.param_groups[0]["use_muon"]
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    train, val = split_indices(100, 0.1, seed=3)
+    assert len(val) == 10 and sorted(train + val) == list(range(100))
+    assert (train, val) == split_indices(100, 0.1, seed=3)
+    assert val != split_indices(100, 0.1, seed=4)[1]
+    assert split_indices(5, 0.01, 0)[1] != [] and split_indices(5, 0.0, 0)[1] == []
+    assert len(split_indices(2, 0.9, 0)[0]) == 1  # never leaves nothing to train on
+
+
+def test_token_buckets_respect_budget_and_are_maximal():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 60, (200,), generator=g).tolist()
+    lengths[7] = 500  # longer than the budget: alone, cropped later
+    indices = list(range(0, 200, 2)) + [7]
+    budget = 128
+    buckets = token_buckets(lengths, indices, budget)
+    assert sorted(i for b in buckets for i in b) == sorted(indices)
+    flat = [i for b in buckets for i in b]
+    assert [lengths[i] for i in flat] == sorted(lengths[i] for i in indices)  # sorted by length
+    for b, nxt in zip(buckets, buckets[1:] + [None], strict=True):
+        padded = len(b) * min(max(lengths[i] for i in b), budget)
+        assert padded <= budget
+        if nxt is not None:  # greedy: the next sample would not have fit
+            assert (len(b) + 1) * min(lengths[nxt[0]], budget) > budget
+    assert [7] in buckets
+
+
+def test_micro_batch_stream_shuffles_each_epoch():
+    buckets = [[i] for i in range(10)]
+    epoch0 = [micro_batch_at(buckets, c, seed=0)[0] for c in range(10)]
+    epoch1 = [micro_batch_at(buckets, c, seed=0)[0] for c in range(10, 20)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 != epoch1
+    assert epoch0 == [micro_batch_at(buckets, c, seed=0)[0] for c in range(10)]
+    assert epoch0 != [micro_batch_at(buckets, c, seed=1)[0] for c in range(10)]
+
+
+def test_rank_share_partitions_the_step():
+    chunk = list(range(6))
+    shares = [rank_share(chunk, 3, r) for r in range(2)]
+    assert shares == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_collate_pads_and_crops():
+    a = {
+        "input_ids": torch.arange(1, 4),
+        "loss_mask": torch.tensor([0, 1, 1]),
+        "aux_hidden_states": torch.ones(3, 2, 4, dtype=torch.bfloat16),
+        "last_hidden_state": torch.ones(3, 4),
+    }
+    b = {
+        "input_ids": torch.arange(1, 7),
+        "loss_mask": torch.ones(6),
+        "aux_hidden_states": torch.full((6, 2, 4), 2.0, dtype=torch.bfloat16),
+        "last_hidden_state": torch.full((6, 4), 2.0),
+    }
+    batch = collate([a, b], max_tokens=5)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]
+    assert batch["attention_mask"].tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+    assert batch["loss_mask"].tolist() == [[False, True, True, False, False], [True] * 5]
+    assert (
+        batch["aux_hidden_states"].shape == (2, 5, 2, 4)
+        and batch["aux_hidden_states"].dtype == torch.bfloat16
+    )
+    assert batch["aux_hidden_states"][0, 3:].abs().sum() == 0 and batch["last_hidden_state"][1].eq(2).all()
+
+
+def test_tau_hat_matches_brute_force():
+    acc = [0.9, 0.5, 0.25]
+    brute = 1 + sum(math.prod(acc[: k + 1]) for k in range(len(acc)))
+    assert tau_hat(acc) == pytest.approx(brute)
+    assert tau_hat([]) == 1.0 and tau_hat([1.0] * 4) == 5.0
+
+
+# ---------------------------------------------------------------- checkpoint files
+
+
+def _tiny_state(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model.register_buffer("d2t", torch.arange(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_checkpoint_round_trip_and_latest(tmp_path):
+    model, opt = _tiny_state(0)
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        path = ckpt.save_checkpoint(
+            root,
+            step,
+            model,
+            opt,
+            {"step": step, "cursor": 7 * step},
+            "name: x\n",
+            {"algo": "toy"},
+            CPU,
+            keep=2,
+        )
+    assert path == root / "step-3" and ckpt.latest_checkpoint(root) == path
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-2", "step-3"]
+    assert ckpt.read_meta(path) == {"algo": "toy", "step": 3}
+    torch.manual_seed(123)
+    expected_rng = torch.rand(3)
+    torch.manual_seed(123)
+    ckpt.save_checkpoint(root, 4, model, opt, {"step": 4, "cursor": 1}, "", {}, CPU, keep=2)
+
+    fresh, fresh_opt = _tiny_state(1)
+    state = ckpt.load_checkpoint(root / "step-4", fresh, fresh_opt, CPU)
+    assert state["cursor"] == 1
+    assert torch.equal(torch.rand(3), expected_rng)  # RNG restored to the moment of saving
+    for (k, v), (k2, v2) in zip(model.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(v, v2)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
+    assert ckpt.load_drafter_state(root / "step-4").keys() == model.state_dict().keys()
+
+
+def test_half_written_checkpoint_is_never_picked(tmp_path):
+    model, opt = _tiny_state(0)
+    root = tmp_path / "checkpoints"
+    good = ckpt.save_checkpoint(root, 5, model, opt, {"step": 5, "cursor": 0}, "", {}, CPU, keep=3)
+    # a crash mid-write: a temp dir and a step dir with a file missing, and `latest` pointing at it
+    (root / ".step-10.tmp-999").mkdir()
+    broken = root / "step-10"
+    broken.mkdir()
+    (broken / ckpt.DRAFTER_FILE).write_bytes(b"")
+    (root / "latest").write_text("step-10\n")
+    assert ckpt.latest_checkpoint(root) == good
+    assert ckpt.find_checkpoint(tmp_path) == good  # from the parent (drafters/<algo>) dir too
+    ckpt.prune(root, keep=3)
+    assert not (root / ".step-10.tmp-999").exists()
+
+
+# ---------------------------------------------------------------- the loop: shared helpers
+# (tests/test_distributed.py imports these: it runs the same runs on 2 ranks)
+
+VOCAB, HIDDEN, LAYERS, AUX = 256, 64, 4, (1, 2, 3)
+
+
+@functools.cache
+def tiny_world(num_samples: int = 24, seed: int = 0):
+    """A random 4-layer Llama verifier, what drafters see of it, and feature-store samples
+    (random sequences over 32 token ids, last two thirds loss-masked, hidden states stored in bfloat16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    spec = spec_from_config(config, "tiny-llama", AUX, VOCAB - 1)
+    weights = VerifierWeights(
+        embed_tokens=model.model.embed_tokens.weight.detach(),
+        lm_head=model.lm_head.weight.detach(),
+        norm=model.model.norm.weight.detach(),
+    )
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num_samples):
+        T = int(torch.randint(10, 40, (1,), generator=g))
+        ids = torch.randint(3, 35, (1, T), generator=g)  # few distinct tokens: learnable from 18 samples
+        aux, last = capture_hidden_states(model, ids, None, AUX)
+        samples.append(
+            {
+                "input_ids": ids[0],
+                "loss_mask": torch.arange(T) >= T // 3,
+                "aux_hidden_states": aux[0].bfloat16(),
+                "last_hidden_state": last[0].bfloat16(),
+            }
+        )
+    return spec, weights, samples
+
+
+def tiny_source(samples=None) -> Source:
+    spec, weights, stored = tiny_world()
+    samples = stored if samples is None else samples
+    return Source([len(s["input_ids"]) for s in samples], samples.__getitem__, lambda b: b, spec, weights)
+
+
+class ToyDrafter(nn.Module):
+    """Test double honouring the drafter contract: two heads read the aux features at t and
+    predict the verifier's tokens t+1 and t+2 (K=2). In training it keeps a random 70% of rows,
+    so results depend on the RNG the loop seeds. Class attributes script failures."""
+
+    nan_at: int | None = None  # return a NaN loss on this training forward
+    built: list = []  # d2t of every drafter built, newest last
+
+    def __init__(self, spec, weights, d2t, loss):
+        super().__init__()
+        H = spec.hidden_size
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * H, H)
+        self.heads = nn.ModuleList(nn.Linear(H, H) for _ in range(2))
+        self.out = nn.Linear(H, spec.vocab_size if d2t is None else d2t.numel(), bias=False)
+        self.register_buffer("lm_head", weights.lm_head.detach(), persistent=False)
+        self.register_buffer("norm_weight", weights.norm.detach(), persistent=False)
+        t2d = None
+        if d2t is not None:
+            t2d = torch.zeros(spec.vocab_size, dtype=torch.bool)
+            t2d[torch.arange(d2t.numel()) + d2t] = True
+        self.register_buffer("t2d", t2d)
+        self.eps, self.kind, self.calls = spec.rms_norm_eps, loss, 0
+        ToyDrafter.built.append(d2t)
+
+    def forward(self, batch):
+        self.calls += self.training
+        h = torch.tanh(self.fc(batch["aux_hidden_states"].flatten(2)))  # [B, T, H]
+        counted = batch["loss_mask"] & batch["attention_mask"]  # [B, T]
+        T = counted.shape[1]
+        losses, correct, count = [], [], []
+        for k, head in enumerate(self.heads):
+            rows = torch.zeros_like(counted)
+            rows[:, : T - 1 - k] = counted[:, 1 + k :]  # position t predicts token t+1+k
+            if self.training:
+                rows &= torch.rand(rows.shape, device=rows.device) < 0.7
+            b, t = rows.nonzero(as_tuple=True)
+            logits = self.out(head(h[b, t]))
+            target = verifier_logits(
+                batch["last_hidden_state"][b, t + k], self.norm_weight, self.lm_head, self.eps
+            )
+            loss_rows, ok, usable = draft_loss(logits, target, self.t2d, self.kind)
+            losses.append((loss_rows * usable).sum() / usable.sum().clamp(min=1))
+            correct.append(ok.sum().float())
+            count.append(torch.tensor(float(b.numel()), device=h.device))
+        loss = (losses[0] + losses[1]) / 2
+        if self.training and self.calls == ToyDrafter.nan_at:
+            loss = loss * float("nan")
+        return loss, {"loss": loss.detach(), "correct": torch.stack(correct), "count": torch.stack(count)}
+
+
+def use_toy_drafter() -> dict:
+    """DRAFTERS entries that build the toy under the name `dflash` (its recipe section is ignored)."""
+    real = DRAFTERS["dflash"]
+    toy = DrafterSpec(
+        name="dflash",
+        config_cls=real.config_cls,
+        build=lambda config, spec, weights, d2t, loss: ToyDrafter(spec, weights, d2t, loss),
+        from_export=real.from_export,
+        speculators_model_type="dflash",
+        architectures=real.architectures,
+    )
+    ToyDrafter.nan_at = None
+    return {"dflash": toy}
+
+
+TINY_DRAFTERS = {
+    "dflash": {"num_layers": 1, "block_size": 4, "max_anchors": 8},
+    "dspark": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
+    "eagle3": {"ttt_steps": 2, "num_speculative_tokens": 2},
+    "peagle": {"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
+}
+
+
+def tiny_recipe(
+    output_dir, algo: str = "dflash", name: str = "t", extra: dict | None = None, **train
+) -> Recipe:
+    """A recipe for the tiny world; `extra` merges into the other sections (e.g. {"drafter": {...}})."""
+    extra = extra or {}
+    tree = {
+        "name": name,
+        "output_dir": str(output_dir),
+        "verifier": {"device": "cpu", **extra.get("verifier", {})},
+        "data": extra.get("data", {}),
+        "features": {"aux_layer_ids": list(AUX), **extra.get("features", {})},
+        "drafter": {"algo": algo, algo: TINY_DRAFTERS[algo], **extra.get("drafter", {})},
+        "train": {
+            "max_steps": 6,
+            "lr": 3e-3,
+            "warmup_steps": 2,
+            "batch_tokens": 160,
+            "val_fraction": 0.25,
+            "eval_every": 3,
+            "save_every": 3,
+            "log_every": 1,
+            "keep_checkpoints": 2,
+            **train,
+        },
+    }
+    return recipe_from_dict(tree)
+
+
+def read_metrics(recipe: Recipe) -> list[dict]:
+    path = recipe.run_dir / "drafters" / recipe.drafter.algo / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def train_lines(records: list[dict]) -> list[dict]:
+    return [r for r in records if "loss" in r]
+
+
+def val_lines(records: list[dict]) -> list[dict]:
+    return [r for r in records if "val_loss" in r]
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Run the loop on the in-memory feature samples (the store and verifier are tested apart)."""
+    source = tiny_source()
+    monkeypatch.setattr(train_mod, "open_source", lambda recipe, ctx, progress: source)
+    return source
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    for name, spec in use_toy_drafter().items():
+        monkeypatch.setitem(DRAFTERS, name, spec)
+    yield ToyDrafter
+    ToyDrafter.nan_at = None
+
+
+# ---------------------------------------------------------------- the loop: behaviour
+
+
+def test_offline_run_writes_metrics_checkpoints_and_summary(tmp_path, offline, toy):
+    recipe = tiny_recipe(tmp_path)
+    summary = run_training(recipe, progress=True)
+    records = read_metrics(recipe)
+    train = train_lines(records)
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and "grad_norm" in r for r in train)
+    assert train[0]["lr"] == pytest.approx(3e-3 / 2) and train[1]["lr"] == pytest.approx(3e-3)
+    val = val_lines(records)
+    assert [r["step"] for r in val] == [3, 6]
+    for r in val:
+        assert len(r["val_acc_per_position"]) == 2 and r["tau_hat"] == pytest.approx(
+            tau_hat(r["val_acc_per_position"])
+        )
+    out = tmp_path / "t" / "drafters" / "dflash"
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3", "step-6"]
+    assert (root / "latest").read_text().strip() == "step-6"
+    meta = ckpt.read_meta(root / "step-6")
+    assert meta["algo"] == "dflash" and meta["verifier"]["hidden_size"] == HIDDEN and meta["step"] == 6
+    assert load_recipe(root / "step-6" / "recipe.yaml") == recipe
+    assert summary.steps == 6 and summary.algo == "dflash" and summary.checkpoint == root / "step-6"
+    assert summary.loss == train[-1]["loss"] and summary.tau_hat == val[-1]["tau_hat"]
+    assert summary.val_acc_per_position == val[-1]["val_acc_per_position"] and summary.output_dir == out
+
+
+def test_real_dflash_learns(tmp_path, offline):
+    # ce: the random verifier's distribution is near uniform, so KL has little room; its argmax is learnable
+    recipe = tiny_recipe(
+        tmp_path, loss="ce", max_steps=20, eval_every=10, save_every=20, lr=1e-2, batch_tokens=256
+    )
+    summary = run_training(recipe, progress=False)
+    losses = [r["loss"] for r in train_lines(read_metrics(recipe))]
+    val = val_lines(read_metrics(recipe))
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.25  # nats
+    assert val[-1]["val_loss"] < val[0]["val_loss"] and val[-1]["tau_hat"] > val[0]["tau_hat"]
+    assert summary.tau_hat == val[-1]["tau_hat"] > 1.0
+
+
+@pytest.mark.parametrize("algo", sorted(TINY_DRAFTERS))
+def test_every_registered_drafter_trains_through_the_same_loop(tmp_path, offline, algo):
+    assert algo in DRAFTERS
+    recipe = tiny_recipe(tmp_path, algo=algo, max_steps=2, eval_every=2, save_every=2)
+    summary = run_training(recipe, progress=False)
+    assert summary.steps == 2 and math.isfinite(summary.loss) and summary.tau_hat >= 1.0
+    assert (tmp_path / "t" / "drafters" / algo / "checkpoints" / "step-2" / ckpt.DRAFTER_FILE).is_file()
+
+
+def killable(monkeypatch, base: DrafterSpec) -> dict:
+    """Register `base` so that its drafter raises KeyboardInterrupt (a killed run) on its
+    kill["at"]-th training forward; kill["at"] = None never."""
+    kill: dict = {"at": None}
+
+    def build(*args):
+        module = base.build(*args)
+        forward, calls = module.forward, [0]
+
+        def forward_or_die(batch):
+            calls[0] += module.training
+            if module.training and calls[0] == kill["at"]:
+                raise KeyboardInterrupt
+            return forward(batch)
+
+        module.forward = forward_or_die
+        return module
+
+    monkeypatch.setitem(DRAFTERS, "dflash", dataclasses.replace(base, build=build))
+    return kill
+
+
+@pytest.mark.parametrize("drafter", ["toy", "dflash"])
+def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, offline, monkeypatch, drafter):
+    kill = killable(monkeypatch, use_toy_drafter()["dflash"] if drafter == "toy" else DRAFTERS["dflash"])
+    reference = tiny_recipe(tmp_path / "ref")
+    run_training(reference, progress=False)
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+    for kill_at in (4, 5):  # killed before / after step 4 reached metrics.jsonl; checkpoint at 3
+        recipe = tiny_recipe(tmp_path / f"kill{kill_at}")
+        kill["at"] = kill_at
+        with pytest.raises(KeyboardInterrupt):
+            run_training(recipe, progress=False)
+        root = recipe.run_dir / "drafters" / "dflash" / "checkpoints"
+        assert ckpt.latest_checkpoint(root).name == "step-3"
+        assert len(train_lines(read_metrics(recipe))) == kill_at - 1
+        kill["at"] = None
+        summary = run_training(recipe, resume=True, progress=False)
+        assert summary.steps == 6
+        assert strip(read_metrics(recipe)) == strip(read_metrics(reference))  # exactly; each step once
+        a = ckpt.load_drafter_state(reference.run_dir / "drafters" / "dflash" / "checkpoints" / "step-6")
+        b = ckpt.load_drafter_state(root / "step-6")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_extends_a_finished_run(tmp_path, offline, toy):
+    run_training(tiny_recipe(tmp_path, max_steps=4, save_every=4, eval_every=4), progress=False)
+    summary = run_training(
+        tiny_recipe(tmp_path, max_steps=6, save_every=4, eval_every=4), resume=True, progress=False
+    )
+    assert summary.steps == 6
+    assert [r["step"] for r in train_lines(read_metrics(tiny_recipe(tmp_path)))] == [1, 2, 3, 4, 5, 6]
+    done = run_training(tiny_recipe(tmp_path, max_steps=6), resume=True, progress=False)  # nothing left
+    assert done.steps == 6 and done.loss == summary.loss
+
+
+def test_resume_without_checkpoint_says_so(tmp_path, offline, toy):
+    with pytest.raises(SpecctlError, match="no checkpoint to resume from"):
+        run_training(tiny_recipe(tmp_path), resume=True, progress=False)
+
+
+def test_nan_loss_fails_fast_naming_the_step(tmp_path, offline, toy):
+    toy.nan_at = 2
+    with pytest.raises(SpecctlError, match=r"^step 2: training loss is nan"):
+        run_training(tiny_recipe(tmp_path), progress=False)
+
+
+def test_nothing_to_train_on_fails_fast(tmp_path, monkeypatch):
+    _, _, samples = tiny_world()
+    unmasked = [{**s, "loss_mask": torch.zeros_like(s["loss_mask"])} for s in samples]
+    monkeypatch.setattr(train_mod, "open_source", lambda recipe, ctx, progress: tiny_source(unmasked))
+    with pytest.raises(DataError, match=r"^step 1: the drafter found nothing to train on"):
+        run_training(tiny_recipe(tmp_path), progress=False)  # the real DFlash: no anchors anywhere
+
+
+def test_muon_with_gradient_accumulation_trains(tmp_path, offline, toy):
+    recipe = tiny_recipe(
+        tmp_path,
+        optimizer="muon",
+        grad_accum=2,
+        loss="ce",
+        max_steps=10,
+        eval_every=10,
+        save_every=10,
+        lr=2e-2,
+    )
+    run_training(recipe, progress=False)
+    losses = [r["loss"] for r in train_lines(read_metrics(recipe))]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.25
+    optim = torch.load(
+        ckpt.latest_checkpoint(recipe.run_dir / "drafters" / "dflash" / "checkpoints") / ckpt.OPTIMIZER_FILE,
+        weights_only=True,
+    )
+    assert "momentum_buffer" in optim["state"]["fc.weight"] and "exp_avg" in optim["state"]["fc.bias"]
+
+
+def test_draft_vocab_from_token_frequencies(tmp_path, offline, monkeypatch):
+    freq = torch.zeros(VOCAB, dtype=torch.long)
+    freq[3:35] = torch.arange(32, 0, -1)  # the ids the samples use, plus the most frequent others
+    monkeypatch.setattr(train_mod, "load_token_freq", lambda data_dir, vocab_size: freq)
+    recipe = tiny_recipe(
+        tmp_path, max_steps=2, save_every=2, eval_every=2, extra={"drafter": {"draft_vocab_size": 48}}
+    )
+    run_training(recipe, progress=False)
+    state = ckpt.load_drafter_state(recipe.run_dir / "drafters" / "dflash" / "checkpoints" / "step-2")
+    assert torch.equal(state["d2t"], build_draft_vocab(freq, 48)[0])
+    assert state["lm_head.weight"].shape == (48, HIDDEN)
+
+
+def test_feature_store_mismatches_fail_fast(tmp_path):
+    spec, _, samples = tiny_world()
+    path = tmp_path / "features"
+    with pytest.raises(
+        FeatureStoreError, match=r"no feature store; run `specctl collect-hidden-states RECIPE`"
+    ):
+        train_mod.open_store(path, spec)
+    lengths = [len(s["input_ids"]) for s in samples[:4]]
+    plan = StorePlan(
+        "tiny-llama", "abc123", LAYERS, HIDDEN, list(AUX), "bfloat16", "d", lengths, [[0, 2], [2, 4]]
+    )
+    init_store(path, plan)
+    write_shard(path, 0, samples[:2], "bfloat16")
+    with pytest.raises(FeatureStoreError, match="incomplete feature store"):
+        train_mod.open_store(path, spec)
+    write_shard(path, 1, samples[2:4], "bfloat16")
+    finalize_store(path)
+    assert len(train_mod.open_store(path, spec, "abc123")) == 4
+    with pytest.raises(
+        FeatureStoreError, match=r"hidden size 64 \(verifier tiny-llama\) but verifier big has 128"
+    ):
+        train_mod.open_store(path, dataclasses.replace(spec, hidden_size=128, name_or_path="big"))
+    with pytest.raises(
+        FeatureStoreError, match=r"aux layers \[1, 2, 3\] but the recipe asks for \[2, 3, 4\]"
+    ):
+        train_mod.open_store(path, dataclasses.replace(spec, aux_layer_ids=(2, 3, 4)))
+    with pytest.raises(
+        FeatureStoreError, match=r"config abc123\) but the recipe's verifier tiny-llama has config ff"
+    ):
+        train_mod.open_store(path, spec, "ff")
+
+
+def test_collect_then_offline_and_online_training_see_the_same_batches(tmp_path, tiny_verifier_dir):
+    """The real pipeline pieces: data stage, collect-hidden-states, verifier; offline (fp32 store)
+    and online training start from the same data and give the same losses."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(12):
+        T = int(torch.randint(12, 30, (1,), generator=g))
+        rows.append(
+            {
+                "input_ids": torch.randint(3, 40, (T,), generator=g).tolist(),
+                "loss_mask": [0] * (T // 3) + [1] * (T - T // 3),
+            }
+        )
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = {
+        "verifier": {"name_or_path": str(tiny_verifier_dir)},
+        "data": {"source": str(data)},
+        "features": {"dtype": "float32"},
+        "drafter": {"draft_vocab_size": 64},
+    }
+    offline = tiny_recipe(tmp_path, name="offline", extra=extra, max_steps=2, eval_every=2, save_every=2)
+    collect(offline, progress=False)
+    a = run_training(offline, progress=False)
+    online = tiny_recipe(
+        tmp_path, name="online", extra=extra, mode="online", max_steps=2, eval_every=2, save_every=2
+    )
+    b = run_training(online, progress=False)
+    assert (tmp_path / "offline" / "features" / "manifest.json").is_file()
+    assert not (tmp_path / "online" / "features").exists()  # online writes no features
+    la, lb = read_metrics(offline), read_metrics(online)
+    assert [r["loss"] for r in train_lines(la)] == pytest.approx(
+        [r["loss"] for r in train_lines(lb)], rel=1e-4
+    )
+    assert a.val_loss == pytest.approx(b.val_loss, rel=1e-4)
+    state = ckpt.load_drafter_state(b.checkpoint)
+    freq = load_token_freq(tmp_path / "online" / "data", 320)
+    assert torch.equal(state["d2t"], build_draft_vocab(freq, 64)[0])
+    meta = ckpt.read_meta(a.checkpoint)
+    assert meta["verifier"]["aux_layer_ids"] == list(AUX) and meta["verifier"]["vocab_size"] == 320
+
+
+def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, offline, toy, monkeypatch):
+    written = []
+
+    class SummaryWriter:  # stands in for torch.utils.tensorboard's (tensorboard is optional)
+        def __init__(self, log_dir, purge_step=None):
+            written.append(("open", log_dir, purge_step))
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def flush(self):
+            pass
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = SummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    recipe = tiny_recipe(tmp_path, max_steps=3)
+    run_training(recipe, progress=False)
+    assert written[0] == ("open", str(recipe.run_dir / "drafters" / "dflash" / "tensorboard"), 1)
+    losses = {step: value for tag, value, step in written[1:] if tag == "loss"}
+    assert losses == {r["step"]: r["loss"] for r in train_lines(read_metrics(recipe))}
+    assert any(tag == "tau_hat" and step == 3 for tag, _, step in written[1:])
