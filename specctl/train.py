@@ -40,6 +40,7 @@ from specctl.optim import build_optimizer, build_scheduler
 from specctl.recipe import Recipe, dump_recipe
 from specctl.verifier import (
     capture_hidden_states,
+    check_aux_layer_ids,
     config_hash,
     default_aux_layer_ids,
     load_verifier,
@@ -53,7 +54,7 @@ from specctl.verifier import (
 class TrainSummary:
     algo: str
     steps: int
-    loss: float | None  # training loss of the last step run (None when resuming a finished run)
+    loss: float | None  # training loss of the last logged step
     val_loss: float | None
     tau_hat: float | None  # 1 + sum_k prod_{i<=k} acc_i at the last validation
     val_acc_per_position: list[float] | None
@@ -175,8 +176,13 @@ class Source:
 def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     """Load the verifier (its spec and frozen weights are what every drafter is built from), then
     the feature store (offline) or the data stage's samples (online), checking they fit."""
+    if not ctx.is_main:  # rank 0 first: it may download or convert the model into a shared cache
+        distributed.barrier(ctx)
     verifier = load_verifier(recipe.verifier.model_copy(update={"device": str(ctx.device)}))
-    aux_ids = tuple(recipe.features.aux_layer_ids or default_aux_layer_ids(verifier.config.num_hidden_layers))
+    if ctx.is_main:
+        distributed.barrier(ctx)
+    L = verifier.config.num_hidden_layers
+    aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
     mask_id = resolve_mask_token_id(verifier.tokenizer, verifier.config, recipe.drafter.mask_token_id)
     spec = verifier_spec(verifier, aux_ids, mask_id)
     weights = verifier_weights(verifier)

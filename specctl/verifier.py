@@ -141,7 +141,9 @@ def locate_verifier(name_or_path: str, revision: str | None = None) -> tuple[str
 def load_verifier(section: VerifierSection) -> Verifier:
     """Load tokenizer + causal LM, frozen, on the recipe's device and dtype."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # specctl shows its own progress; keep logs readable
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
     device, dtype = resolve_device_dtype(section.device, section.dtype)
     if section.trust_remote_code:

@@ -101,6 +101,19 @@ def dir_bytes(d: Path) -> dict[str, bytes]:
 # ---------------------------------------------------------------- chat template + loss mask
 
 
+def test_mask_from_offsets_matches_brute_force():
+    from specctl.data.chat import _mask_from_offsets
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        cuts = sorted(torch.randint(0, 60, (6,), generator=g).tolist())
+        spans = [(a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=True) if a < b]
+        starts = sorted(torch.randint(0, 64, (20,), generator=g).tolist())
+        offsets = [(s, s + 1) for s in starts]
+        expected = [any(a <= s < b for a, b in spans) for s in starts]
+        assert _mask_from_offsets(offsets, spans) == expected
+
+
 def test_loss_mask_matches_hand_built_chatml(tiny_tokenizer):
     for conv in CONVS:
         assert tokenize_conversation(tiny_tokenizer, conv) == chatml_reference(tiny_tokenizer, conv)

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS = dict(max_steps=4, eval_every=2, save_every=2, keep_checkpoints=4)
+# ce + a high LR: losses move within 4 steps, so different anchor draws would show (KL to the
+# random verifier's near-uniform distribution barely depends on them)
+STEPS = dict(max_steps=4, eval_every=2, save_every=2, keep_checkpoints=4, loss="ce", lr=1e-2)
 
 
 def recipe(out: Path, name: str, grad_accum: int, optimizer: str = "adamw"):
@@ -49,13 +51,15 @@ def worker(out: Path) -> None:
     import torch.distributed as dist
 
     from specctl import distributed
-    from specctl.train import train
+    from specctl.train import run_training, train
 
     use_tiny_world()
+    # as `torchrun -m specctl train` runs it: the loop joins the group from the torchrun env (DDP)
+    run_training(recipe(out, "ddp", grad_accum=1), progress=False)
+    assert not dist.is_initialized()  # and leaves it, having created it
     dist.init_process_group("gloo")
     ctx = distributed.setup("cpu")
     assert ctx.world_size == 2 and not ctx.owns_group
-    train(recipe(out, "ddp", grad_accum=1), ctx, resume=False, progress=False, parallelism="ddp")
     train(recipe(out, "fsdp", grad_accum=1, optimizer="muon"), ctx, False, False, parallelism="fsdp")
     # a 1-rank run's checkpoint, resumed on 2 ranks (sharded, with Muon state)
     train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon"), ctx, True, False, parallelism="fsdp")
@@ -109,22 +113,22 @@ def val_losses(records):
 def test_ddp_two_ranks_match_one_rank_with_the_same_global_batch(runs):
     ref, ddp = runs["ref-adamw"], runs["ddp"]
     assert len(losses(ddp)) == 4
-    assert losses(ddp) == pytest.approx(losses(ref), rel=1e-4)
-    assert val_losses(ddp) == pytest.approx(val_losses(ref), rel=1e-4)
+    assert losses(ddp) == pytest.approx(losses(ref), rel=1e-5)
+    assert val_losses(ddp) == pytest.approx(val_losses(ref), rel=1e-5)
     assert [r["lr"] for r in ddp if "lr" in r] == pytest.approx([r["lr"] for r in ref if "lr" in r])
 
 
 def test_fsdp2_with_muon_matches_one_rank(runs):
-    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["ref-muon"]), rel=1e-4)
-    assert val_losses(runs["fsdp"]) == pytest.approx(val_losses(runs["ref-muon"]), rel=1e-4)
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["ref-muon"]), rel=1e-5)
+    assert val_losses(runs["fsdp"]) == pytest.approx(val_losses(runs["ref-muon"]), rel=1e-5)
 
 
 def test_resume_on_a_different_world_size(runs):
     # 1 rank -> 2 ranks (FSDP2, Muon state resharded) and 2 ranks (DDP) -> 1 rank
     for resumed, ref in (("muon-resumed", "ref-muon"), ("ddp-resumed", "ref-adamw")):
         assert [r["step"] for r in runs[resumed] if "loss" in r] == [1, 2, 3, 4]
-        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=1e-4)
-        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=1e-4)
+        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=1e-5)
+        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=1e-5)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from specctl.errors import DataError
 
 Message = dict[str, str]
@@ -109,14 +111,15 @@ def _locate_content(
 
 
 def _mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[bool]:
-    """A token is an assistant token when it starts inside an assistant span."""
-    mask = []
-    j = 0
-    for s, _ in offsets:
-        while j < len(spans) and s >= spans[j][1]:
-            j += 1
-        mask.append(j < len(spans) and spans[j][0] <= s)
-    return mask
+    """A token is an assistant token when its first character lies inside an assistant span."""
+    if not spans or not offsets:
+        return [False] * len(offsets)
+    starts = np.asarray(offsets, dtype=np.int64)[:, 0]  # [T]
+    span = np.asarray(spans, dtype=np.int64)  # [S, 2], sorted, disjoint
+    j = np.searchsorted(span[:, 1], starts, side="right")  # first span ending after the token starts
+    inside = j < len(span)
+    inside[inside] &= span[j[inside], 0] <= starts[inside]
+    return inside.tolist()
 
 
 def tokenize_conversations(
