@@ -95,6 +95,45 @@ def collect_hidden_states(
     )
 
 
+@app.command()
+def train(
+    recipe: RecipeArg,
+    algo: Annotated[
+        str | None, typer.Option(help="peagle | dflash | dspark | eagle3 (default: the recipe's drafter.algo).")
+    ] = None,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
+) -> None:
+    """Train a drafter on the recipe's feature store (or online, with train.mode=online).
+
+    Under torchrun every rank trains its share of each batch (DDP); rank 0 writes checkpoints.
+
+    Example: specctl train recipes/quickstart.yaml --algo dflash --set train.max_steps=200
+    """
+    from specctl.recipe import load_recipe
+    from specctl.train import run_training
+
+    overrides = list(set_ or [])
+    if algo is not None:
+        overrides.append(f"drafter.algo={algo}")
+    s = run_training(load_recipe(recipe, overrides), resume=resume)
+    if s is None:  # non-zero ranks under torchrun print nothing
+        return
+    acc = s.val_acc_per_position
+    _summary(
+        f"train {s.algo}",
+        [
+            ("steps", str(s.steps)),
+            ("train loss", f"{s.loss:.4f}" if s.loss is not None else "-"),
+            ("val loss", f"{s.val_loss:.4f}" if s.val_loss is not None else "-"),
+            ("tau_hat (estimated acceptance length)", f"{s.tau_hat:.3f}" if s.tau_hat is not None else "-"),
+            ("val acc per position", " ".join(f"{a:.2f}" for a in acc) if acc else "-"),
+            ("checkpoint", str(s.checkpoint) if s.checkpoint else "-"),
+            ("metrics", str(s.output_dir / "metrics.jsonl")),
+        ],
+    )
+
+
 def main() -> None:
     """Entry point: run the app, turning known errors into one line and an exit code."""
     from specctl.errors import SpecctlError

@@ -144,6 +144,9 @@ class TrainSection(Section):
     save_every: int = Field(500, ge=1, description="Checkpoint every N steps.")
     log_every: int = Field(10, ge=1, description="Log the training loss every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Under torchrun: ddp replicates the drafter; fsdp (FSDP2) shards it across ranks."
+    )
 
 
 class ExportSection(Section):

@@ -2,7 +2,6 @@
 
 import importlib.util
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +103,8 @@ def greedy_dataset(num_seqs: int = 6, prompt_len: int = 6, answer_len: int = 26)
         tie_word_embeddings=False,
     )
     model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # a confident verifier: same greedy text, peaked targets (random ones are flat)
+        model.lm_head.weight.mul_(30)
     prompts = torch.randint(0, MASK_ID, (num_seqs, prompt_len), generator=torch.Generator().manual_seed(1))
     captured = {}
     hook = model.model.norm.register_forward_hook(lambda mod, args, out: captured.update(last=args[0]))
@@ -134,23 +135,24 @@ def greedy_dataset(num_seqs: int = 6, prompt_len: int = 6, answer_len: int = 26)
     return batch, spec, weights
 
 
-def overfit(drafter: DFlashDrafter, batch, max_seconds: float = 25.0, lr: float = 3e-3) -> list[float]:
-    """Adam on one repeated batch until validation top-1 accuracy > 0.9 at every draft position."""
+def overfit(drafter: DFlashDrafter, batch, max_steps: int = 400, lr: float = 5e-3) -> list[float]:
+    """Adam on one repeated batch until validation top-1 accuracy > 0.9 at every draft position
+    (validation = eval mode: the same fixed anchors each time)."""
     opt = torch.optim.Adam(drafter.parameters(), lr=lr)
-    start, acc = time.time(), [0.0]
-    while time.time() - start < max_seconds:
-        for _ in range(10):
-            drafter.train()
-            loss, _ = drafter(batch)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        drafter.eval()
-        with torch.no_grad():
-            _, metrics = drafter(batch)
-        acc = (metrics["correct"] / metrics["count"]).tolist()
-        if min(acc) > 0.9:
-            break
+    acc = [0.0]
+    for step in range(1, max_steps + 1):
+        drafter.train()
+        loss, _ = drafter(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 25 == 0:
+            drafter.eval()
+            with torch.no_grad():
+                _, metrics = drafter(batch)
+            acc = (metrics["correct"] / metrics["count"]).tolist()
+            if min(acc) > 0.9:
+                break
     return acc
 
 
@@ -216,7 +218,9 @@ def test_sample_anchors_only_on_valid_loss_masked_positions():
         attention_mask[1, 11:] = False
         loss_mask[3] = False  # a row with no assistant tokens at all
         max_anchors = 1 + trial % 7
-        anchors, valid = sample_anchors(loss_mask, attention_mask, max_anchors, torch.Generator().manual_seed(trial))
+        anchors, valid = sample_anchors(
+            loss_mask, attention_mask, max_anchors, torch.Generator().manual_seed(trial)
+        )
         cand = anchor_candidates(loss_mask, attention_mask)
         assert anchors.shape == valid.shape and anchors.shape[1] <= max_anchors
         for b in range(4):
@@ -260,7 +264,9 @@ def brute_force_dense_mask(anchors, valid, T, L):
 
 def test_block_attention_mask_matches_brute_force():
     batch = random_batch(B=2, T=12)
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], 4, torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(
+        batch["loss_mask"], batch["attention_mask"], 4, torch.Generator().manual_seed(0)
+    )
     valid[1, -1] = False  # an unused anchor slot
     T, L = 12, 3
     compact = block_attention_mask(anchors, valid, T, L)  # [B, A, L, T + L]
@@ -309,23 +315,34 @@ def test_training_blocks_equal_serving_blocks():
     the context before its anchor, which is what vLLM computes at serve time."""
     m = build()
     batch = random_batch(B=2, T=16)
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], 6, torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(
+        batch["loss_mask"], batch["attention_mask"], 6, torch.Generator().manual_seed(0)
+    )
     L = m.config.block_size
     ids, positions = block_queries(batch["input_ids"], anchors, L, MASK_ID)
     with torch.no_grad():
         trained = m.run_blocks(
-            ids, positions, m.context_kv(batch["aux_hidden_states"]), block_attention_mask(anchors, valid, 16, L)
+            ids,
+            positions,
+            m.context_kv(batch["aux_hidden_states"]),
+            block_attention_mask(anchors, valid, 16, L),
         )
         for b, i in valid.nonzero().tolist():
             n = int(anchors[b, i])
             alone = m.run_blocks(
-                ids[b, i][None, None], positions[b, i][None, None], m.context_kv(batch["aux_hidden_states"][b : b + 1, :n]), None
+                ids[b, i][None, None],
+                positions[b, i][None, None],
+                m.context_kv(batch["aux_hidden_states"][b : b + 1, :n]),
+                None,
             )
             torch.testing.assert_close(trained[b, i], alone[0, 0], atol=1e-5, rtol=1e-5)
             # ... and it really depends on the context: dropping the oldest position changes it
             if n > 1:
                 shifted = m.context_kv(batch["aux_hidden_states"][b : b + 1, 1 : n + 1])
-                assert not torch.allclose(m.run_blocks(ids[b, i][None, None], positions[b, i][None, None], shifted, None)[0, 0], trained[b, i])
+                assert not torch.allclose(
+                    m.run_blocks(ids[b, i][None, None], positions[b, i][None, None], shifted, None)[0, 0],
+                    trained[b, i],
+                )
 
 
 def test_propose_is_the_training_prediction_at_that_anchor():
@@ -407,7 +424,9 @@ def test_targets_are_the_verifier_distribution_one_position_back():
     m = build().eval()  # eval: anchors from a generator seeded with 0
     batch = random_batch()
     rows = m.gather_rows(batch)
-    anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], 512, torch.Generator().manual_seed(0))
+    anchors, valid = sample_anchors(
+        batch["loss_mask"], batch["attention_mask"], 512, torch.Generator().manual_seed(0)
+    )
     positions, counted = block_targets(anchors, valid, batch["loss_mask"], batch["attention_mask"], 3)
     w = tiny_weights()
     expected_logits, expected_prev = [], []
@@ -489,9 +508,20 @@ def test_exported_names_are_what_vllm_loads(reduced):
     assert state["layers.0.self_attn.q_norm.weight"].shape == (16,)
     source = vllm_source("qwen3_dflash.py")
     if source is not None:  # the module attributes our names rely on are still there
-        for attr in ("self.fc =", "self.hidden_norm =", "self.norm =", "self.q_norm =", "self.k_norm =",
-                     "self.input_layernorm =", "self.post_attention_layernorm =", '".q_proj"', '".gate_proj"',
-                     '"t2d" in name', '"d2t" in name', '"model." + name'):
+        for attr in (
+            "self.fc =",
+            "self.hidden_norm =",
+            "self.norm =",
+            "self.q_norm =",
+            "self.k_norm =",
+            "self.input_layernorm =",
+            "self.post_attention_layernorm =",
+            '".q_proj"',
+            '".gate_proj"',
+            '"t2d" in name',
+            '"d2t" in name',
+            '"model." + name',
+        ):
             assert attr in source, attr
 
 
@@ -500,7 +530,9 @@ def test_export_config_is_complete_speculators_format():
     c = m.export_config()
     assert c["speculators_model_type"] == "dflash" and c["architectures"] == ["DFlashDraftModel"]
     assert c["aux_hidden_state_layer_ids"] == [1, 2, 3] and c["mask_token_id"] == MASK_ID
-    assert c["block_size"] == 6 and c["sample_from_anchor"] is False and c["sliding_window_non_causal"] is True
+    assert (
+        c["block_size"] == 6 and c["sample_from_anchor"] is False and c["sliding_window_non_causal"] is True
+    )
     assert c["draft_vocab_size"] == VOCAB and c["target_hidden_size"] is None
     sc = c["speculators_config"]
     assert sc["algorithm"] == "dflash" and sc["default_proposal_method"] == "greedy"
@@ -511,9 +543,12 @@ def test_export_config_is_complete_speculators_format():
     hf = Qwen3Config(**tlc)  # transformers reads it: geometry and rope equal the verifier's
     assert (hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (HIDDEN, 4, 2, 16)
     assert hf.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
-    assert build(num_speculative_tokens=2).export_config()["speculators_config"]["proposal_methods"][0][
-        "speculative_tokens"
-    ] == 2
+    assert (
+        build(num_speculative_tokens=2).export_config()["speculators_config"]["proposal_methods"][0][
+            "speculative_tokens"
+        ]
+        == 2
+    )
 
 
 def test_export_config_keeps_llama3_rope():
@@ -586,12 +621,13 @@ def test_overfits_features_of_a_real_model(greedy_data):
     > 90% top-1 agreement with the verifier at every draft position."""
     batch, spec, weights = greedy_data
     torch.manual_seed(0)
-    m = DRAFTERS["dflash"].build(Config(num_layers=2, block_size=4), spec, weights, None, "kl")
+    m = DRAFTERS["dflash"].build(Config(num_layers=1, block_size=4), spec, weights, None, "kl")
     acc = overfit(m, batch)
     assert min(acc) > 0.9, acc
     # and propose() drafts those answers at serve time
     seq, aux = batch["input_ids"][0], batch["aux_hidden_states"][0]
     hits = sum(
-        int((m.propose(seq[: n + 1], aux[:n], 3) == seq[n + 1 : n + 4]).all()) for n in range(6, seq.shape[0] - 3)
+        int((m.propose(seq[: n + 1], aux[:n], 3) == seq[n + 1 : n + 4]).all())
+        for n in range(6, seq.shape[0] - 3)
     )
     assert hits / (seq.shape[0] - 9) > 0.7

@@ -24,40 +24,36 @@ VOCAB, HIDDEN, LAYERS, AUX = 256, 64, 4, (1, 2, 3)
 # ---------------------------------------------------------------- shared helpers
 
 
-def tiny_verifier(seed: int = 0) -> tuple[LlamaForCausalLM, VerifierSpec, VerifierWeights]:
-    """A random 4-layer Llama (vocab 256, H 64, 4 heads / 2 kv heads) and what drafters see of it."""
+def tiny_verifier(
+    seed: int = 0, hidden: int = HIDDEN, heads: int = 4, kv_heads: int = 2
+) -> tuple[LlamaForCausalLM, VerifierSpec, VerifierWeights]:
+    """A random 4-layer Llama (vocab 256, H 64, 4 heads / 2 kv heads) and what drafters see of it.
+
+    (vLLM's CPU attention needs head_dim >= 32: pass hidden=128 to serve it there.)
+    """
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
+    shape = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
+        max_position_embeddings=512,
     )
+    cfg = LlamaConfig(vocab_size=VOCAB, num_hidden_layers=LAYERS, tie_word_embeddings=False, **shape)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # random init gives near-uniform next-token distributions; be confident
         model.lm_head.weight.mul_(20.0)
     spec = VerifierSpec(
         name_or_path="tiny-llama",
         architectures=("LlamaForCausalLM",),
-        hidden_size=HIDDEN,
         vocab_size=VOCAB,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
         aux_layer_ids=AUX,
         mask_token_id=VOCAB - 1,
+        **shape,
     )
     weights = VerifierWeights(
         embed_tokens=model.model.embed_tokens.weight.detach(),

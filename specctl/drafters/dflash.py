@@ -50,7 +50,9 @@ class BlockConfig(DrafterConfig):
         512, ge=1, description="Most blocks (anchors) sampled per sequence per training step."
     )
     gamma: float = Field(
-        4.0, gt=0, description="Loss weight of draft position k is exp(-(k-1)/gamma): early positions matter most."
+        4.0,
+        gt=0,
+        description="Loss weight of draft position k is exp(-(k-1)/gamma): early positions matter most.",
     )
     sample_from_anchor: bool = Field(
         False,
@@ -72,7 +74,10 @@ class BlockConfig(DrafterConfig):
 
     @model_validator(mode="after")
     def _check_speculative_tokens(self) -> BlockConfig:
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens > self.predictions_per_block:
+        if (
+            self.num_speculative_tokens is not None
+            and self.num_speculative_tokens > self.predictions_per_block
+        ):
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens} exceeds the "
                 f"{self.predictions_per_block} predictions of a block of {self.block_size}"
@@ -203,7 +208,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         H, eps = verifier.hidden_size, verifier.rms_norm_eps
         self.self_attn = Attention(
-            H, verifier.num_attention_heads, verifier.num_key_value_heads, verifier.head_dim, qk_norm=True, eps=eps
+            H,
+            verifier.num_attention_heads,
+            verifier.num_key_value_heads,
+            verifier.head_dim,
+            qk_norm=True,
+            eps=eps,
         )
         self.mlp = MLP(H, intermediate_size)
         self.input_layernorm = RMSNorm(H, eps)
@@ -312,7 +322,9 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, aux_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """aux_hidden_states [B, T, n_aux, H] at positions 0..T-1 -> per layer (k, v) [B, kvh, T, hd]."""
         B, T = aux_hidden_states.shape[:2]
-        context = self.hidden_norm(self.fc(aux_hidden_states.flatten(2).to(self.fc.weight.dtype)))  # [B, T, H]
+        context = self.hidden_norm(
+            self.fc(aux_hidden_states.flatten(2).to(self.fc.weight.dtype))
+        )  # [B, T, H]
         positions = torch.arange(T, device=context.device).expand(B, T)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
@@ -412,7 +424,9 @@ class DFlashDrafter(nn.Module):
         return hidden[first : first + num_tokens]
 
     @torch.no_grad()
-    def propose(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def propose(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
         """Greedy draft: [K] verifier token ids following input_ids[-1]."""
         hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens)
         return draft_to_target(self.draft_logits(hidden).argmax(-1), self.d2t)
@@ -461,7 +475,9 @@ class DFlashDrafter(nn.Module):
         }
 
 
-def transformer_layer_config(verifier: VerifierSpec, num_layers: int, intermediate_size: int) -> dict[str, Any]:
+def transformer_layer_config(
+    verifier: VerifierSpec, num_layers: int, intermediate_size: int
+) -> dict[str, Any]:
     """The draft decoder's HF config (Qwen3): geometry and rope equal to the verifier's."""
     rope = {k: val for k, val in (verifier.rope_scaling or {}).items() if k != "rope_theta"}
     rope_type = rope.get("rope_type", rope.get("type", "default"))

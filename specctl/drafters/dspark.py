@@ -52,31 +52,43 @@ class Config(BlockConfig):
         description="True: the anchor's output predicts the next token (block of K slots drafts K tokens). "
         "False: the anchor is the bonus token and only the K masked slots predict (block of K+1).",
     )
-    markov_rank: int = Field(256, ge=1, description="Rank r of the Markov head (Embedding(V, r) -> Linear(r, V)).")
+    markov_rank: int = Field(
+        256, ge=1, description="Rank r of the Markov head (Embedding(V, r) -> Linear(r, V))."
+    )
     markov_head_type: Literal["vanilla"] = Field(
-        "vanilla", description="Markov head variant; vLLM serves `vanilla` (low-rank bias from the previous token)."
+        "vanilla",
+        description="Markov head variant; vLLM serves `vanilla` (low-rank bias from the previous token).",
     )
     enable_confidence_head: bool = Field(
         True, description="Train and export the per-position acceptance-probability head."
     )
     confidence_head_with_markov: bool = Field(
-        True, description="Feed the previous token's Markov embedding to the confidence head next to the hidden state."
+        True,
+        description="Also feed the previous token's Markov embedding to the confidence head.",
     )
     token_loss_weight: float = Field(
-        0.1, ge=0, description="Weight of the recipe's token loss (train.loss: kl or ce); DeepSpec ce_loss_alpha."
+        0.1,
+        ge=0,
+        description="Weight of the recipe's token loss (train.loss: kl or ce); DeepSpec ce_loss_alpha.",
     )
     l1_loss_weight: float = Field(
-        0.9, ge=0, description="Weight of the L1 distance (2 TV) between draft and verifier; DeepSpec l1_loss_alpha."
+        0.9,
+        ge=0,
+        description="Weight of the L1 distance (2 TV) between draft and verifier; DeepSpec l1_loss_alpha.",
     )
     confidence_loss_weight: float = Field(
-        1.0, ge=0, description="Weight of the confidence head's BCE toward 1 - TV; DeepSpec confidence_head_alpha."
+        1.0,
+        ge=0,
+        description="Weight of the confidence head's BCE toward 1 - TV; DeepSpec confidence_head_alpha.",
     )
 
 
 # ---------------------------------------------------------------- pure functions
 
 
-def total_variation(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor | None) -> torch.Tensor:
+def total_variation(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor | None
+) -> torch.Tensor:
     """TV(q, p) per row, in the verifier's vocabulary.
 
     draft_logits [N, Vd] (q lives on the kept ids), target_logits [N, V] -> [N]. Verifier
@@ -132,7 +144,9 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDrafter(DFlashDrafter):
     algo: ClassVar[str] = "dspark"
-    architectures: ClassVar[tuple[str, ...]] = ("Qwen3DSparkModel",)  # vLLM registry -> Qwen3DSparkForCausalLM
+    architectures: ClassVar[tuple[str, ...]] = (
+        "Qwen3DSparkModel",
+    )  # vLLM registry -> Qwen3DSparkForCausalLM
     config: Config
 
     def __init__(
@@ -199,7 +213,9 @@ class DSparkDrafter(DFlashDrafter):
         return tokens, torch.sigmoid(self.confidence_head(hidden, torch.cat(embeds)).float())
 
     @torch.no_grad()
-    def propose(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def propose(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+    ) -> torch.Tensor:
         return self.propose_with_confidence(input_ids, aux_hidden_states, num_tokens)[0]
 
     def export_config(self) -> dict[str, Any]:
