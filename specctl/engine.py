@@ -1,0 +1,211 @@
+"""Embedded speculative-decoding engine: a KV-cached verifier, any drafter, lossless verification.
+
+One request at a time (batch 1), pure PyTorch + transformers, CPU or GPU. A step is
+
+    drafter.propose(tokens so far, aux features of the verified positions, K) -> K drafts
+    verifier forward over [last token, K drafts] on its KV cache -> K+1 next-token distributions
+    accept a prefix of the drafts (greedy or rejection sampling, specctl.sampling), append the
+    verifier's own next token, crop the rejected drafts from the KV cache
+
+so every step emits 1..K+1 tokens and the output is the verifier's (greedy: token for token;
+sampling: in distribution). The forward that verifies also records the aux hidden states the
+drafter reads (forward hooks, as in `verifier.capture_hidden_states`); those of accepted
+positions are appended to a buffer, so the verified prefix is never recomputed. With no
+drafter the same loop feeds one token per step: plain decoding, the baseline of every speedup.
+
+Counters mean what vLLM's spec-decode metrics mean: a draft is one proposal that was
+verified, draft tokens are the tokens it proposed, accepted tokens the drafts the verifier
+kept (counted before an EOS truncates the output, as vLLM's scheduler does), and
+accepted_per_position[i] how many drafts had position i accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
+from specctl.verifier import Verifier, _record_layers
+
+
+@dataclass
+class SpecCounters:
+    """Speculative-decoding counters, summed over requests (vLLM's spec_decode_* meaning)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [K]
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau: tokens emitted per verifier pass that verified a draft, bonus token included
+        (1 + accepted / drafts; plain decoding is 1.0)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """accepted_at_position / drafts, the per-position rate vLLM reports."""
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """One verified draft of `num_draft_tokens` tokens whose first `num_accepted` were kept."""
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @classmethod
+    def merge(cls, counters: Iterable[SpecCounters]) -> SpecCounters:
+        """Sum of several requests' counters (per-position lists of different K are zero-padded)."""
+        out = cls()
+        for c in counters:
+            out.num_drafts += c.num_drafts
+            out.num_draft_tokens += c.num_draft_tokens
+            out.num_accepted_tokens += c.num_accepted_tokens
+            width = max(len(out.accepted_per_position), len(c.accepted_per_position))
+            a = out.accepted_per_position + [0] * (width - len(out.accepted_per_position))
+            b = c.accepted_per_position + [0] * (width - len(c.accepted_per_position))
+            out.accepted_per_position = [x + y for x, y in zip(a, b, strict=True)]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_length": self.acceptance_length,
+        }
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (prompt excluded; ends with the EOS token when one stopped it)
+    counters: SpecCounters
+    wall_s: float  # prefill + decode, device synchronised
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def default_num_speculative_tokens(drafter: Any) -> int:
+    """K the drafter was exported for: `speculative_tokens` of its speculators config."""
+    return int(drafter.export_config()["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate(
+    verifier: Verifier | Any,
+    drafter: Any | None,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    num_speculative_tokens: int | None = None,
+    eos_token_ids: Iterable[int] = (),
+    confidence_threshold: float | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids` with the verifier, speculating
+    with `drafter` (None = plain decoding, one token per verifier pass).
+
+    verifier: a `Verifier` or a transformers causal LM. temperature 0 = greedy. The drafter
+    drafts K = `num_speculative_tokens` (default: its exported `speculative_tokens`) tokens
+    per step, fewer when fewer tokens remain. `confidence_threshold` turns on the dynamic
+    draft length of drafters that report per-position confidences (`propose_with_confidence`,
+    DSpark): a block is cut where its survival probability falls below the threshold.
+    """
+    model = verifier.model if isinstance(verifier, Verifier) else verifier
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    apply_temperature_top_p(torch.zeros(1), temperature, top_p)  # validates both
+    device = next(model.parameters()).device
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)  # [P]
+    if prompt.numel() == 0:
+        raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
+    eos = {int(t) for t in eos_token_ids}
+
+    K, aux_layer_ids, propose = 0, (), None
+    if drafter is not None:
+        K = num_speculative_tokens or default_num_speculative_tokens(drafter)
+        aux_layer_ids = tuple(drafter.verifier.aux_layer_ids)
+        propose = drafter.propose
+        if confidence_threshold is not None:
+            propose = getattr(drafter, "propose_with_confidence", None)
+            if propose is None:
+                raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
+    counters = SpecCounters(accepted_per_position=[0] * K)
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if drafter is not None and not cache.is_croppable:
+        raise ValueError("this verifier's KV cache cannot drop rejected drafts (not croppable)")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    P = prompt.numel()
+    ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=device)  # [P + max_new] sequence so far
+    ids[:P] = prompt
+    aux_buffer: torch.Tensor | None = None  # [P + max_new, n_aux, H] verified positions' features
+    out: list[int] = []
+
+    _sync(device)
+    start = time.perf_counter()
+    with _record_layers(model, aux_layer_ids) as captured:
+        n = P  # tokens in `ids`; the cache holds the first `n - len(pending)` of them
+        pending = prompt  # verified tokens whose keys/values are not cached yet
+        while len(out) < max_new_tokens:
+            k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
+            drafts = ids[:0]
+            if k > 0:
+                proposal = propose(ids[:n], aux_buffer[: n - 1], k)
+                if confidence_threshold is not None:
+                    proposal, confidence = proposal
+                    if confidence is None:
+                        raise ValueError("confidence_threshold: this drafter was built without its confidence head")
+                    k = confident_draft_length(confidence, confidence_threshold)
+                drafts = proposal[:k].to(device)  # [k]
+            logits = model(
+                input_ids=torch.cat([pending, drafts])[None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=k + 1,
+            ).logits[0]  # [k+1, V] after the last verified token and after each draft
+            if temperature == 0:
+                accepted, next_token = greedy_accept(drafts, logits.argmax(-1))
+            else:
+                probs = apply_temperature_top_p(logits, temperature, top_p)
+                accepted, next_token = rejection_sample(drafts, None, probs, generator)
+            if k > 0:
+                counters.record(k, accepted)
+            if accepted < k:
+                cache.crop(-(k - accepted))  # negative = remove that many entries
+            if aux_layer_ids:
+                kept = len(pending) + accepted  # features of the pending tokens and accepted drafts
+                features = torch.stack([captured[i][0, :kept] for i in aux_layer_ids], 1)  # [kept, n_aux, H]
+                if aux_buffer is None:
+                    aux_buffer = features.new_empty(P + max_new_tokens, *features.shape[1:])
+                aux_buffer[n - len(pending) : n - len(pending) + kept] = features
+            new = drafts[:accepted].tolist() + [next_token]
+            ids[n : n + len(new)] = torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)
+            n += len(new)
+            pending = ids[n - 1 : n]
+            stop = next((i for i, t in enumerate(new) if t in eos), None)
+            out += new if stop is None else new[: stop + 1]
+            if stop is not None:
+                break
+    _sync(device)
+    return GenerationResult(tokens=out, counters=counters, wall_s=time.perf_counter() - start)

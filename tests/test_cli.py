@@ -1,0 +1,115 @@
+"""The CLI surface: help, version, and one-line errors with the right exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from specctl import __version__
+from specctl.cli import main
+
+
+def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["specctl", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_help_lists_commands(monkeypatch, capsys):
+    code, out, _ = run_main(monkeypatch, capsys, "--help")
+    assert code == 0
+    for command in ("collect-hidden-states", "train"):
+        assert command in out
+
+
+def test_version(monkeypatch, capsys):
+    code, out, _ = run_main(monkeypatch, capsys, "--version")
+    assert code == 0 and __version__ in out
+
+
+def test_collect_help_has_example(monkeypatch, capsys):
+    code, out, _ = run_main(monkeypatch, capsys, "collect-hidden-states", "--help")
+    assert code == 0 and "Example:" in out and "--shard" in out
+
+
+@pytest.mark.parametrize(
+    "recipe_text, needle",
+    [
+        (None, "recipe not found"),
+        ("name: [oops\n", "not valid YAML"),
+        ("name: a\nfeatures:\n  batch_tokenz: 3\n", "features.batch_tokenz: unknown key"),
+        ("name: a\nfeatures:\n  batch_tokens: -3\n", "features.batch_tokens"),
+    ],
+)
+def test_bad_recipe_is_one_line_exit_2(monkeypatch, capsys, tmp_path, recipe_text, needle):
+    path = tmp_path / "r.yaml"
+    if recipe_text is not None:
+        path.write_text(recipe_text)
+    code, _, err = run_main(monkeypatch, capsys, "collect-hidden-states", str(path))
+    assert code == 2
+    assert needle in err and str(path) in err
+    assert err.strip().count("\n") == 0
+
+
+def _recipe(tmp_path: Path, verifier_dir: Path, source: str) -> Path:
+    path = tmp_path / "r.yaml"
+    path.write_text(json.dumps({
+        "name": "cli", "output_dir": str(tmp_path / "runs"),
+        "verifier": {"name_or_path": str(verifier_dir)}, "data": {"source": source},
+        "features": {"aux_layer_ids": [1, 2, 3]},
+    }))
+    return path
+
+
+@pytest.mark.parametrize(
+    "make_source, needle",
+    [
+        (lambda d: str(d / "missing.jsonl"), "missing.jsonl"),
+        (lambda d: (d / "empty.jsonl").write_text("") and str(d / "empty.jsonl") or str(d / "empty.jsonl"), "empty"),
+        (
+            lambda d: (d / "users.jsonl").write_text(
+                json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+            ) and str(d / "users.jsonl"),
+            "assistant",
+        ),
+    ],
+)
+def test_bad_data_is_one_line(monkeypatch, capsys, tmp_path, tiny_verifier_dir, make_source, needle):
+    path = _recipe(tmp_path, tiny_verifier_dir, make_source(tmp_path))
+    code, _, err = run_main(monkeypatch, capsys, "collect-hidden-states", str(path))
+    assert code == 1, err
+    assert needle in err.lower() or needle in err
+    assert err.strip().count("\n") == 0
+
+
+def test_unknown_hub_dataset_offline(monkeypatch, capsys, tmp_path, tiny_verifier_dir):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    path = _recipe(tmp_path, tiny_verifier_dir, "someorg/no-such-dataset-xyz")
+    code, _, err = run_main(monkeypatch, capsys, "collect-hidden-states", str(path))
+    assert code == 1
+    assert "no-such-dataset-xyz" in err and ".jsonl" in err
+    assert err.strip().count("\n") == 0
+
+
+def test_bad_shard_spec(monkeypatch, capsys, tmp_path, tiny_verifier_dir):
+    path = _recipe(tmp_path, tiny_verifier_dir, "x.jsonl")
+    code, _, err = run_main(monkeypatch, capsys, "collect-hidden-states", str(path), "--shard", "3/2")
+    assert code == 1 and "--shard" in err
+
+
+def test_debug_env_shows_traceback(monkeypatch, capsys, tmp_path):
+    from specctl.errors import RecipeError
+
+    monkeypatch.setenv("SPECCTL_DEBUG", "1")
+    monkeypatch.setattr(sys, "argv", ["specctl", "collect-hidden-states", str(tmp_path / "none.yaml")])
+    with pytest.raises(RecipeError):
+        main()

