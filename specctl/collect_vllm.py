@@ -221,6 +221,8 @@ def open_vllm_verifier(
         name = section.name_or_path
         raise VerifierError(f"verifier {name!r} could not be loaded ({_first_line(e)})") from None
     config = config.get_text_config()
+    # vLLM reads this once, on import: its INFO lines would bury specctl's progress
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     L = config.num_hidden_layers
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
     on_cpu = check_vllm_can_run(config)
@@ -229,7 +231,6 @@ def open_vllm_verifier(
         max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
     capture = capture_layer_ids(aux, L)
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury specctl's progress
     from vllm import LLM
 
     own_dir = storage_dir is None

@@ -581,12 +581,10 @@ def validate_export(path: str | Path, check_values: bool = True) -> ExportDir:
 def _borrowed_weights(
     config: dict[str, Any], verifier: Verifier | VerifierWeights | None, path: Path
 ) -> VerifierWeights:
-    if isinstance(verifier, VerifierWeights):
-        return verifier
     if verifier is None:
         name = config["speculators_config"]["verifier"]["name_or_path"]
         verifier = load_verifier(VerifierSection(name_or_path=name))
-    weights = verifier_weights(verifier)
+    weights = verifier if isinstance(verifier, VerifierWeights) else verifier_weights(verifier)
     layer = config["transformer_layer_config"]
     want = (int(layer["vocab_size"]), int(layer["hidden_size"]))
     for what in ("embed_tokens", "lm_head"):

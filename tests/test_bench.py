@@ -48,11 +48,18 @@ def _report(**kw) -> BenchReport:
     plain = Method("no-spec", "none")
     eagle = Method("eagle3", "eagle3", 3, Path("/e"))
     dflash = Method("dflash", "dflash", 4, Path("/d"))
-    r = BenchReport("tiny", "embedded", "builtin", 4, 0.0, 1.0, 32, 0, 1, baseline="eagle3", complete=True, **kw)
+    r = BenchReport(
+        "tiny", "embedded", "builtin", 4, 0.0, 1.0, 32, 0, 1, baseline="eagle3", complete=True, **kw
+    )
     r.results = [
         MethodResult(plain, {"chat": _m(2, 64, 4.0), "code": _m(2, 64, 4.0)}),
-        MethodResult(eagle, {"chat": _m(2, 64, 2.0, 20, (16, 10, 6), 3), "code": _m(2, 64, 2.0, 20, (18, 12, 8), 3)}),
-        MethodResult(dflash, {"chat": _m(2, 64, 1.0, 10, (9, 8, 7, 6), 4), "code": _m(2, 64, 2.0, 12, (10, 8, 6, 4), 4)}),
+        MethodResult(
+            eagle, {"chat": _m(2, 64, 2.0, 20, (16, 10, 6), 3), "code": _m(2, 64, 2.0, 20, (18, 12, 8), 3)}
+        ),
+        MethodResult(
+            dflash,
+            {"chat": _m(2, 64, 1.0, 10, (9, 8, 7, 6), 4), "code": _m(2, 64, 2.0, 12, (10, 8, 6, 4), 4)},
+        ),
     ]
     return r
 
@@ -71,9 +78,16 @@ def test_measurement_sum_and_figures():
 
 def test_report_fields_speedup_and_ratio():
     d = report_dict(_report())
-    assert {k: d[k] for k in ("verifier", "backend", "dataset", "num_prompts", "temperature", "max_new_tokens")} == {
-        "verifier": "tiny", "backend": "embedded", "dataset": "builtin", "num_prompts": 4, "temperature": 0.0,
-        "max_new_tokens": 32}
+    assert {
+        k: d[k] for k in ("verifier", "backend", "dataset", "num_prompts", "temperature", "max_new_tokens")
+    } == {
+        "verifier": "tiny",
+        "backend": "embedded",
+        "dataset": "builtin",
+        "num_prompts": 4,
+        "temperature": 0.0,
+        "max_new_tokens": 32,
+    }
     plain, eagle, dflash = d["results"]
     assert plain["algo"] == "none" and plain["speedup"] == 1.0 and plain["acceptance_length"] == 1.0
     assert plain["output_tokens_per_s"] == 128 / 8.0
@@ -83,11 +97,24 @@ def test_report_fields_speedup_and_ratio():
     assert dflash["num_speculative_tokens"] == 4 and dflash["num_drafts"] == 22
     assert dflash["speedup"] == pytest.approx((128 / 3.0) / 16.0)
     assert dflash["ratio_vs_baseline"] == pytest.approx((128 / 3.0) / 32.0)
-    assert dflash["acceptance_ratio_vs_baseline"] == pytest.approx(dflash["acceptance_length"] / eagle["acceptance_length"])
+    assert dflash["acceptance_ratio_vs_baseline"] == pytest.approx(
+        dflash["acceptance_length"] / eagle["acceptance_length"]
+    )
     assert eagle["ratio_vs_baseline"] == 1.0
-    for key in ("name", "algo", "num_speculative_tokens", "acceptance_length", "per_position_acceptance",
-                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "output_tokens", "wall_s",
-                "output_tokens_per_s", "speedup"):
+    for key in (
+        "name",
+        "algo",
+        "num_speculative_tokens",
+        "acceptance_length",
+        "per_position_acceptance",
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "output_tokens",
+        "wall_s",
+        "output_tokens_per_s",
+        "speedup",
+    ):
         assert key in dflash
     # per category, speedup is against no-spec on the same category
     assert d["categories"] == ["chat", "code"]
@@ -108,7 +135,9 @@ def test_no_plain_or_baseline_means_no_ratio():
 
 
 def test_write_report_files(tmp_path):
-    r = _report(requirements=["dflash.acceptance_length>=9"], failures=["dflash.acceptance_length>=9: got 3.24"])
+    r = _report(
+        requirements=["dflash.acceptance_length>=9"], failures=["dflash.acceptance_length>=9: got 3.24"]
+    )
     paths = write_report(r, tmp_path / "out")
     assert json.loads(paths["json"].read_text()) == report_dict(r)
     md = paths["md"].read_text()
@@ -170,15 +199,18 @@ def test_parse_requirement_errors(text, message):
 
 def test_check_requirements():
     d = report_dict(_report())
-    reqs = [parse_requirement(t) for t in (
-        "dflash.acceptance_length>=2.5",  # 1 + 58/22 = 3.64: met
-        "eagle3.acceptance_length>=2.5",  # 1 + 70/40 = 2.75: met
-        "dflash.speedup>=3",              # 2.67: short
-        "dflash.chat.speedup>=3",         # 4.0: met
-        "dflash.code.acceptance_length>3.5",  # 3.33: short
-        "medusa.speedup>1",
-        "dflash.math.speedup>1",
-    )]
+    reqs = [
+        parse_requirement(t)
+        for t in (
+            "dflash.acceptance_length>=2.5",  # 1 + 58/22 = 3.64: met
+            "eagle3.acceptance_length>=2.5",  # 1 + 70/40 = 2.75: met
+            "dflash.speedup>=3",  # 2.67: short
+            "dflash.chat.speedup>=3",  # 4.0: met
+            "dflash.code.acceptance_length>3.5",  # 3.33: short
+            "medusa.speedup>1",
+            "dflash.math.speedup>1",
+        )
+    ]
     failures = check_requirements(d, reqs)
     assert failures == [
         "dflash.speedup>=3: got 2.67",
@@ -189,8 +221,10 @@ def test_check_requirements():
     r = _report()
     r.results = r.results[1:]
     r.baseline = None
-    assert check_requirements(report_dict(r), [parse_requirement("dflash.speedup>1"),
-                                                parse_requirement("dflash.ratio_vs_baseline>1")]) == [
+    assert check_requirements(
+        report_dict(r),
+        [parse_requirement("dflash.speedup>1"), parse_requirement("dflash.ratio_vs_baseline>1")],
+    ) == [
         "dflash.speedup>1: dflash.speedup was not measured (no no-spec run)",
         "dflash.ratio_vs_baseline>1: dflash.ratio_vs_baseline was not measured (no baseline run)",
     ]
@@ -213,7 +247,10 @@ def test_select_rows_spreads_categories_and_is_seeded():
     assert len(picked) == 8 and sorted(cats.count(c) for c in ("chat", "code", "math")) == [2, 3, 3]
     assert select_rows(rows, 8, seed=0) == picked
     assert select_rows(rows, 8, seed=1) != picked
-    assert len(set(select_rows(rows, 36, seed=3))) == 36 and len(select_rows(rows, 100, seed=3)) == 36
+    assert (
+        len({r.messages[-1]["content"] for r in select_rows(rows, 36, seed=3)}) == 36
+        and len(select_rows(rows, 100, seed=3)) == 36
+    )
     # one category only: a plain seeded sample
     one = [PromptRow(({"role": "user", "content": str(i)},)) for i in range(10)]
     assert len(select_rows(one, 4, 0)) == 4
@@ -223,8 +260,14 @@ def test_local_jsonl_both_styles_and_categories(tmp_path, tiny_tokenizer):
     f = tmp_path / "p.jsonl"
     rows = [
         {"prompt": "What is 2+2?", "category": "math"},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello"}], "category": "chat"},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+            ],
+            "category": "chat",
+        },
         {"conversations": [{"from": "human", "value": "Write a loop."}]},
         {"turns": ["First turn", "Second turn"], "category": "writing"},
     ]
@@ -264,8 +307,11 @@ def test_unknown_dataset_and_offline_hub(monkeypatch):
     with pytest.raises(DataError, match="no such file and not a known set; use one of builtin, mt-bench"):
         load_prompt_rows("nope.jsonl")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(DataError, match="--dataset mt-bench needs the Hugging Face hub; offline, use --dataset "
-                                        "builtin or a local .jsonl"):
+    with pytest.raises(
+        DataError,
+        match="--dataset mt-bench needs the Hugging Face hub; offline, use --dataset "
+        "builtin or a local .jsonl",
+    ):
         load_prompt_rows("mt-bench")
 
 
@@ -295,8 +341,12 @@ def test_hub_sets_map_rows(monkeypatch):
     assert "```python\ndef f():\n```" in load_prompt_rows("humaneval")[0][0].messages[0]["content"]
     assert load_prompt_rows("spec-bench")[0][0].category == "translation"
     assert calls[1][:3] == ("openai/gsm8k", "main", "test") and calls[3][3].endswith("question.jsonl")
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down")))
-    with pytest.raises(DataError, match=r"offline, use --dataset builtin or a local .jsonl \(ConnectionError: down\)"):
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down"))
+    )
+    with pytest.raises(
+        DataError, match=r"offline, use --dataset builtin or a local .jsonl \(ConnectionError: down\)"
+    ):
         load_prompt_rows("gsm8k")
 
 
@@ -311,7 +361,11 @@ def test_encode_without_chat_template(tiny_tokenizer):
 
 def test_group_prompts():
     ps = [BenchPrompt((1,), "b", ""), BenchPrompt((2,), None, ""), BenchPrompt((3,), "a", "")]
-    assert {k: [i for i, _ in v] for k, v in group_prompts(ps).items()} == {"a": [2], "b": [0], "uncategorized": [1]}
+    assert {k: [i for i, _ in v] for k, v in group_prompts(ps).items()} == {
+        "a": [2],
+        "b": [0],
+        "uncategorized": [1],
+    }
     assert list(group_prompts([BenchPrompt((1,), None, "")])) == [""]
 
 
@@ -320,9 +374,15 @@ def test_group_prompts():
 
 def _write_drafter(path: Path, algo: str, k: int, verifier: str | None) -> Path:
     path.mkdir(parents=True)
-    config = {"speculators_model_type": algo, "architectures": ["X"],
-              "speculators_config": {"algorithm": algo, "proposal_methods": [{"speculative_tokens": k}],
-                                     "verifier": {"name_or_path": verifier}}}
+    config = {
+        "speculators_model_type": algo,
+        "architectures": ["X"],
+        "speculators_config": {
+            "algorithm": algo,
+            "proposal_methods": [{"speculative_tokens": k}],
+            "verifier": {"name_or_path": verifier},
+        },
+    }
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -336,18 +396,33 @@ def fake_load_drafter(path, verifier):
     return SimpleNamespace(accept=ACCEPT[algo]), {}
 
 
-def fake_generate(verifier, drafter, prompt_ids, max_new_tokens, temperature, top_p, seed,
-                  num_speculative_tokens, eos_token_ids):
+def fake_generate(
+    verifier,
+    drafter,
+    prompt_ids,
+    max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    num_speculative_tokens,
+    eos_token_ids,
+):
     """Deterministic counters: `accept` drafts kept per step, so tau = 1 + accept exactly."""
     n = max_new_tokens
     fake_generate.calls.append((drafter, tuple(prompt_ids), n, seed, tuple(eos_token_ids)))
     if drafter is None:
-        counters = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[])
+        counters = SimpleNamespace(
+            num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
+        )
         return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=n * TOKEN_COST)
     k, a = num_speculative_tokens, drafter.accept
     steps = math.ceil(n / (a + 1))
-    counters = SimpleNamespace(num_drafts=steps, num_draft_tokens=steps * k, num_accepted_tokens=steps * a,
-                               accepted_per_position=[steps] * a + [0] * (k - a))
+    counters = SimpleNamespace(
+        num_drafts=steps,
+        num_draft_tokens=steps * k,
+        num_accepted_tokens=steps * a,
+        accepted_per_position=[steps] * a + [0] * (k - a),
+    )
     return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=steps * DRAFT_COST)
 
 
@@ -358,8 +433,14 @@ def fake_engine():
 
 
 def _recipe(tmp_path, verifier, **bench):
-    return recipe_from_dict({"name": "t", "output_dir": str(tmp_path / "runs"),
-                             "verifier": {"name_or_path": str(verifier)}, "bench": bench})
+    return recipe_from_dict(
+        {
+            "name": "t",
+            "output_dir": str(tmp_path / "runs"),
+            "verifier": {"name_or_path": str(verifier)},
+            "bench": bench,
+        }
+    )
 
 
 def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
@@ -367,8 +448,14 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     _write_drafter(run / "dflash" / "export", "dflash", 4, "somewhere/else")
     _write_drafter(run / "eagle3" / "export", "eagle3", 3, str(tiny_verifier_dir))
     (run / "peagle" / "checkpoints").mkdir(parents=True)  # trained, never exported: not benchmarked
-    recipe = _recipe(tmp_path, tiny_verifier_dir, num_prompts=5, max_new_tokens=12, seed=3,
-                     require=["dflash.acceptance_length>=4"])
+    recipe = _recipe(
+        tmp_path,
+        tiny_verifier_dir,
+        num_prompts=5,
+        max_new_tokens=12,
+        seed=3,
+        require=["dflash.acceptance_length>=4"],
+    )
     report = run_bench(recipe, requires=["dflash.speedup>=99"], **fake_engine)
     d = json.loads((tmp_path / "runs" / "t" / "bench" / "report.json").read_text())
     assert d == report.to_dict() and d["complete"] is True
@@ -387,8 +474,10 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     assert report.failures == [f"dflash.speedup>=99: got {dflash['speedup']:.2f}"] and not report.ok
     # every method saw the same prompts with the same per-prompt seeds (warm-up excluded)
     measured = [c for c in fake_generate.calls if c[2] == 12]
-    by_method = [measured[i * 5:(i + 1) * 5] for i in range(3)]
-    assert [sorted((c[1], c[3]) for c in m) for m in by_method].count(sorted((c[1], c[3]) for c in by_method[0])) == 3
+    by_method = [measured[i * 5 : (i + 1) * 5] for i in range(3)]
+    assert [sorted((c[1], c[3]) for c in m) for m in by_method].count(
+        sorted((c[1], c[3]) for c in by_method[0])
+    ) == 3
     assert sorted(c[3] for c in by_method[0]) == [3, 4, 5, 6, 7]
     assert all(2 in c[4] for c in measured)  # the tokenizer's <|im_end|> stops generation
     for name in ("report.md", "acceptance.png"):
@@ -400,12 +489,23 @@ def test_run_bench_drafter_dirs_use_recorded_verifier(tmp_path, tiny_verifier_di
     d2 = _write_drafter(tmp_path / "b", "dflash", 2, str(tiny_verifier_dir))
     base = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
     out = tmp_path / "out"
-    report = run_bench(drafters=[d1, d2, base], baseline=base, output=out, num_prompts=2, max_new_tokens=6,
-                       dataset=BUILTIN, **fake_engine)
+    report = run_bench(
+        drafters=[d1, d2, base],
+        baseline=base,
+        output=out,
+        num_prompts=2,
+        max_new_tokens=6,
+        dataset=BUILTIN,
+        **fake_engine,
+    )
     d = report.to_dict()
     assert d["verifier"] == str(tiny_verifier_dir)
     assert [(r["name"], r["num_speculative_tokens"]) for r in d["results"]] == [
-        ("no-spec", 0), ("eagle3", 3), ("dflash", 4), ("dflash-2", 2)]
+        ("no-spec", 0),
+        ("eagle3", 3),
+        ("dflash", 4),
+        ("dflash-2", 2),
+    ]
     assert d["baseline"] == "eagle3" and report.ok and (out / "report.json").is_file()
 
 
@@ -414,8 +514,14 @@ def test_drafters_for_different_verifiers_need_an_override(tmp_path, tiny_verifi
     b = _write_drafter(tmp_path / "b", "eagle3", 3, "meta-llama/Llama-3.1-8B-Instruct")
     with pytest.raises(SpecctlError, match="trained for different verifiers .* pass --verifier"):
         run_bench(drafters=[a, b], output=tmp_path / "o", **fake_engine)
-    report = run_bench(drafters=[a, b], verifier=str(tiny_verifier_dir), output=tmp_path / "o", num_prompts=1,
-                       max_new_tokens=4, **fake_engine)
+    report = run_bench(
+        drafters=[a, b],
+        verifier=str(tiny_verifier_dir),
+        output=tmp_path / "o",
+        num_prompts=1,
+        max_new_tokens=4,
+        **fake_engine,
+    )
     assert report.verifier == str(tiny_verifier_dir)
 
 
@@ -456,8 +562,13 @@ def test_interrupt_writes_partial_report(tmp_path, tiny_verifier_dir, fake_engin
         return fake_generate(verifier, drafter, *args, **kw)
 
     with pytest.raises(BenchInterrupted, match=r"partial report \(2 of 3 methods\)") as err:
-        run_bench(drafters=[e, d], output=tmp_path / "o", num_prompts=2, max_new_tokens=4,
-                  **{**fake_engine, "generate_fn": interrupted})
+        run_bench(
+            drafters=[e, d],
+            output=tmp_path / "o",
+            num_prompts=2,
+            max_new_tokens=4,
+            **{**fake_engine, "generate_fn": interrupted},
+        )
     assert err.value.exit_code == 130
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     assert report["complete"] is False and [r["name"] for r in report["results"]] == ["no-spec", "eagle3"]
@@ -490,16 +601,24 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
     mask = resolve_mask_token_id(verifier.tokenizer, verifier.config, None)
     torch.manual_seed(0)
     spec = DRAFTERS["dflash"]
-    drafter = spec.build(spec.config_cls(num_layers=1, block_size=4), verifier_spec(verifier, (1, 2, 3), mask),
-                         verifier_weights(verifier), None, "kl")
+    drafter = spec.build(
+        spec.config_cls(num_layers=1, block_size=4),
+        verifier_spec(verifier, (1, 2, 3), mask),
+        verifier_weights(verifier),
+        None,
+        "kl",
+    )
     export = save_drafter(drafter, tmp_path / "dflash", dtype="float32")
-    report = run_bench(drafters=[export], output=tmp_path / "bench", num_prompts=3, max_new_tokens=10,
-                       progress=False)
+    report = run_bench(
+        drafters=[export], output=tmp_path / "bench", num_prompts=3, max_new_tokens=10, progress=False
+    )
     plain, dflash = report.to_dict()["results"]
     assert report.ok and report.verifier == str(tiny_verifier_dir.resolve())
     assert plain["output_tokens"] == dflash["output_tokens"] > 0
     assert dflash["num_drafts"] > 0 and dflash["num_speculative_tokens"] == 3
     assert dflash["num_draft_tokens"] <= 3 * dflash["num_drafts"]
     assert len(dflash["per_position_acceptance"]) == 3
-    assert dflash["acceptance_length"] == pytest.approx(1 + dflash["num_accepted_tokens"] / dflash["num_drafts"])
+    assert dflash["acceptance_length"] == pytest.approx(
+        1 + dflash["num_accepted_tokens"] / dflash["num_drafts"]
+    )
     assert plain["acceptance_length"] == 1.0 and plain["num_drafts"] == 0

