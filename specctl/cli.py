@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -132,6 +133,39 @@ def train(
             ("metrics", str(s.output_dir / "metrics.jsonl")),
         ],
     )
+
+
+@app.command()
+def export(
+    source: Annotated[Path, typer.Argument(help="runs/<name>, runs/<name>/drafters/<algo>, a checkpoint, "
+                                                "or an export directory (with --check).")],
+    output: Annotated[Path | None, typer.Option(help="Output directory (default: <algo dir>/export).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="bf16 | fp16 | fp32 (default: the recipe's export.dtype).")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Validate with vLLM's own config parser too.")] = False,
+    push_to_hub: Annotated[str | None, typer.Option(help="Upload the export to this hub repo.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push-to-hub: list, upload nothing.")] = False,
+    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create a private repo.")] = False,
+) -> None:
+    """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors).
+
+    Example: specctl export runs/quickstart --check
+    """
+    from specctl.errors import SpecctlError
+    from specctl.export import check_export, export_drafters, is_export_dir
+    from specctl.export import push_to_hub as push
+
+    if is_export_dir(source):
+        _summary("export check", check_export(source, use_vllm=True).rows())
+        dirs = [source]
+    else:
+        results = export_drafters(source, output, dtype, check_vllm=check)
+        for r in results:
+            _summary(f"export {r.algo}", r.rows())
+        dirs = [r.output for r in results]
+    if push_to_hub:
+        if len(dirs) != 1:
+            raise SpecctlError("--push-to-hub uploads one drafter: pass runs/<name>/drafters/<algo>")
+        _summary("push-to-hub", push(dirs[0], push_to_hub, dry_run=dry_run, private=private).rows())
 
 
 def main() -> None:

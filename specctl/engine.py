@@ -175,7 +175,9 @@ def generate(
                 if confidence_threshold is not None:
                     proposal, confidence = proposal
                     if confidence is None:
-                        raise ValueError("confidence_threshold: this drafter was built without its confidence head")
+                        raise ValueError(
+                            "confidence_threshold: this drafter was built without its confidence head"
+                        )
                     k = confident_draft_length(confidence, confidence_threshold)
                 drafts = proposal[:k].to(device)  # [k]
             logits = model(

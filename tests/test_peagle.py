@@ -14,12 +14,14 @@ from test_eagle3 import (
     HIDDEN,
     VOCAB,
     check_vllm_weights,
+    embedded_acceptance,
     greedy_dataset,
     load_into_vllm,
     overfit,
     pad_tail,
     tiny_verifier,
     verifier_batch,
+    vllm_acceptance,
 )
 
 from specctl.drafters.layers import Attention
@@ -364,3 +366,29 @@ def test_overfits_a_real_verifier(verifier):
     drafter = build(Config(num_layers=2, num_depths=4, num_speculative_tokens=4), spec, weights)
     steps, acc = overfit(drafter, data, max_steps=500, lr=1e-2)
     assert (acc > 0.9).all(), (steps, acc)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_what_propose_drafts(tmp_path):
+    """Trained, exported, served by vLLM (eagle3 + parallel_drafting): same acceptance as propose()."""
+    pytest.importorskip("vllm")
+    model, spec, weights = tiny_verifier(hidden=128)  # vLLM's CPU attention needs head_dim >= 32
+    data = greedy_dataset(model, num=8, prompt_len=4, new_tokens=28 + 6, seed=7)
+    train = {k: v[:, : 4 + 28] for k, v in data.items()}
+    torch.manual_seed(0)
+    drafter = build(Config(num_layers=2, num_depths=4, num_speculative_tokens=4), spec, weights)
+    overfit(drafter, train, max_steps=600, lr=1e-2)
+    drafter.eval()
+    accepted, drafts = embedded_acceptance(drafter, data, prompt_len=4, end=4 + 28, k=4)
+    assert sum(accepted) / drafts > 2.0
+    served = vllm_acceptance(
+        tmp_path, model, drafter, data["input_ids"][:, :4].tolist(), 28,
+        {"method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": 4},
+    )
+    assert served["outputs"] == data["input_ids"][:, 4 : 4 + 28].tolist()
+    m = served["metrics"]
+    assert abs(m["vllm:spec_decode_num_drafts"] - drafts) <= 2
+    for ours, theirs in zip(accepted, m["vllm:spec_decode_num_accepted_tokens_per_pos"], strict=True):
+        assert abs(ours - theirs) <= 3, (accepted, m)
+

@@ -19,6 +19,16 @@ from specctl.sampling import (
     sample_categorical,
 )
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Thousands of tiny tensor ops: intra-op threads only add hand-off latency."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------- greedy
 
 
@@ -77,7 +87,11 @@ def test_rejection_sample_matches_brute_force(full_q):
         for trial in range(40):
             p = random_probs(K + 1, 6, g)
             q = random_probs(K, 6, g) if full_q else None
-            draft = torch.multinomial(q, 1, generator=g)[:, 0] if full_q else torch.randint(0, 6, (K,), generator=g)
+            draft = (
+                torch.multinomial(q, 1, generator=g)[:, 0]
+                if full_q
+                else torch.randint(0, 6, (K,), generator=g)
+            )
             got = rejection_sample(draft, q, p, torch.Generator().manual_seed(trial))
             want = brute_rejection_sample(draft, q, p, torch.Generator().manual_seed(trial))
             assert got == want, (K, trial)

@@ -107,10 +107,13 @@ def load_hub_rows(name: str) -> list[PromptRow]:
         import datasets
 
         ds = datasets.load_dataset(entry.path, entry.subset, split=entry.split, data_files=entry.data_files)
-        return [entry.to_row(dict(r)) for r in ds]
-    except Exception as e:
+    except Exception as e:  # network, auth, missing dataset: all end the same way for the user
         first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise DataError(f"{offline_hint} ({type(e).__name__}: {first})") from None
+    try:
+        return [entry.to_row(dict(r)) for r in ds]
+    except (KeyError, IndexError, TypeError) as e:
+        raise DataError(f"--dataset {name}: rows of {entry.path} lack the expected field {e}") from None
 
 
 # ---------------------------------------------------------------- local files and the built-in set

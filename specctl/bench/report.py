@@ -384,6 +384,7 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     d = report if isinstance(report, dict) else report_dict(report)
     fig = Figure(figsize=(11, 4.2), dpi=110)
@@ -403,6 +404,7 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     left.set(
         xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="per-position acceptance"
     )
+    left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.grid(alpha=0.3)
     if drawn:
         left.legend(fontsize=8)

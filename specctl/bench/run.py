@@ -379,9 +379,9 @@ def run_bench(
     )
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
     drafter_dirs = [Path(d) for d in drafters]
-    if not drafter_dirs and baseline is None and recipe is not None:
+    if not drafter_dirs and recipe is not None:
         drafter_dirs = exported_drafters(recipe.run_dir)
-        if not drafter_dirs and ngram is None:
+        if not drafter_dirs and baseline is None and ngram is None:
             raise SpecctlError(_no_drafter_message(recipe))
     methods, baseline_name = plan_methods(drafter_dirs, Path(baseline) if baseline else None, ngram)
     names = [m.name for m in methods]

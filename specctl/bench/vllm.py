@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from specctl.bench.prompts import BenchPrompt
-from specctl.bench.report import Measurement, Method
+from specctl.bench.report import PLAIN, Measurement, Method
 from specctl.errors import SpecctlError
 
 HOST = "127.0.0.1"
@@ -85,12 +85,12 @@ class VllmSetup:
 
 def speculative_config(method: Method) -> dict[str, Any] | None:
     """vLLM's --speculative-config for a method (None = plain decoding)."""
+    if method.algo == PLAIN:
+        return None
     if method.algo not in VLLM_METHODS:
-        if method.drafter is None:
-            return None
         raise SpecctlError(
-            f"{method.drafter}: vLLM has no method for speculators_model_type {method.algo!r} "
-            f"(known: {', '.join(k for k in VLLM_METHODS if k != 'ngram')})"
+            f"{method.drafter or method.name}: vLLM has no method for speculators_model_type "
+            f"{method.algo!r} (known: {', '.join(k for k in VLLM_METHODS if k != 'ngram')})"
         )
     cfg = dict(VLLM_METHODS[method.algo])
     if method.drafter is not None:

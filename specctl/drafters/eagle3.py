@@ -402,7 +402,8 @@ class Eagle3Drafter(Eagle3Backbone):
         """One draft step: append this step's K/V to layer i's cache, attend over all of it.
 
         cache[i] holds (k, v) [B, kvh, M_k, hd] of steps 0..s-1 (step 0 = the context rows);
-        mask [B|1, M, sum M_k] is `ttt_attention_mask` in training, all-True in `propose`.
+        mask [B|1, M, sum M_k]: `ttt_attention_mask` in training; in `propose` causal for the
+        context pass, then all-True for the one drafted row.
         """
         q = attn.project_q(x, cos, sin)
         cache[i].append(attn.project_kv(x, cos, sin))
