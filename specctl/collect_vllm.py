@@ -169,7 +169,7 @@ def check_vllm_can_run(config: Any) -> bool:
     if importlib.util.find_spec("vllm.v1.spec_decode.extract_hidden_states") is None:
         raise SpecctlError(
             f"the vLLM backend needs a vLLM with the extract_hidden_states speculative method "
-            f"(0.32 or newer; this is {vllm.__version__}); {HINT}"
+            f"(this is {vllm.__version__}; 0.32.0 has it); {HINT}"
         )
     from vllm import ModelRegistry
 

@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -147,6 +146,7 @@ def test_missing_vllm_is_one_line(tiny_verifier_dir, monkeypatch):
 @pytest.mark.vllm
 def test_unsupported_cpu_head_size_fails_before_starting_the_engine(tiny_verifier_dir):
     pytest.importorskip("vllm")
+    import psutil
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -164,6 +164,7 @@ def test_unsupported_cpu_head_size_fails_before_starting_the_engine(tiny_verifie
 @pytest.mark.vllm
 def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
     pytest.importorskip("vllm")
+    import psutil
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     verifier = load_vllm_verifier(hd32_dir)
     assert verifier.llm is None and verifier.model is None and verifier.num_layers == NUM_LAYERS
@@ -203,7 +204,9 @@ def _samples(lengths) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _engine_processes(pids: set[int]) -> list[psutil.Process]:
+def _engine_processes(pids: set[int]) -> list:
+    import psutil  # comes with vllm
+
     alive = []
     for pid in pids:
         try:
@@ -224,6 +227,7 @@ def hd32_dir(tmp_path_factory) -> Path:
 def vllm_run(hd32_dir):
     """Start the engine once, run everything the tests check, shut it down; return what was seen."""
     pytest.importorskip("vllm")
+    import psutil
     samples = _samples(LENGTHS)
     seen: dict = {"model_dir": hd32_dir, "samples": samples, "progress": []}
     me = psutil.Process()
