@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specctl.data import load_samples, prepare_data
-from specctl.errors import SpecctlError
+from specctl.errors import DataError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, plan_shards, shard_done, write_shard
 from specctl.progress import progress_bar
 from specctl.recipe import Recipe
@@ -115,11 +116,26 @@ def collect(
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
-    verifier = verifier or load_verifier(recipe.verifier)
+    use_vllm = recipe.features.backend == "vllm"
+    if verifier is None:
+        if use_vllm:
+            from specctl.collect_vllm import load_vllm_verifier
+
+            verifier = load_vllm_verifier(recipe.verifier)
+        else:
+            verifier = load_verifier(recipe.verifier)
     L = verifier.num_layers
     aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
 
-    prepare_data(recipe.data, verifier.tokenizer, run_dir / "data", model=verifier.model, progress=progress)
+    try:
+        prepare_data(recipe.data, verifier.tokenizer, run_dir / "data", model=verifier.model, progress=progress)
+    except DataError:
+        if verifier.model is None:  # the vLLM backend holds no HF model to generate with
+            raise DataError(
+                "the vLLM backend cannot generate conversations; prepare the data once with --backend hf "
+                "(or use a dataset source), then rerun with --backend vllm"
+            ) from None
+        raise
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
     plan = StorePlan(
@@ -140,7 +156,22 @@ def collect(
     todo = [j for j in mine if not shard_done(path, j)]
     total = sum(sum(lengths[a:b]) for a, b in (plan.shards[j] for j in todo))
     done_tokens = 0
-    with progress_bar("tok", enabled=progress) as bar:
+    with ExitStack() as stack:
+        if use_vllm and todo:  # start the engine only when there is work
+            from specctl.collect_vllm import forward_samples_vllm, open_vllm_verifier
+
+            engine = stack.enter_context(open_vllm_verifier(
+                verifier, aux_ids, max_model_len=max(lengths) + 1,
+                max_num_batched_tokens=recipe.features.batch_tokens,
+            ))
+
+            def forward(batch, on_batch):
+                return forward_samples_vllm(engine, batch, aux_ids, on_batch)
+        else:
+            def forward(batch, on_batch):
+                return forward_samples(verifier, batch, aux_ids, recipe.features.batch_tokens, on_batch)
+
+        bar = stack.enter_context(progress_bar("tok", enabled=progress))
         task = bar.add_task("collect hidden states", total=total)
 
         def advance(n: int) -> None:
@@ -150,7 +181,7 @@ def collect(
 
         for j in todo:
             a, b = plan.shards[j]
-            results = forward_samples(verifier, samples[a:b], aux_ids, recipe.features.batch_tokens, advance)
+            results = forward(samples[a:b], advance)
             write_shard(path, j, results, recipe.features.dtype)
     manifest = finalize_store(path)
     bpt = None

@@ -181,7 +181,7 @@ def generate(
                     k = confident_draft_length(confidence, confidence_threshold)
                 drafts = proposal[:k].to(device)  # [k]
             logits = model(
-                input_ids=torch.cat([pending, drafts])[None],
+                input_ids=(torch.cat([pending, drafts]) if k else pending)[None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=k + 1,
@@ -201,9 +201,10 @@ def generate(
                 if aux_buffer is None:
                     aux_buffer = features.new_empty(P + max_new_tokens, *features.shape[1:])
                 aux_buffer[n - len(pending) : n - len(pending) + kept] = features
-            new = drafts[:accepted].tolist() + [next_token]
-            ids[n : n + len(new)] = torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)
-            n += len(new)
+            new = [*drafts[:accepted].tolist(), next_token] if accepted else [next_token]
+            ids[n : n + accepted] = drafts[:accepted]
+            ids[n + accepted] = next_token
+            n += accepted + 1
             pending = ids[n - 1 : n]
             stop = next((i for i, t in enumerate(new) if t in eos), None)
             out += new if stop is None else new[: stop + 1]

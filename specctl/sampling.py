@@ -19,9 +19,11 @@ def greedy_accept(draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[int
     """draft [K], target_argmax [K+1] (the verifier's argmax after the last accepted token and
     after each draft) -> (n_accepted, next_token): drafts 0..n-1 match, next = target_argmax[n]."""
     K = draft.shape[0]
-    matches = (draft == target_argmax[:K]).int()  # [K]
-    n = int(matches.cumprod(0).sum()) if K else 0
-    return n, int(target_argmax[n])
+    if K == 0:
+        return 0, int(target_argmax[0])
+    n = (draft == target_argmax[:K]).int().cumprod(0).sum()  # [] leading matches
+    n_accepted, next_token = torch.stack([n, target_argmax[n]]).tolist()  # one host sync
+    return n_accepted, next_token
 
 
 def rejection_sample(
