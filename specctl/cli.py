@@ -26,7 +26,9 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
-RecipeArg = Annotated[str, typer.Argument(help="Recipe YAML file, or a built-in recipe name such as 'quickstart'.")]
+RecipeArg = Annotated[
+    str, typer.Argument(help="Recipe YAML file, or a built-in recipe name such as 'quickstart'.")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe field, e.g. --set train.lr=3e-4 (repeatable)."),
@@ -63,9 +65,12 @@ def collect_hidden_states(
     set_: SetOpt = None,
     max_samples: Annotated[int | None, typer.Option(help="Use at most N conversations.")] = None,
     shard: Annotated[
-        str | None, typer.Option(help="Work on part I of N (I/N), e.g. one per machine; default: torchrun rank.")
+        str | None,
+        typer.Option(help="Work on part I of N (I/N), e.g. one per machine; default: torchrun rank."),
     ] = None,
-    backend: Annotated[str | None, typer.Option(help="hf or vllm (default: the recipe's features.backend).")] = None,
+    backend: Annotated[
+        str | None, typer.Option(help="hf or vllm (default: the recipe's features.backend).")
+    ] = None,
 ) -> None:
     """Run the verifier over the recipe's conversations and keep the hidden states drafters learn from.
 
@@ -100,7 +105,8 @@ def collect_hidden_states(
 def train(
     recipe: RecipeArg,
     algo: Annotated[
-        str | None, typer.Option(help="peagle | dflash | dspark | eagle3 (default: the recipe's drafter.algo).")
+        str | None,
+        typer.Option(help="peagle | dflash | dspark | eagle3 (default: the recipe's drafter.algo)."),
     ] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
@@ -137,14 +143,29 @@ def train(
 
 @app.command()
 def export(
-    source: Annotated[Path, typer.Argument(help="runs/<name>, runs/<name>/drafters/<algo>, a checkpoint, "
-                                                "or an export directory (with --check).")],
-    output: Annotated[Path | None, typer.Option(help="Output directory (default: <algo dir>/export).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="bf16 | fp16 | fp32 (default: the recipe's export.dtype).")] = None,
-    check: Annotated[bool, typer.Option("--check", help="Validate with vLLM's own config parser too.")] = False,
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="runs/<name>, runs/<name>/drafters/<algo>, a checkpoint, "
+            "or an export directory (with --check)."
+        ),
+    ],
+    output: Annotated[
+        Path | None, typer.Option(help="Output directory (default: <algo dir>/export).")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="bf16 | fp16 | fp32 (default: the recipe's export.dtype).")
+    ] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Validate with vLLM's own config parser too.")
+    ] = False,
     push_to_hub: Annotated[str | None, typer.Option(help="Upload the export to this hub repo.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push-to-hub: list, upload nothing.")] = False,
-    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create a private repo.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="With --push-to-hub: list, upload nothing.")
+    ] = False,
+    private: Annotated[
+        bool, typer.Option("--private", help="With --push-to-hub: create a private repo.")
+    ] = False,
 ) -> None:
     """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors).
 
@@ -184,8 +205,11 @@ def main() -> None:
         if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         where = f" writing {e.filename}" if e.filename else ""
-        err.print(f"[red]error:[/red] disk full{where}; free space and rerun (finished work is kept)",
-                  highlight=False, soft_wrap=True)
+        err.print(
+            f"[red]error:[/red] disk full{where}; free space and rerun (finished work is kept)",
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("interrupted; rerun the same command to resume")

@@ -83,7 +83,10 @@ def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int
 
 
 def forward_samples(
-    verifier: Verifier, samples: list[dict[str, torch.Tensor]], aux_layer_ids: tuple[int, ...], batch_tokens: int,
+    verifier: Verifier,
+    samples: list[dict[str, torch.Tensor]],
+    aux_layer_ids: tuple[int, ...],
+    batch_tokens: int,
     on_batch=None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run the verifier over samples; returns them with aux_hidden_states / last_hidden_state (CPU)."""
@@ -128,7 +131,9 @@ def collect(
     aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
 
     try:
-        prepare_data(recipe.data, verifier.tokenizer, run_dir / "data", model=verifier.model, progress=progress)
+        prepare_data(
+            recipe.data, verifier.tokenizer, run_dir / "data", model=verifier.model, progress=progress
+        )
     except DataError:
         if verifier.model is None:  # the vLLM backend holds no HF model to generate with
             raise DataError(
@@ -160,14 +165,19 @@ def collect(
         if use_vllm and todo:  # start the engine only when there is work
             from specctl.collect_vllm import forward_samples_vllm, open_vllm_verifier
 
-            engine = stack.enter_context(open_vllm_verifier(
-                verifier, aux_ids, max_model_len=max(lengths) + 1,
-                max_num_batched_tokens=recipe.features.batch_tokens,
-            ))
+            engine = stack.enter_context(
+                open_vllm_verifier(
+                    verifier,
+                    aux_ids,
+                    max_model_len=max(lengths) + 1,
+                    max_num_batched_tokens=recipe.features.batch_tokens,
+                )
+            )
 
             def forward(batch, on_batch):
                 return forward_samples_vllm(engine, batch, aux_ids, on_batch)
         else:
+
             def forward(batch, on_batch):
                 return forward_samples(verifier, batch, aux_ids, recipe.features.batch_tokens, on_batch)
 

@@ -158,8 +158,12 @@ def write_shard(path: Path, j: int, samples: list[dict[str, torch.Tensor]], dtyp
         "last_hidden_state": torch.cat([s["last_hidden_state"] for s in samples]).to(target_dtype),
     }
     data = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "specctl"})
-    info = {"file": f"{shard_name(j)}.safetensors", "sha256": hashlib.sha256(data).hexdigest(),
-            "bytes": len(data), "samples": len(samples)}
+    info = {
+        "file": f"{shard_name(j)}.safetensors",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "bytes": len(data),
+        "samples": len(samples),
+    }
     _atomic_write(path / info["file"], data)
     _atomic_write(path / f"{shard_name(j)}.json", json.dumps(info).encode())
     return info
@@ -255,11 +259,17 @@ def open_features(path: str | Path, verify: bool = True) -> FeatureStore:
                 f"{path}: incomplete feature store ({done} of {len(plan['shards'])} shards); rerun "
                 f"`specctl collect-hidden-states` (every --shard rank) to finish it"
             )
-        raise FeatureStoreError(f"{path}: no feature store here; run `specctl collect-hidden-states RECIPE` first")
+        raise FeatureStoreError(
+            f"{path}: no feature store here; run `specctl collect-hidden-states RECIPE` first"
+        )
     try:
         manifest = Manifest(**json.loads(manifest_file.read_text()))
     except (ValueError, TypeError) as e:
-        raise FeatureStoreError(f"{manifest_file}: unreadable manifest ({e}); rerun collect-hidden-states") from None
+        raise FeatureStoreError(
+            f"{manifest_file}: unreadable manifest ({e}); rerun collect-hidden-states"
+        ) from None
     if manifest.format_version != FORMAT_VERSION:
-        raise FeatureStoreError(f"{path}: store format {manifest.format_version}, this specctl reads {FORMAT_VERSION}")
+        raise FeatureStoreError(
+            f"{path}: store format {manifest.format_version}, this specctl reads {FORMAT_VERSION}"
+        )
     return FeatureStore(path, manifest, verify=verify)

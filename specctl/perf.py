@@ -17,11 +17,47 @@ from pathlib import Path
 
 import torch
 
-PERF_WORDS = (
-    "model data token layer speculative decoding draft verify accept block anchor train loss "
-    "feature hidden state cache memory throughput latency batch sequence attention python code "
-    "function return value list dictionary explain why how what when example step answer question"
-).split()
+PERF_WORDS = [
+    "model",
+    "data",
+    "token",
+    "layer",
+    "speculative",
+    "decoding",
+    "draft",
+    "verify",
+    "accept",
+    "block",
+    "anchor",
+    "train",
+    "loss",
+    "feature",
+    "hidden",
+    "state",
+    "cache",
+    "memory",
+    "throughput",
+    "latency",
+    "batch",
+    "sequence",
+    "attention",
+    "python",
+    "code",
+    "function",
+    "return",
+    "value",
+    "list",
+    "dictionary",
+    "explain",
+    "why",
+    "how",
+    "what",
+    "when",
+    "example",
+    "step",
+    "answer",
+    "question",
+]
 
 
 def _conversations(path: Path, n: int, seed: int = 0) -> Path:
@@ -43,12 +79,14 @@ def bench_collect(workdir: Path, num_samples: int = 24) -> dict[str, float]:
     from specctl.recipe import recipe_from_dict
     from specctl.verifier import load_verifier
 
-    recipe = recipe_from_dict({
-        "name": "perf-collect",
-        "output_dir": str(workdir),
-        "data": {"source": str(_conversations(workdir / "chats.jsonl", num_samples)), "max_length": 1024},
-        "features": {"batch_tokens": 4096},
-    })
+    recipe = recipe_from_dict(
+        {
+            "name": "perf-collect",
+            "output_dir": str(workdir),
+            "data": {"source": str(_conversations(workdir / "chats.jsonl", num_samples)), "max_length": 1024},
+            "features": {"batch_tokens": 4096},
+        }
+    )
     verifier = load_verifier(recipe.verifier)
     model = verifier.model
     # warm-up (allocator, kernels) on a short input, then the two measured passes

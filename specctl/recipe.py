@@ -67,9 +67,7 @@ class DataSection(Section):
     )
     shuffle: bool = Field(True, description="Shuffle the source before taking `max_samples`.")
     seed: int = Field(0, description="Seed for shuffling and sampling.")
-    regenerate: bool = Field(
-        False, description="Replace assistant turns with the verifier's own answers."
-    )
+    regenerate: bool = Field(False, description="Replace assistant turns with the verifier's own answers.")
     max_new_tokens: int = Field(
         256, ge=1, description="Length cap of an answer written by the verifier (generate/regenerate)."
     )
@@ -155,7 +153,9 @@ class ExportSection(Section):
 
 class BenchSection(Section):
     backend: Literal["embedded", "vllm"] = Field("embedded", description="Engine that serves the drafters.")
-    dataset: str = Field("builtin", description="`builtin`, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl.")
+    dataset: str = Field(
+        "builtin", description="`builtin`, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl."
+    )
     num_prompts: int = Field(16, ge=1, description="Prompts per method.")
     max_new_tokens: int = Field(128, ge=1, description="Output tokens per prompt.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")

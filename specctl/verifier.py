@@ -56,8 +56,9 @@ def cache_dir() -> Path:
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     """`auto` = CUDA + bf16 when a GPU is present, else CPU + fp32."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, getattr(torch, dtype)
@@ -99,12 +100,17 @@ def materialize_builtin(alias: str) -> Path:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        with warnings.catch_warnings(), Console(stderr=True).status(
-            f"converting the built-in verifier {alias} from GGUF (one time, about a minute)"
+        with (
+            warnings.catch_warnings(),
+            Console(stderr=True).status(
+                f"converting the built-in verifier {alias} from GGUF (one time, about a minute)"
+            ),
         ):
             warnings.simplefilter("ignore")
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            )
         # the weights are dequantised now: save them as a plain model
         model.hf_quantizer = None
         model.config.__dict__.pop("quantization_config", None)
@@ -171,8 +177,11 @@ def _snapshot_dir(model: Any) -> str | None:
 def config_hash(config: Any) -> str:
     """A short hash of the verifier's architecture config; features are tied to it."""
     d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    keep = {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version", "dtype",
-                                                                             "torch_dtype")}
+    keep = {
+        k: v
+        for k, v in d.items()
+        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
+    }
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -203,7 +212,9 @@ def resolve_mask_token_id(tokenizer: Any, config: Any, override: int | None) -> 
     vocab = config.vocab_size
     if override is not None:
         if not 0 <= override < vocab:
-            raise VerifierError(f"drafter.mask_token_id {override}: out of the verifier's vocabulary 0..{vocab - 1}")
+            raise VerifierError(
+                f"drafter.mask_token_id {override}: out of the verifier's vocabulary 0..{vocab - 1}"
+            )
         return override
     mask = getattr(tokenizer, "mask_token_id", None)
     if mask is not None and mask < vocab:
@@ -217,10 +228,14 @@ def resolve_mask_token_id(tokenizer: Any, config: Any, override: int | None) -> 
 
 
 def verifier_spec(verifier: Verifier, aux_layer_ids: tuple[int, ...], mask_token_id: int) -> VerifierSpec:
-    return spec_from_config(verifier.config, verifier.hub_id or verifier.name_or_path, aux_layer_ids, mask_token_id)
+    return spec_from_config(
+        verifier.config, verifier.hub_id or verifier.name_or_path, aux_layer_ids, mask_token_id
+    )
 
 
-def spec_from_config(config: Any, name: str, aux_layer_ids: tuple[int, ...], mask_token_id: int) -> VerifierSpec:
+def spec_from_config(
+    config: Any, name: str, aux_layer_ids: tuple[int, ...], mask_token_id: int
+) -> VerifierSpec:
     c = config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -273,6 +288,7 @@ def _record_layers(model: Any, layer_ids: tuple[int, ...]):
     def keep(i: int):
         def hook(_module, _args, output):
             captured[i] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     for i in set(layer_ids):

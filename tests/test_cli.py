@@ -61,11 +61,17 @@ def test_bad_recipe_is_one_line_exit_2(monkeypatch, capsys, tmp_path, recipe_tex
 
 def _recipe(tmp_path: Path, verifier_dir: Path, source: str) -> Path:
     path = tmp_path / "r.yaml"
-    path.write_text(json.dumps({
-        "name": "cli", "output_dir": str(tmp_path / "runs"),
-        "verifier": {"name_or_path": str(verifier_dir)}, "data": {"source": source},
-        "features": {"aux_layer_ids": [1, 2, 3]},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "cli",
+                "output_dir": str(tmp_path / "runs"),
+                "verifier": {"name_or_path": str(verifier_dir)},
+                "data": {"source": source},
+                "features": {"aux_layer_ids": [1, 2, 3]},
+            }
+        )
+    )
     return path
 
 
@@ -73,11 +79,17 @@ def _recipe(tmp_path: Path, verifier_dir: Path, source: str) -> Path:
     "make_source, needle",
     [
         (lambda d: str(d / "missing.jsonl"), "missing.jsonl"),
-        (lambda d: (d / "empty.jsonl").write_text("") and str(d / "empty.jsonl") or str(d / "empty.jsonl"), "empty"),
         (
-            lambda d: (d / "users.jsonl").write_text(
-                json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-            ) and str(d / "users.jsonl"),
+            lambda d: (d / "empty.jsonl").write_text("") and str(d / "empty.jsonl") or str(d / "empty.jsonl"),
+            "empty",
+        ),
+        (
+            lambda d: (
+                (d / "users.jsonl").write_text(
+                    json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                )
+                and str(d / "users.jsonl")
+            ),
             "assistant",
         ),
     ],

@@ -21,7 +21,26 @@ from specctl.errors import FeatureStoreError, VerifierError
 from specctl.features import open_features, plan_shards, shard_done
 from specctl.recipe import load_recipe
 
-WORDS = "the cat sat on a mat while dogs ran far away from big red houses near blue lakes".split()
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "while",
+    "dogs",
+    "ran",
+    "far",
+    "away",
+    "from",
+    "big",
+    "red",
+    "houses",
+    "near",
+    "blue",
+    "lakes",
+]
 
 
 def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
@@ -30,7 +49,11 @@ def write_conversations(path: Path, n: int = 24, seed: int = 0) -> Path:
         for _ in range(n):
             q = " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))
             a = " ".join(rng.choices(WORDS, k=rng.randint(5, 40)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}))
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                )
+            )
             f.write("\n")
     return path
 
@@ -51,7 +74,11 @@ def make_recipe(tmp_path: Path, verifier_dir: Path, name: str = "t", **features)
 
 def run_cli(*args: str, env: dict | None = None, preexec=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "specctl", *args], capture_output=True, text=True, env=env, preexec_fn=preexec,
+        [sys.executable, "-m", "specctl", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=preexec,
         timeout=300,
     )
 
@@ -105,7 +132,9 @@ def test_collect_matches_hf_output_hidden_states(tmp_path, tiny_verifier_dir):
         assert row["aux_hidden_states"].shape == (T, 3, 64)
         assert row["aux_hidden_states"].dtype == torch.bfloat16
         for j, layer in enumerate([1, 2, 3]):
-            torch.testing.assert_close(row["aux_hidden_states"][:, j].float(), hs[layer][0], atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(
+                row["aux_hidden_states"][:, j].float(), hs[layer][0], atol=2e-2, rtol=2e-2
+            )
         # last_hidden_state is the residual stream before the final norm: norm(last) == HF's last entry
         normed = model.model.norm(row["last_hidden_state"].float())
         torch.testing.assert_close(normed, hs[-1][0], atol=5e-2, rtol=2e-2)
@@ -170,7 +199,8 @@ def test_kill_9_then_rerun_gives_identical_store(tmp_path, tiny_verifier_dir):
     features = victim.run_dir / "features"
     proc = subprocess.Popen(
         [sys.executable, "-m", "specctl", "collect-hidden-states", str(victim_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 240
     while time.time() < deadline and not (features / "shard-00000.json").exists():

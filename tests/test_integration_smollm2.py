@@ -15,9 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 
 SMALL = [
-    "--set", "data.max_samples=4",
-    "--set", "data.max_new_tokens=48",
-    "--set", "data.generate.user_max_new_tokens=32",
+    "--set",
+    "data.max_samples=4",
+    "--set",
+    "data.max_new_tokens=48",
+    "--set",
+    "data.generate.user_max_new_tokens=32",
 ]
 
 
@@ -26,8 +29,18 @@ def quickstart_run(tmp_path_factory) -> Path:
     """Collect features for 4 self-generated conversations; returns the working directory."""
     cwd = tmp_path_factory.mktemp("quickstart")
     result = subprocess.run(
-        [sys.executable, "-m", "specctl", "collect-hidden-states", str(ROOT / "recipes" / "quickstart.yaml"), *SMALL],
-        cwd=cwd, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "specctl",
+            "collect-hidden-states",
+            str(ROOT / "recipes" / "quickstart.yaml"),
+            *SMALL,
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "complete" in result.stdout
@@ -43,7 +56,9 @@ def test_quickstart_features_equal_hf_hidden_states(quickstart_run):
     assert len(store) == 4
     assert store.manifest.aux_layer_ids == [2, 15, 27]  # (2, L//2, L-3) for L=30
     assert store.manifest.verifier == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    model = AutoModelForCausalLM.from_pretrained(materialize_builtin("smollm2-135m-instruct"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        materialize_builtin("smollm2-135m-instruct"), dtype=torch.float32
+    )
     for i in range(len(store)):
         row = store[i]
         assert row["loss_mask"].any() and not row["loss_mask"].all()
@@ -60,8 +75,18 @@ def test_quickstart_features_equal_hf_hidden_states(quickstart_run):
 
 def test_quickstart_rerun_reuses_everything(quickstart_run):
     result = subprocess.run(
-        [sys.executable, "-m", "specctl", "collect-hidden-states", str(ROOT / "recipes" / "quickstart.yaml"), *SMALL],
-        cwd=quickstart_run, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "specctl",
+            "collect-hidden-states",
+            str(ROOT / "recipes" / "quickstart.yaml"),
+            *SMALL,
+        ],
+        cwd=quickstart_run,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "0 / " in result.stdout  # no shard written: all were already done
