@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 from pathlib import Path
@@ -187,6 +188,95 @@ def export(
         if len(dirs) != 1:
             raise SpecctlError("--push-to-hub uploads one drafter: pass runs/<name>/drafters/<algo>")
         _summary("push-to-hub", push(dirs[0], push_to_hub, dry_run=dry_run, private=private).rows())
+
+
+@app.command()
+def bench(
+    recipe: Annotated[
+        str | None, typer.Argument(help="Recipe YAML or built-in name (default: quickstart).")
+    ] = None,
+    drafter: Annotated[
+        list[Path] | None,
+        typer.Option("--drafter", help="A speculators-format drafter directory (repeatable)."),
+    ] = None,
+    baseline: Annotated[
+        Path | None, typer.Option(help="An EAGLE-3 drafter directory: the reference of 'vs EAGLE-3'.")
+    ] = None,
+    backend: Annotated[
+        str | None, typer.Option(help="embedded | vllm | vllm-offline (default: the recipe's bench.backend).")
+    ] = None,
+    dataset: Annotated[
+        str | None, typer.Option(help="builtin, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl file.")
+    ] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="Prompts per method.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Output tokens per prompt.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (vLLM backends).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = None,
+    verifier: Annotated[
+        str | None, typer.Option(help="Verifier instead of the recipe's / the drafters' own.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="Output directory (default: runs/<name>/bench).")
+    ] = None,
+    require: Annotated[
+        list[str] | None,
+        typer.Option("--require", help="Fail unless a figure holds, e.g. 'dflash.acceptance_length>=2.5'."),
+    ] = None,
+    ngram: Annotated[
+        int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
+    ] = None,
+    vllm_arg: Annotated[
+        list[str] | None,
+        typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print report.json to stdout.")] = False,
+    set_: SetOpt = None,
+) -> None:
+    """Benchmark drafters against plain decoding and EAGLE-3: acceptance length and throughput.
+
+    Example: specctl bench recipes/quickstart.yaml --backend vllm --require 'dflash.acceptance_length>=2'
+    """
+    from specctl.bench.report import rich_table
+    from specctl.bench.run import run_bench
+    from specctl.errors import RecipeError
+    from specctl.recipe import load_recipe
+
+    r = load_recipe(recipe, list(set_ or [])) if recipe is not None else None
+    if r is None and set_:
+        if drafter or baseline is not None:
+            raise RecipeError("--set needs a RECIPE when benchmarking --drafter directories")
+        r = load_recipe("quickstart", list(set_))
+    report = run_bench(
+        r,
+        drafters=drafter or [],
+        baseline=baseline,
+        backend=backend,
+        dataset=dataset,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        verifier=verifier,
+        output=output,
+        requires=require or [],
+        top_p=top_p,
+        concurrency=concurrency,
+        seed=seed,
+        ngram=ngram,
+        vllm_args=vllm_arg or [],
+    )
+    if json_:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        out.print(rich_table(report))
+        out.print(f"report: {report.output_dir}/report.md")
+    for e in report.errors:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+    for f in report.failures:
+        err.print(f"[red]requirement not met:[/red] {f}", highlight=False, soft_wrap=True)
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:

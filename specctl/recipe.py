@@ -152,7 +152,9 @@ class ExportSection(Section):
 
 
 class BenchSection(Section):
-    backend: Literal["embedded", "vllm"] = Field("embedded", description="Engine that serves the drafters.")
+    backend: Literal["embedded", "vllm", "vllm-offline"] = Field(
+        "embedded", description="embedded engine, a vLLM server per method, or vLLM's offline LLM."
+    )
     dataset: str = Field(
         "builtin", description="`builtin`, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl."
     )
