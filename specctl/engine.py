@@ -141,6 +141,8 @@ def generate(
 
     K, aux_layer_ids, propose = 0, (), None
     if drafter is not None:
+        if num_speculative_tokens is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         K = num_speculative_tokens or default_num_speculative_tokens(drafter)
         aux_layer_ids = tuple(drafter.verifier.aux_layer_ids)
         propose = drafter.propose

@@ -48,10 +48,24 @@ def verifier():
     return varied_verifier()
 
 
+def hf_generate_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate(do_sample=False) without EOS. The explicit all-ones attention mask matters:
+    without it HF infers one from pad_token_id and hides every prompt token equal to it (for
+    SmolLM2, pad = <|im_end|>, which every chat prompt contains)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(verifier) -> list[int]:
-    out = verifier.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    return out[0, len(PROMPT) :].tolist()
+    return hf_generate_greedy(verifier, PROMPT, NEW)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +134,8 @@ def scripted(verifier, reference, **kw) -> ScriptedDrafter:
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_plain_greedy_matches_hf_generate(kind):
     model = varied_verifier(kind)
-    hf = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     result = generate(model, None, PROMPT, NEW)
-    assert result.tokens == hf[0, len(PROMPT) :].tolist()
+    assert result.tokens == hf_generate_greedy(model, PROMPT, NEW)
     assert len(set(result.tokens)) > 10  # varied text, not a loop
     assert result.counters.num_drafts == 0 and result.counters.acceptance_length == 1.0
     assert result.wall_s > 0 and result.tokens_per_s > 0
@@ -146,6 +159,8 @@ def test_bad_arguments():
         generate(model, None, [], 4)
     with pytest.raises(ValueError, match="top_p"):
         generate(model, None, PROMPT, 4, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        generate(model, fixed_drafter([1]), PROMPT, 4, num_speculative_tokens=0)
 
 
 # ---------------------------------------------------------------- greedy losslessness
