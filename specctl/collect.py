@@ -39,12 +39,14 @@ class CollectSummary:
     shards_written: int
     shards_skipped: int
     complete: bool
-    seconds: float
+    seconds: float  # the whole stage, data preparation included
+    forward_seconds: float  # verifier forward + shard writes only
     bytes_per_token: float | None
 
     @property
     def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        """Collection throughput: tokens through the verifier per second of forward + write."""
+        return self.num_tokens / self.forward_seconds if self.forward_seconds > 0 else 0.0
 
 
 def parse_shard(spec: str | None) -> tuple[int, int]:
@@ -161,6 +163,7 @@ def collect(
     todo = [j for j in mine if not shard_done(path, j)]
     total = sum(sum(lengths[a:b]) for a, b in (plan.shards[j] for j in todo))
     done_tokens = 0
+    forward_start = time.perf_counter()
     with ExitStack() as stack:
         if use_vllm and todo:  # start the engine only when there is work
             from specctl.collect_vllm import forward_samples_vllm, open_vllm_verifier
@@ -205,5 +208,6 @@ def collect(
         shards_skipped=len(mine) - len(todo),
         complete=manifest is not None,
         seconds=time.perf_counter() - start,
+        forward_seconds=time.perf_counter() - forward_start,
         bytes_per_token=bpt,
     )
