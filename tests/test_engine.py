@@ -95,12 +95,10 @@ class ScriptedDrafter:
 
     def __init__(self, sequence: list[int], vocab_size: int, wrong=lambda step, i: False, confidence=None):
         self.verifier = SimpleNamespace(aux_layer_ids=AUX_IDS)
-        self.sequence, self.vocab_size, self.wrong, self.confidence = (
-            list(sequence),
-            vocab_size,
-            wrong,
-            confidence,
-        )
+        self.sequence = list(sequence)
+        self.vocab_size = vocab_size
+        self.wrong = wrong
+        self.confidence = confidence  # [K] per-position confidences to report, or None
         self.features: list[torch.Tensor] = []  # aux_hidden_states of each call
         self.first_wrong: list[int] = []  # per call: index of the first wrong draft (= K when none)
 
