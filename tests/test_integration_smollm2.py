@@ -24,24 +24,23 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory) -> Path:
-    """Collect features for 4 self-generated conversations; returns the working directory."""
-    cwd = tmp_path_factory.mktemp("quickstart")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specctl",
-            "collect-hidden-states",
-            str(ROOT / "recipes" / "quickstart.yaml"),
-            *SMALL,
-        ],
+def collect_quickstart(cwd: Path) -> subprocess.CompletedProcess:
+    """Run the quickstart collect command on the small settings, in `cwd`."""
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    return subprocess.run(
+        [sys.executable, "-m", "specctl", "collect-hidden-states", recipe, *SMALL],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=1200,
     )
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory) -> Path:
+    """Collect features for 4 self-generated conversations; returns the working directory."""
+    cwd = tmp_path_factory.mktemp("quickstart")
+    result = collect_quickstart(cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "complete" in result.stdout
     return cwd
@@ -74,19 +73,6 @@ def test_quickstart_features_equal_hf_hidden_states(quickstart_run):
 
 
 def test_quickstart_rerun_reuses_everything(quickstart_run):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specctl",
-            "collect-hidden-states",
-            str(ROOT / "recipes" / "quickstart.yaml"),
-            *SMALL,
-        ],
-        cwd=quickstart_run,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = collect_quickstart(quickstart_run)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "0 / " in result.stdout  # no shard written: all were already done
