@@ -221,9 +221,15 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     on_cpu = check_vllm_can_run(config)
     return VllmVerifier(
-        tokenizer=tokenizer, config=config, name_or_path=section.name_or_path, hub_id=hub_id,
-        local_path=source if Path(source).is_dir() else None, source=source, section=section,
-        on_cpu=on_cpu, dtype=_vllm_dtype(section, on_cpu),
+        tokenizer=tokenizer,
+        config=config,
+        name_or_path=section.name_or_path,
+        hub_id=hub_id,
+        local_path=source if Path(source).is_dir() else None,
+        source=source,
+        section=section,
+        on_cpu=on_cpu,
+        dtype=_vllm_dtype(section, on_cpu),
     )
 
 
@@ -260,9 +266,15 @@ def open_vllm_verifier(
     store = Path(tempfile.mkdtemp(prefix="specctl-vllm-hs-")) if own_dir else Path(storage_dir)
     store.mkdir(parents=True, exist_ok=True)
     kwargs = engine_kwargs(
-        v.source, capture, store, on_cpu=v.on_cpu, dtype=str(v.dtype).removeprefix("torch."),
-        max_model_len=max_model_len, revision=v.section.revision,
-        trust_remote_code=v.section.trust_remote_code, max_num_batched_tokens=max_num_batched_tokens,
+        v.source,
+        capture,
+        store,
+        on_cpu=v.on_cpu,
+        dtype=str(v.dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        revision=v.section.revision,
+        trust_remote_code=v.section.trust_remote_code,
+        max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_gib=kv_cache_gib,
     )
     try:
@@ -275,7 +287,10 @@ def open_vllm_verifier(
             ) from e
         try:
             yield replace(
-                v, llm=llm, capture_ids=capture, storage_dir=store,
+                v,
+                llm=llm,
+                capture_ids=capture,
+                storage_dir=store,
                 max_model_len=llm.llm_engine.model_config.max_model_len,
             )
         finally:
@@ -417,8 +432,10 @@ def _cpu_hidden_states_connector() -> type:
             os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
             lock_fd = self._lock_fds.pop(pending.req_id, None)
             try:
-                save_file({"hidden_states": hidden.contiguous(), "token_ids": pending.token_ids.clone()},
-                          pending.filename)
+                save_file(
+                    {"hidden_states": hidden.contiguous(), "token_ids": pending.token_ids.clone()},
+                    pending.filename,
+                )
             finally:
                 if lock_fd is not None:
                     os.close(lock_fd)  # releases the reader

@@ -165,8 +165,61 @@ def load_verifier(section: VerifierSection) -> Verifier:
             f"HF directory or the built-in alias 'smollm2-135m-instruct'"
         ) from None
     model.to(device).eval().requires_grad_(False)
+    use_gqa_sdpa(model)
     local = source if Path(source).is_dir() else _snapshot_dir(model)
     return Verifier(model, tokenizer, model.config, section.name_or_path, hub_id, local, device, dtype)
+
+
+GQA_SDPA = "specctl_gqa_sdpa"
+
+
+def gqa_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, but grouped-query heads are never copied.
+
+    transformers repeats K/V heads (`repeat_kv`) whenever a padding mask is present, which
+    copies the whole KV cache at every decode step: 40% of batched generation time on CPU for
+    SmolLM2 (9 query / 3 KV heads). `enable_gqa=True` computes the same attention in place.
+    query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D] -> [B, Tq, Hq, D].
+    """
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
+    if is_causal and key.shape[2] > query.shape[2]:  # empty static-cache slots after the prefill
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_sdpa(model: Any) -> None:
+    """Switch a model that runs transformers' `sdpa` attention to `gqa_sdpa_attention` (same math)."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(
+        model, "set_attn_implementation"
+    ):
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_SDPA, sdpa_mask)
+    model.set_attn_implementation(GQA_SDPA)
 
 
 def _snapshot_dir(model: Any) -> str | None:

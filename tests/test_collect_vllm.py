@@ -165,6 +165,7 @@ def test_unsupported_cpu_head_size_fails_before_starting_the_engine(tiny_verifie
 def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
     pytest.importorskip("vllm")
     import psutil
+
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     verifier = load_vllm_verifier(hd32_dir)
     assert verifier.llm is None and verifier.model is None and verifier.num_layers == NUM_LAYERS
@@ -187,9 +188,17 @@ def make_vllm_sized_verifier(path: Path) -> Path:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).eval().save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
@@ -228,6 +237,7 @@ def vllm_run(hd32_dir):
     """Start the engine once, run everything the tests check, shut it down; return what was seen."""
     pytest.importorskip("vllm")
     import psutil
+
     samples = _samples(LENGTHS)
     seen: dict = {"model_dir": hd32_dir, "samples": samples, "progress": []}
     me = psutil.Process()
@@ -237,7 +247,8 @@ def vllm_run(hd32_dir):
         seen["capture_ids"], seen["storage_dir"] = engine.capture_ids, engine.storage_dir
         seen["batch_budget"] = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         seen["engine_pids"] = {
-            p.pid for p in me.children(recursive=True)
+            p.pid
+            for p in me.children(recursive=True)
             if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
         }
         seen["out"] = forward_samples_vllm(engine, samples, AUX, on_batch=seen["progress"].append)

@@ -556,7 +556,11 @@ def test_vllm_serves_what_propose_drafts(tmp_path):
     accepted, drafts = embedded_acceptance(drafter, data, prompt_len=4, end=4 + 28, k=4)
     assert sum(accepted) / drafts > 2.0  # a drafter worth checking: tau > 3 here
     served = vllm_acceptance(
-        tmp_path, model, drafter, data["input_ids"][:, :4].tolist(), 28,
+        tmp_path,
+        model,
+        drafter,
+        data["input_ids"][:, :4].tolist(),
+        28,
         {"method": "eagle3", "num_speculative_tokens": 4},
     )
     assert served["outputs"] == data["input_ids"][:, 4 : 4 + 28].tolist()  # lossless
@@ -564,4 +568,3 @@ def test_vllm_serves_what_propose_drafts(tmp_path):
     assert abs(m["vllm:spec_decode_num_drafts"] - drafts) <= 2
     for ours, theirs in zip(accepted, m["vllm:spec_decode_num_accepted_tokens_per_pos"], strict=True):
         assert abs(ours - theirs) <= 3, (accepted, m)
-

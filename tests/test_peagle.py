@@ -125,9 +125,7 @@ def rows_from_table(valid: torch.Tensor, generator) -> tuple[torch.Tensor, ...]:
     per = []
     for b in range(valid.shape[1]):
         kept = sample_draft_blocks(valid[:, b], 0.7, 0.3, generator=generator)
-        per.append(
-            (torch.cat(kept), torch.cat([torch.full_like(k, d + 1) for d, k in enumerate(kept)]))
-        )
+        per.append((torch.cat(kept), torch.cat([torch.full_like(k, d + 1) for d, k in enumerate(kept)])))
     M = max(a.numel() for a, _ in per)
     anchor, depth = torch.zeros(len(per), M, dtype=torch.long), torch.ones(len(per), M, dtype=torch.long)
     present = torch.zeros(len(per), M, dtype=torch.bool)
@@ -219,8 +217,13 @@ def test_training_rows_equal_serving_pass(verifier, batch):
     _, spec, weights = verifier
     torch.manual_seed(4)
     drafter = build(
-        Config(num_layers=2, num_depths=5, num_speculative_tokens=5, norm_before_fc=True,
-               norm_before_residual=True),
+        Config(
+            num_layers=2,
+            num_depths=5,
+            num_speculative_tokens=5,
+            norm_before_fc=True,
+            norm_before_residual=True,
+        ),
         spec,
         weights,
     ).eval()
@@ -383,7 +386,11 @@ def test_vllm_serves_what_propose_drafts(tmp_path):
     accepted, drafts = embedded_acceptance(drafter, data, prompt_len=4, end=4 + 28, k=4)
     assert sum(accepted) / drafts > 2.0
     served = vllm_acceptance(
-        tmp_path, model, drafter, data["input_ids"][:, :4].tolist(), 28,
+        tmp_path,
+        model,
+        drafter,
+        data["input_ids"][:, :4].tolist(),
+        28,
         {"method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": 4},
     )
     assert served["outputs"] == data["input_ids"][:, 4 : 4 + 28].tolist()
@@ -391,4 +398,3 @@ def test_vllm_serves_what_propose_drafts(tmp_path):
     assert abs(m["vllm:spec_decode_num_drafts"] - drafts) <= 2
     for ours, theirs in zip(accepted, m["vllm:spec_decode_num_accepted_tokens_per_pos"], strict=True):
         assert abs(ours - theirs) <= 3, (accepted, m)
-

@@ -236,9 +236,7 @@ class PEagleDrafter(Eagle3Backbone):
             # block keys of each depth row: [B, kvh, M, J, hd], gathered from the depth rows
             bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
             bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
-            drafts = block_attention(
-                attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_mask, bk, bv, blk_mask
-            )
+            drafts = block_attention(attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_mask, bk, bv, blk_mask)
             return torch.cat([real, drafts], 1)
 
         out, _ = self.run_layers(tokens, features, positions, attend)
