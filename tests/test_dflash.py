@@ -432,7 +432,7 @@ def test_loss_is_position_weighted_against_the_verifier(loss):
     rows = m.gather_rows(batch)
     got, metrics = m(batch)
     logits = m.draft_logits(rows.hidden)
-    target = rows.target_logits
+    target = rows.target.kept_logits
     if loss == "kl":
         per_row = -(F.softmax(target, -1) * F.log_softmax(logits, -1)).sum(-1)
     else:
@@ -459,7 +459,7 @@ def test_targets_are_the_verifier_distribution_one_position_back():
         h = batch["last_hidden_state"][b, j - 1]
         expected_logits.append((h * torch.rsqrt(h.pow(2).mean() + 1e-6) * w.norm) @ w.lm_head.T)
         expected_prev.append(int(batch["input_ids"][b, j - 1]))
-    torch.testing.assert_close(rows.target_logits, torch.stack(expected_logits), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(rows.target.kept_logits, torch.stack(expected_logits), atol=1e-4, rtol=1e-5)
     assert rows.prev_ids.tolist() == expected_prev
 
 

@@ -22,7 +22,7 @@ from test_dflash import (
 from specctl.drafters import DRAFTERS
 from specctl.drafters.dflash import block_queries
 from specctl.drafters.dspark import Config, DSparkDrafter, confident_prefix_length, total_variation
-from specctl.drafters.targets import build_draft_vocab
+from specctl.drafters.targets import build_draft_vocab, targets_from_logits
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -127,14 +127,15 @@ def test_total_variation_brute_force():
     target = torch.randn(6, VOCAB, generator=g) * 3
     draft = torch.randn(6, VOCAB, generator=g) * 3
     p, q = F.softmax(target, -1), F.softmax(draft, -1)
-    torch.testing.assert_close(total_variation(draft, target, None), 0.5 * (p - q).abs().sum(-1))
-    torch.testing.assert_close(total_variation(target, target, None), torch.zeros(6), atol=1e-6, rtol=0)
+    full = targets_from_logits(target, None)
+    torch.testing.assert_close(total_variation(draft, full), 0.5 * (p - q).abs().sum(-1))
+    torch.testing.assert_close(total_variation(target, full), torch.zeros(6), atol=1e-6, rtol=0)
     _, t2d = build_draft_vocab(torch.rand(VOCAB, generator=g), 50)
     draft_small = torch.randn(6, 50, generator=g)
     q_full = torch.zeros(6, VOCAB)
     q_full[:, t2d] = F.softmax(draft_small, -1)  # draft mass only on kept ids
     want = 0.5 * (p - q_full).abs().sum(-1)
-    torch.testing.assert_close(total_variation(draft_small, target, t2d), want)
+    torch.testing.assert_close(total_variation(draft_small, targets_from_logits(target, t2d)), want)
     # 1 - TV is the acceptance probability of a sampled draft token: sum of min(p, q)
     torch.testing.assert_close(1 - want, torch.minimum(p, q_full).sum(-1))
 
@@ -145,7 +146,7 @@ def test_confidence_is_trained_toward_one_minus_tv():
     rows = m.gather_rows(batch)
     loss, metrics = m.rows_loss(rows)
     logits, emb = m.block_logits(rows.hidden, rows.prev_ids)
-    target = 1 - total_variation(logits, rows.target_logits, None)
+    target = 1 - total_variation(logits, rows.target)
     conf_logit = m.confidence_head(rows.hidden, emb)
     torch.testing.assert_close(loss, F.binary_cross_entropy_with_logits(conf_logit, target.detach()))
     assert metrics["accept_prob"].sum() == pytest.approx(float(target.detach().sum()), rel=1e-5)

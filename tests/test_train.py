@@ -25,7 +25,7 @@ from specctl.data import load_token_freq
 from specctl.distributed import DistContext, rank_share
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import DrafterSpec, VerifierWeights
-from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_logits
+from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_targets
 from specctl.errors import DataError, FeatureStoreError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, write_shard
 from specctl.optim import Muon, build_optimizer, is_hidden_matrix, lr_at, orthogonalize, param_groups
@@ -379,8 +379,8 @@ class ToyDrafter(nn.Module):
                 rows &= torch.rand(rows.shape, device=rows.device) < 0.7
             b, t = rows.nonzero(as_tuple=True)
             logits = self.out(head(h[b, t]))
-            target = verifier_logits(
-                batch["last_hidden_state"][b, t + k], self.norm_weight, self.lm_head, self.eps
+            target = verifier_targets(
+                batch["last_hidden_state"][b, t + k], self.norm_weight, self.lm_head, self.eps, self.t2d
             )
             loss_rows, ok, usable = draft_loss(logits, target, self.t2d, self.kind)
             losses.append((loss_rows * usable).sum() / usable.sum().clamp(min=1))

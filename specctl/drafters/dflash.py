@@ -34,7 +34,7 @@ from torch import nn
 from specctl.drafters import register
 from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
 from specctl.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
-from specctl.drafters.targets import draft_loss, draft_to_target, verifier_logits
+from specctl.drafters.targets import Targets, TargetTable, batch_targets, draft_loss, draft_to_target
 
 # ---------------------------------------------------------------- configuration
 
@@ -243,7 +243,7 @@ class BlockRows:
     """The counted predictions of a batch, one row each (N rows), ready for a loss."""
 
     hidden: torch.Tensor  # [N, H] draft hidden state after the final norm
-    target_logits: torch.Tensor  # [N, V] verifier logits for the same token
+    target: Targets  # [N] the verifier's distribution for the same token
     prev_ids: torch.Tensor  # [N] the token before the predicted one (data, teacher forced)
     position: torch.Tensor  # [N] draft position k - 1 (0-based)
     num_predictions: int  # K
@@ -351,10 +351,10 @@ class DFlashDrafter(nn.Module):
         weight = self.verifier_lm_head if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden.to(weight.dtype), weight)
 
-    def target_logits(self, last_hidden_state: torch.Tensor) -> torch.Tensor:
-        """Verifier's final hidden state (before its norm) [..., H] -> its logits [..., V]."""
-        return verifier_logits(
-            last_hidden_state, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps
+    def targets(self, batch: dict[str, torch.Tensor]) -> TargetTable:
+        """The verifier's distribution at every scored position of the batch, computed once."""
+        return batch_targets(
+            batch, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps, self.t2d
         )
 
     # ---- training
@@ -377,7 +377,7 @@ class DFlashDrafter(nn.Module):
         before = target_pos[b, a, k] - 1  # the verifier predicts token j at position j-1
         return BlockRows(
             hidden=hidden[b, a, k],
-            target_logits=self.target_logits(batch["last_hidden_state"][b, before]),
+            target=self.targets(batch).at(b, before),
             prev_ids=input_ids[b, before],
             position=k,
             num_predictions=K,
@@ -386,7 +386,7 @@ class DFlashDrafter(nn.Module):
     def rows_loss(self, rows: BlockRows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Position-weighted draft loss and per-position accuracy of the gathered rows."""
         logits = self.draft_logits(rows.hidden)
-        loss_rows, correct, usable = draft_loss(logits, rows.target_logits, self.t2d, self.loss_kind)
+        loss_rows, correct, usable = draft_loss(logits, rows.target, self.t2d, self.loss_kind)
         weights = position_weights(rows.num_predictions, self.config.gamma).to(logits.device)
         loss = weighted_mean(loss_rows, weights[rows.position] * usable)
         return loss, self.position_metrics(rows, correct, loss)

@@ -38,7 +38,7 @@ from specctl.drafters.dflash import (
     reload,
     weighted_mean,
 )
-from specctl.drafters.targets import draft_loss, draft_to_target
+from specctl.drafters.targets import Targets, draft_loss, draft_to_target
 
 
 class Config(BlockConfig):
@@ -86,18 +86,15 @@ class Config(BlockConfig):
 # ---------------------------------------------------------------- pure functions
 
 
-def total_variation(
-    draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor | None
-) -> torch.Tensor:
+def total_variation(draft_logits: torch.Tensor, target: Targets) -> torch.Tensor:
     """TV(q, p) per row, in the verifier's vocabulary.
 
-    draft_logits [N, Vd] (q lives on the kept ids), target_logits [N, V] -> [N]. Verifier
-    mass outside the draft vocabulary counts fully: 1 - TV is then the probability that a
-    token sampled from q is accepted (sum of min(p, q)).
+    draft_logits [N, Vd] (q lives on the kept ids), target [N] -> [N]. Verifier mass outside
+    the draft vocabulary counts fully: 1 - TV is then the probability that a token sampled
+    from q is accepted (sum of min(p, q)).
     """
     q = F.softmax(draft_logits.float(), -1)
-    p = F.softmax(target_logits.float(), -1)
-    p_kept = p if t2d is None else p[:, t2d]
+    p_kept = torch.exp(target.kept_logits.float() - target.logsumexp.float()[:, None])  # [N, Vd]
     return 0.5 * ((q - p_kept).abs().sum(-1) + (1 - p_kept.sum(-1)).clamp_min(0))
 
 
@@ -175,8 +172,8 @@ class DSparkDrafter(DFlashDrafter):
     def rows_loss(self, rows: BlockRows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
         logits, markov_embed = self.block_logits(rows.hidden, rows.prev_ids)
-        token_rows, correct, usable = draft_loss(logits, rows.target_logits, self.t2d, self.loss_kind)
-        tv = total_variation(logits, rows.target_logits, self.t2d)  # [N]
+        token_rows, correct, usable = draft_loss(logits, rows.target, self.t2d, self.loss_kind)
+        tv = total_variation(logits, rows.target)  # [N]
         weights = position_weights(rows.num_predictions, c.gamma).to(logits.device)[rows.position]
         loss = c.token_loss_weight * weighted_mean(token_rows, weights * usable)
         loss = loss + c.l1_loss_weight * weighted_mean(2 * tv, weights)

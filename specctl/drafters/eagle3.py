@@ -31,7 +31,7 @@ from torch import nn
 from specctl.drafters import register
 from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
 from specctl.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
-from specctl.drafters.targets import draft_loss, draft_to_target, verifier_logits
+from specctl.drafters.targets import Targets, TargetTable, batch_targets, draft_loss, draft_to_target
 
 
 class Config(DrafterConfig):
@@ -242,14 +242,16 @@ class Eagle3Backbone(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
 
-    def score(
-        self, out: torch.Tensor, target_hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft rows [n, H] vs the verifier's final hidden there [n, H] -> (loss, correct, valid) [n]."""
-        target_logits = verifier_logits(
-            target_hidden, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps
+    def targets(self, batch: dict[str, torch.Tensor]) -> TargetTable:
+        """The verifier's distribution at every scored position of the batch, computed once
+        (each TTT step / depth scores a shifted view of the same positions)."""
+        return batch_targets(
+            batch, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps, self.t2d
         )
-        return draft_loss(self.lm_head(out), target_logits, self.t2d, self.loss_kind)
+
+    def score(self, out: torch.Tensor, target: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft rows [n, H] vs the verifier's distribution there [n] -> (loss, correct, valid) [n]."""
+        return draft_loss(self.lm_head(out), target, self.t2d, self.loss_kind)
 
     # -- export
 
@@ -436,9 +438,10 @@ class Eagle3Drafter(Eagle3Backbone):
         count = torch.zeros(S, device=input_ids.device)
         step_loss = torch.zeros(S, device=input_ids.device)
         loss = torch.zeros((), device=input_ids.device)
+        targets = self.targets(batch)
         for s, out in enumerate(self.ttt_outputs(input_ids, batch["aux_hidden_states"])):
             b, t = shift_left(target_ok, 2 + s, False)[:, :R].nonzero(as_tuple=True)
-            rows_loss, ok, valid = self.score(out[b, t], batch["last_hidden_state"][b, t + 1 + s])
+            rows_loss, ok, valid = self.score(out[b, t], targets.at(b, t + 1 + s))
             mean = rows_loss.sum() / valid.sum().clamp(min=1)
             loss = loss + self.config.ttt_step_loss_decay**s * mean
             step_loss[s], correct[s], count[s] = mean.detach(), ok.sum(), b.numel()

@@ -266,7 +266,7 @@ class PEagleDrafter(Eagle3Backbone):
         return anchor.to(valid.device), depth.to(valid.device), present.to(valid.device)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        input_ids, last = batch["input_ids"], batch["last_hidden_state"]
+        input_ids = batch["input_ids"]
         R = input_ids.shape[1] - 1
         K = self.config.num_depths
         target_ok = batch["loss_mask"].bool() & batch["attention_mask"].bool()  # [B, T]
@@ -279,12 +279,13 @@ class PEagleDrafter(Eagle3Backbone):
         correct, count, depth_loss = (torch.zeros(K, device=device) for _ in range(3))
         loss = torch.zeros((), device=device)
         b, t = valid[0].nonzero(as_tuple=True)
-        rows = [(out_real[b, t], last[b, t + 1])]
+        targets = self.targets(batch)
+        rows = [(out_real[b, t], targets.at(b, t + 1))]
         for d in range(1, K):
             b, m = (present & (depth == d)).nonzero(as_tuple=True)
-            rows.append((out_depth[b, m], last[b, anchor[b, m] + 1 + d]))
-        for d, (out, target_hidden) in enumerate(rows):
-            rows_loss, ok, ok_rows = self.score(out, target_hidden)
+            rows.append((out_depth[b, m], targets.at(b, anchor[b, m] + 1 + d)))
+        for d, (out, target) in enumerate(rows):
+            rows_loss, ok, ok_rows = self.score(out, target)
             mean = rows_loss.sum() / ok_rows.sum().clamp(min=1)
             loss = loss + mean / K
             depth_loss[d], correct[d], count[d] = mean.detach(), ok.sum(), out.shape[0]

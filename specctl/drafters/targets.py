@@ -8,6 +8,8 @@ ids and renormalised, as in vLLM where the drafter can only propose kept ids.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -52,26 +54,117 @@ def verifier_logits(
     return h @ lm_head.float().T
 
 
+@dataclass
+class Targets:
+    """The verifier's next-token distribution at N rows, reduced to what the losses read.
+
+    Full [N, V] logits are formed once per scored position (in chunks) and never kept: a drafter
+    that scores the same position from several blocks, depths or TTT steps reuses the row.
+    """
+
+    argmax: torch.Tensor  # [N] the verifier's top token (full-vocabulary id)
+    kept_logits: torch.Tensor  # [N, Vd] logits on the draft vocabulary (all V without one)
+    logsumexp: torch.Tensor  # [N] over the full vocabulary: p(kept) = exp(kept_logits - logsumexp)
+
+    def __getitem__(self, index) -> Targets:
+        return Targets(self.argmax[index], self.kept_logits[index], self.logsumexp[index])
+
+
+@dataclass
+class TargetTable:
+    """`Targets` for the scored positions of a batch, looked up by (row, position)."""
+
+    targets: Targets  # [M] one row per scored position
+    index: torch.Tensor  # [B, T] row of each position in `targets`, -1 where nothing is scored
+
+    def at(self, b: torch.Tensor, t: torch.Tensor) -> Targets:
+        """Targets for predictions scored against the verifier's output at positions (b, t), [N]."""
+        return self.targets[self.index[b, t]]
+
+
+@torch.no_grad()
+def verifier_targets(
+    last_hidden_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lm_head: torch.Tensor,
+    eps: float,
+    t2d: torch.Tensor | None,
+    chunk_rows: int = 1024,
+) -> Targets:
+    """[N, H] final hidden states -> Targets, forming the [chunk, V] logits a chunk at a time."""
+    chunks = last_hidden_state.split(chunk_rows) or [last_hidden_state]
+    parts = [targets_from_logits(verifier_logits(rows, norm_weight, lm_head, eps), t2d) for rows in chunks]
+    return Targets(
+        torch.cat([t.argmax for t in parts]),
+        torch.cat([t.kept_logits for t in parts]),
+        torch.cat([t.logsumexp for t in parts]),
+    )
+
+
+def targets_from_logits(logits: torch.Tensor, t2d: torch.Tensor | None) -> Targets:
+    """Full verifier logits [N, V] -> Targets [N]."""
+    kept_logits = logits if t2d is None else logits[:, t2d]
+    return Targets(logits.argmax(-1), kept_logits, torch.logsumexp(logits.float(), -1))
+
+
+def target_table(
+    last_hidden_state: torch.Tensor,
+    scored: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lm_head: torch.Tensor,
+    eps: float,
+    t2d: torch.Tensor | None,
+) -> TargetTable:
+    """Targets at the positions `scored` [B, T] (bool) of last_hidden_state [B, T, H], computed once.
+
+    A drafter scores predictions of token j against the verifier's output at j-1, so `scored`
+    is the loss mask shifted left by one: every position whose next token is a counted one.
+    """
+    b, t = scored.nonzero(as_tuple=True)
+    index = torch.full(scored.shape, -1, dtype=torch.long, device=scored.device)
+    index[b, t] = torch.arange(b.numel(), device=scored.device)
+    return TargetTable(verifier_targets(last_hidden_state[b, t], norm_weight, lm_head, eps, t2d), index)
+
+
+def scored_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: positions whose next token is a real loss-masked token (where targets are read)."""
+    counted = loss_mask.bool() & attention_mask.bool()
+    scored = torch.zeros_like(counted)
+    scored[:, :-1] = counted[:, 1:]
+    return scored
+
+
+def batch_targets(
+    batch: dict[str, torch.Tensor],
+    norm_weight: torch.Tensor,
+    lm_head: torch.Tensor,
+    eps: float,
+    t2d: torch.Tensor | None,
+) -> TargetTable:
+    """The verifier's distribution at every scored position of a drafter batch, computed once."""
+    scored = scored_positions(batch["loss_mask"], batch["attention_mask"])  # [B, T]
+    return target_table(batch["last_hidden_state"], scored, norm_weight, lm_head, eps, t2d)
+
+
 def draft_loss(
     draft_logits: torch.Tensor,
-    target_logits: torch.Tensor,
+    target: Targets,
     t2d: torch.Tensor | None,
     kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss and correctness of draft predictions.
 
-    draft_logits [N, Vd], target_logits [N, V] (verifier logits for the same next token).
+    draft_logits [N, Vd], target: the verifier's distribution for the same next token ([N] rows).
     Returns (loss [N], correct [N] bool, valid [N] bool). `kind` "kl": forward KL from the
     verifier's distribution (restricted to the draft vocab); "ce": cross-entropy to the
     verifier's argmax. `correct` compares argmaxes in target ids, which is what greedy
     verification accepts. Rows whose target argmax is outside the draft vocabulary are
     invalid for "ce" (nothing to learn) but still count as wrong for accuracy.
     """
-    target_argmax = target_logits.argmax(-1)  # [N]
-    kept_logits = target_logits if t2d is None else target_logits[:, t2d]  # [N, Vd]
+    target_argmax = target.argmax  # [N]
     logp_draft = F.log_softmax(draft_logits.float(), -1)
     if kind == "kl":
-        p_target = F.softmax(kept_logits.float(), -1)
+        p_target = F.softmax(target.kept_logits.float(), -1)  # [N, Vd]
         loss = -(p_target * logp_draft).sum(-1)  # cross-entropy to p == KL up to a constant
         valid = torch.ones_like(target_argmax, dtype=torch.bool)
     elif kind == "ce":
