@@ -149,7 +149,66 @@ def test_write_report_files(tmp_path):
     partial.complete = False
     assert "INCOMPLETE" in markdown(partial)
     only_json = write_report(partial, tmp_path / "partial", figures=False)
-    assert set(only_json) == {"json"} and not (tmp_path / "partial" / "acceptance.png").exists()
+    assert set(only_json) == {"json", "outputs"} and not (tmp_path / "partial" / "acceptance.png").exists()
+
+
+def test_measurement_outputs_merge():
+    a = Measurement(1, 3, 1.0, outputs={0: [5, 6, 2]})
+    b = Measurement(2, 5, 1.0, outputs={1: [7], 2: [8, 9, 9, 2]})
+    s = a + b
+    assert s.outputs == {0: [5, 6, 2], 1: [7], 2: [8, 9, 9, 2]}
+    assert a.outputs == {0: [5, 6, 2]} and Measurement().outputs == {}  # operands untouched
+
+
+def _with_outputs(report: BenchReport, changed: dict[str, dict[int, list[int]]] | None = None) -> BenchReport:
+    """Give every method of `report` the same ids per prompt (chat: 0, 1; code: 2, 3), then
+    replace the prompts named in `changed` for that method."""
+    base = {0: [5, 6, 2], 1: [7, 8], 2: [9, 9, 9], 3: [4, 2]}
+    for r in report.results:
+        ids = {**base, **(changed or {}).get(r.method.name, {})}
+        for cat, m in r.categories.items():
+            keys = (0, 1) if cat == "chat" else (2, 3)
+            m.outputs = {k: ids[k] for k in keys}
+    return report
+
+
+def test_outputs_match_plain():
+    d = report_dict(_with_outputs(_report()))
+    assert [(r["outputs_match_plain"], r["outputs_compared"]) for r in d["results"]] == [(1.0, 4)] * 3
+    # one prompt of dflash leaves plain decoding (a token changed): 3 of 4 match
+    d = report_dict(_with_outputs(_report(), {"dflash": {2: [9, 9, 1]}}))
+    plain, eagle, dflash = d["results"]
+    assert eagle["outputs_match_plain"] == 1.0 and dflash["outputs_match_plain"] == 0.75
+    assert "| dflash | 4 |" in markdown(d) and "| 3/4 |" in markdown(d) and "| 4/4 |" in markdown(d)
+    # a method without ids for a prompt is compared on the prompts both have
+    r = _with_outputs(_report())
+    del r.results[2].categories["code"].outputs[3]
+    missing = report_dict(r)["results"][2]
+    assert (missing["outputs_match_plain"], missing["outputs_compared"]) == (1.0, 3)
+    # sampling: different draws are expected, nothing is compared
+    sampled = _with_outputs(_report())
+    sampled.temperature = 0.7
+    assert all(e["outputs_match_plain"] is None for e in report_dict(sampled)["results"])
+    # no ids recorded, or no plain run: not comparable
+    assert all(e["outputs_match_plain"] is None for e in report_dict(_report())["results"])
+    no_plain = _with_outputs(_report())
+    no_plain.results = no_plain.results[1:]
+    assert all(e["outputs_match_plain"] is None for e in report_dict(no_plain)["results"])
+    assert "| - |\n" in markdown(_report())
+
+
+def test_outputs_jsonl(tmp_path):
+    r = _with_outputs(_report(), {"dflash": {2: [9, 9, 1]}})
+    paths = write_report(r, tmp_path / "out", figures=False)
+    lines = [json.loads(line) for line in paths["outputs"].read_text().splitlines()]
+    assert len(lines) == 3 * 4 and set(lines[0]) == {"method", "prompt_index", "token_ids"}
+    assert lines[:4] == [
+        {"method": "no-spec", "prompt_index": i, "token_ids": ids}
+        for i, ids in enumerate(([5, 6, 2], [7, 8], [9, 9, 9], [4, 2]))
+    ]
+    assert {"method": "dflash", "prompt_index": 2, "token_ids": [9, 9, 1]} in lines
+    empty = write_report(_report(), tmp_path / "empty", figures=False)
+    assert empty["outputs"].read_text() == ""
 
 
 def test_rich_table_renders():
@@ -161,6 +220,10 @@ def test_rich_table_renders():
     console.print(rich_table(_report()))
     text = console.export_text()
     assert "dflash" in text and "vs eagle3" in text and "0.86 0.73 0.59 0.45" in text
+    assert "= plain" in text
+    console = Console(record=True, width=200)
+    console.print(rich_table(_with_outputs(_report(), {"dflash": {0: [1]}})))
+    assert "3/4" in console.export_text()
 
 
 # ---------------------------------------------------------------- thresholds
@@ -483,6 +546,15 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     ) == 3
     assert sorted(c[3] for c in by_method[0]) == [3, 4, 5, 6, 7]
     assert all(2 in c[4] for c in measured)  # the tokenizer's <|im_end|> stops generation
+    # each prompt's generated ids are recorded (the fake emits n 7s), so greedy outputs compare
+    assert [r.total.outputs for r in report.results] == [{i: [7] * 12 for i in range(5)}] * 3
+    assert [(r["outputs_match_plain"], r["outputs_compared"]) for r in d["results"]] == [(1.0, 5)] * 3
+    outputs = (tmp_path / "runs" / "t" / "bench" / "outputs.jsonl").read_text().splitlines()
+    assert len(outputs) == 15 and json.loads(outputs[-1]) == {
+        "method": "dflash",
+        "prompt_index": 4,
+        "token_ids": [7] * 12,
+    }
     for name in ("report.md", "acceptance.png"):
         assert (tmp_path / "runs" / "t" / "bench" / name).is_file()
 
@@ -632,6 +704,9 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
     plain, dflash = report.to_dict()["results"]
     assert report.ok and report.verifier == str(tiny_verifier_dir.resolve())
     assert plain["output_tokens"] == dflash["output_tokens"] > 0
+    # token for token: greedy speculation reproduces plain decoding on every prompt
+    assert dflash["outputs_match_plain"] == 1.0 and dflash["outputs_compared"] == 3
+    assert sum(len(ids) for ids in report.results[1].total.outputs.values()) == dflash["output_tokens"]
     assert dflash["num_drafts"] > 0 and dflash["num_speculative_tokens"] == 3
     assert dflash["num_draft_tokens"] <= 3 * dflash["num_drafts"]
     assert len(dflash["per_position_acceptance"]) == 3

@@ -24,8 +24,12 @@ from specctl.bench.vllm import (
     engine_args,
     group_members,
     measure_server,
+    offline_job,
+    offline_measurements,
+    parse_completion,
     parse_spec_decode_metrics,
     process_group,
+    run_offline_job,
     serve,
     server_command,
     speculative_config,
@@ -127,6 +131,49 @@ def test_server_command_is_an_argument_list(tmp_path):
     assert "--enforce-eager" not in engine_args(Method("no-spec", "none"), setup, cpu=False)
 
 
+def test_parse_completion_token_ids():
+    url = "http://x/v1/completions"
+    # the shape of vLLM 0.32's CompletionResponse with return_token_ids (stop token 2 included)
+    answer = {
+        "choices": [{"index": 0, "text": "hi", "token_ids": [11, 12, 2], "prompt_token_ids": [1, 5]}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+    }
+    assert parse_completion(answer, url) == (3, [11, 12, 2])
+    # a server that ignores return_token_ids (or returns junk) still counts, without ids
+    usage = {"completion_tokens": 3}
+    for choices in ([{"text": "hi"}], [], [{"token_ids": None}], [{"token_ids": ["a"]}], "x"):
+        assert parse_completion({"choices": choices, "usage": usage}, url) == (3, None)
+    assert parse_completion({"usage": usage}, url) == (3, None)
+    with pytest.raises(VllmError, match="answer without usage.completion_tokens"):
+        parse_completion({"choices": [{"token_ids": [1]}]}, url)
+
+
+def test_offline_worker_result_round_trip(tmp_path):
+    """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
+    setup = _setup(tmp_path, max_new_tokens=6)
+    job = json.loads(json.dumps(offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)))
+    calls = []
+    snapshots = iter([SpecDecodeCounters(1, 3, 1, (1,), 4), SpecDecodeCounters(3, 9, 4, (2, 1, 1), 10)] * 2)
+
+    def generate(prompts, max_tokens):
+        calls.append(([i for i, _ in prompts], max_tokens))
+        # prompt i stops early on the stop id 2 after i tokens, the others run to max_tokens
+        return [[ids[-1]] * i + [2] if i < max_tokens else [ids[-1]] * max_tokens for i, ids in prompts]
+
+    result = json.loads(json.dumps(run_offline_job(job, generate, lambda: next(snapshots))))
+    assert calls == [([0], 4), ([0, 2, 4], 6), ([1, 3], 6)]  # warm-up first, one batch per category
+    out = offline_measurements(result, 3)
+    assert sorted(out) == ["chat", "code"]
+    code = out["code"]
+    assert code.outputs == {0: [2], 2: [22, 22, 2], 4: [24] * 4 + [2]}
+    assert code.output_tokens == sum(len(ids) for ids in code.outputs.values()) == 9
+    assert (code.num_drafts, code.num_draft_tokens, code.accepted_per_position) == (2, 6, [1, 1, 1])
+    assert out["chat"].outputs == {1: [21, 2], 3: [23] * 3 + [2]}
+    # a result written before ids were recorded still reads, without outputs
+    del result["chat"]["outputs"]
+    assert offline_measurements(result, 3)["chat"].outputs == {}
+
+
 # ---------------------------------------------------------------- a fake vLLM server
 
 FAKE_SERVER = textwrap.dedent(
@@ -199,7 +246,10 @@ FAKE_SERVER = textwrap.dedent(
             n = body["max_tokens"]
             # like vLLM, the last step's stats land a moment after the response
             threading.Timer(0.2, account, [n]).start()
-            self._send(200, json.dumps({"choices": [{"text": "x"}], "usage": {"completion_tokens": n}}))
+            choice = {"text": "x"}
+            if body.get("return_token_ids"):  # as vLLM: the generated ids, as many as usage counts
+                choice["token_ids"] = [body["seed"]] * n
+            self._send(200, json.dumps({"choices": [choice], "usage": {"completion_tokens": n}}))
 
         def log_message(self, *args):
             pass
@@ -281,6 +331,9 @@ def test_measure_server_counts_per_group_and_leaves_nothing(tmp_path, fake_serve
     assert sorted(b["seed"] for b in measured) == [5, 6, 7, 8, 9]
     assert all(b["stop_token_ids"] == [2] and b["model"] == "verifier" for b in sent)
     assert sorted(tuple(b["prompt"]) for b in measured) == sorted((1, 10 + i, 20 + i) for i in range(5))
+    # each prompt's ids came back (the fake answers [seed] * n) and are kept under its index
+    assert all(b["return_token_ids"] is True for b in sent)
+    assert code.outputs == {i: [5 + i] * 12 for i in (0, 2, 4)} and chat.outputs == {1: [6] * 12, 3: [8] * 12}
     # the server and its child are gone, and the log was kept
     pid = int(pidfile.read_text())
     assert group_members(pid) == [] and not _alive(pid)
@@ -458,6 +511,9 @@ def test_real_vllm_server_no_spec_and_ngram(tmp_path):
     assert ngram["acceptance_length"] == pytest.approx(1 + ngram["num_accepted_tokens"] / ngram["num_drafts"])
     # greedy decoding is lossless: both configurations produce the same number of tokens
     assert ngram["output_tokens"] == plain["output_tokens"]
+    # the server returned the ids (return_token_ids), so the outputs were compared
+    assert plain["outputs_compared"] == 4 and plain["outputs_match_plain"] == 1.0
+    assert ngram["outputs_compared"] == 4 and ngram["outputs_match_plain"] is not None
     assert (tmp_path / "bench" / "report.md").is_file() and (tmp_path / "bench" / "acceptance.png").is_file()
     for log in (tmp_path / "bench" / "logs").glob("vllm-server-*.log"):
         assert "Application startup complete" in log.read_text()
@@ -485,6 +541,8 @@ def test_real_vllm_offline_ngram(tmp_path):
     assert sorted(out) == ["chat", "code"] and out["code"].num_prompts == 3
     total = out["code"] + out["chat"]
     assert 0 < total.output_tokens <= 5 * 16
+    assert sorted(total.outputs) == list(range(5))
+    assert sum(len(ids) for ids in total.outputs.values()) == total.output_tokens
     assert total.num_drafts > 0 and len(total.accepted_per_position) == 3
     assert sum(total.accepted_per_position) == total.num_accepted_tokens
     assert "offline-ngram.result.json" in {p.name for p in (tmp_path / "logs").iterdir()}

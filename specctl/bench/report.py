@@ -3,7 +3,9 @@
 Counters mean what vLLM's spec-decode metrics mean, whichever backend produced them:
 tau (acceptance_length) = 1 + accepted / drafts (the bonus token counted, so plain decoding
 is 1.0), per-position acceptance = accepted_at_position / drafts, and speedup = output
-tokens/s over the plain-decoding run of the same report.
+tokens/s over the plain-decoding run of the same report. Each method's generated token ids
+are kept per prompt, so a greedy run also shows whether speculation reproduced plain
+decoding token for token (outputs_match_plain), the losslessness check speedups rest on.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Measurement:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [K]
+    # prompt index -> generated ids, the stop token included when one ended the answer, as every
+    # backend counts it in output_tokens (the engine's tokens, vLLM's token_ids and usage)
+    outputs: dict[int, list[int]] = field(default_factory=dict)
 
     def __add__(self, other: Measurement) -> Measurement:
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
@@ -57,6 +62,7 @@ class Measurement:
             self.num_draft_tokens + other.num_draft_tokens,
             self.num_accepted_tokens + other.num_accepted_tokens,
             [x + y for x, y in zip(a, b, strict=True)],
+            {**self.outputs, **other.outputs},
         )
 
     @property
@@ -138,19 +144,39 @@ def measurement_dict(m: Measurement, plain: Measurement | None, base: Measuremen
     }
 
 
+def outputs_match(outputs: dict[int, list[int]], plain: dict[int, list[int]]) -> tuple[int, int]:
+    """(prompts whose ids equal plain decoding's exactly, prompts both have ids for).
+
+    Only prompts present on both sides count, so an answer without ids (a server that did not
+    return them) leaves the comparison instead of counting as a mismatch.
+    """
+    shared = outputs.keys() & plain.keys()
+    return sum(outputs[i] == plain[i] for i in shared), len(shared)
+
+
 def report_dict(report: BenchReport) -> dict[str, Any]:
-    """report.json: settings, then one entry per method (speedups vs the no-spec entry)."""
+    """report.json: settings, then one entry per method (speedups vs the no-spec entry).
+
+    outputs_match_plain is the fraction of prompts decoded exactly as plain decoding did; only
+    greedy runs (temperature 0) are comparable, sampling draws differ by design, so it is None
+    there and wherever no ids were recorded. outputs_compared says out of how many prompts.
+    """
     plain = next((r for r in report.results if r.method.algo == PLAIN), None)
     base = next((r for r in report.results if r.method.name == report.baseline), None)
     categories = sorted({c for r in report.results for c in r.categories if c})
+    plain_outputs = plain.total.outputs if plain is not None and report.temperature == 0 else {}
     results = []
     for r in report.results:
+        total = r.total
+        same, compared = outputs_match(total.outputs, plain_outputs)
         entry: dict[str, Any] = {
             "name": r.method.name,
             "algo": r.method.algo,
             "num_speculative_tokens": r.method.num_speculative_tokens,
             "drafter": str(r.method.drafter) if r.method.drafter else None,
-            **measurement_dict(r.total, plain.total if plain else None, base.total if base else None),
+            **measurement_dict(total, plain.total if plain else None, base.total if base else None),
+            "outputs_match_plain": same / compared if compared else None,
+            "outputs_compared": compared,
         }
         if categories:
             entry["categories"] = {
@@ -288,9 +314,17 @@ def _rows(d: dict[str, Any]) -> list[list[str]]:
                 _fmt(r["speedup"], 2, "x"),
                 _fmt(r["ratio_vs_baseline"], 2, "x") if base_algo else "-",
                 _fmt(r["acceptance_ratio_vs_baseline"], 2, "x") if base_algo else "-",
+                _match(r),
             ]
         )
     return rows
+
+
+def _match(r: dict[str, Any]) -> str:
+    """The "= plain" cell: prompts decoded exactly as plain decoding / prompts compared, e.g. 7/8;
+    "-" when not comparable (sampling, no no-spec run, no ids)."""
+    frac, n = r.get("outputs_match_plain"), r.get("outputs_compared") or 0
+    return "-" if frac is None or not n else f"{round(frac * n)}/{n}"
 
 
 def _headers(d: dict[str, Any]) -> list[str]:
@@ -304,6 +338,7 @@ def _headers(d: dict[str, Any]) -> list[str]:
         "speedup",
         f"vs {base}",
         f"tau vs {base}",
+        "= plain",
     ]
 
 
@@ -338,6 +373,7 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
         f"max_new_tokens {d['max_new_tokens']}",
         "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
+        '- "= plain": prompts whose greedy output ids equal no-spec\'s exactly (ids in outputs.jsonl)',
         "",
     ]
     lines += _md_table(_headers(d), _rows(d))
@@ -428,14 +464,30 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     return path
 
 
+def outputs_lines(report: BenchReport) -> list[str]:
+    """outputs.jsonl: one line per (method, prompt index), ids apart from report.json so it stays
+    small; enough to find the first token where a method left plain decoding."""
+    lines = []
+    for r in report.results:
+        for index, ids in sorted(r.total.outputs.items()):
+            lines.append(json.dumps({"method": r.method.name, "prompt_index": index, "token_ids": ids}))
+    return lines
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write beside, then rename: a run interrupted mid-write leaves the previous complete file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
-    """Write report.json (always) and report.md + acceptance.png (when `figures`)."""
+    """Write report.json and outputs.jsonl (always) and report.md + acceptance.png (when `figures`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     d = report_dict(report)
-    paths = {"json": out_dir / "report.json"}
-    tmp = out_dir / ".report.json.tmp"
-    tmp.write_text(json.dumps(d, indent=2) + "\n")
-    tmp.replace(paths["json"])
+    paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
+    _write_atomic(paths["json"], json.dumps(d, indent=2) + "\n")
+    _write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)))
     if figures:
         paths["md"] = out_dir / "report.md"
         paths["md"].write_text(markdown(d))

@@ -208,7 +208,9 @@ def embedded_measure(
     load_drafter_fn: Callable[..., Any],
     on_done: Callable[[int], None] | None = None,
 ) -> Measure:
-    """Measure with the embedded engine: one request at a time, engine-timed (prefill + decode)."""
+    """Measure with the embedded engine: one request at a time, engine-timed (prefill + decode).
+
+    Each prompt's generated ids are kept (the report compares them with plain decoding's)."""
 
     def run(method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
         return generate_fn(
@@ -241,6 +243,7 @@ def embedded_measure(
                     c.num_draft_tokens,
                     c.num_accepted_tokens,
                     list(c.accepted_per_position),
+                    {index: [int(t) for t in r.tokens]},  # EOS included when it stopped, as counted
                 )
                 if on_done:
                     on_done(len(r.tokens))

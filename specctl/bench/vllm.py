@@ -2,10 +2,11 @@
 
 Server mode (default) starts `python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 in
 its own process group (vLLM spawns EngineCore and Worker children), waits for /health,
-sends the prompts as token ids to /v1/completions with the chosen concurrency, and reads
-the spec-decode counters from /metrics before and after each group of prompts. The whole
-group is stopped afterwards, on error and on Ctrl-C too (SIGTERM, wait, SIGKILL), and the
-server's log stays in the run directory; its tail is part of every failure message.
+sends the prompts as token ids to /v1/completions with the chosen concurrency (asking for
+the generated ids back, `return_token_ids`), and reads the spec-decode counters from
+/metrics before and after each group of prompts. The whole group is stopped afterwards, on
+error and on Ctrl-C too (SIGTERM, wait, SIGKILL), and the server's log stays in the run
+directory; its tail is part of every failure message.
 
 Offline mode runs vLLM's `LLM` in a worker subprocess (`python -m specctl.bench.vllm
 offline JOB RESULT`) with the same lifecycle, and reads the same counters from the
@@ -332,7 +333,8 @@ def completion_body(
     setup: VllmSetup,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """A /v1/completions request: token ids in, the same sampling and stop ids as every backend."""
+    """A /v1/completions request: token ids in, the same sampling and stop ids as every backend,
+    and the generated ids back (vLLM's `return_token_ids`) so outputs can be compared."""
     return {
         "model": SERVED_NAME,
         "prompt": list(prompt.prompt_ids),
@@ -341,16 +343,35 @@ def completion_body(
         "top_p": setup.top_p,
         "seed": setup.seed + index,
         "stop_token_ids": list(setup.stop_token_ids),
+        "return_token_ids": True,
     }
 
 
-def complete(base_url: str, body: dict[str, Any], timeout_s: float) -> int:
-    """Send one completion; the number of tokens it generated."""
-    out = _post_json(base_url + "/v1/completions", body, timeout_s)
+def parse_completion(out: Any, url: str) -> tuple[int, list[int] | None]:
+    """(tokens generated, their ids) of a /v1/completions answer.
+
+    usage.completion_tokens is required (throughput rests on it); choices[0].token_ids is only
+    there when the server honours return_token_ids, so without it the ids are None and the
+    prompt is left out of the output comparison rather than failing the run. vLLM counts the
+    stop token in both, so the ids agree with the count.
+    """
     try:
-        return int(out["usage"]["completion_tokens"])
+        n = int(out["usage"]["completion_tokens"])
     except (KeyError, TypeError, ValueError):
-        raise VllmError(f"{base_url}/v1/completions: answer without usage.completion_tokens") from None
+        raise VllmError(f"{url}: answer without usage.completion_tokens") from None
+    try:
+        ids = out["choices"][0]["token_ids"]
+    except (KeyError, IndexError, TypeError):
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        ids = None
+    return n, ids
+
+
+def complete(base_url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, list[int] | None]:
+    """Send one completion: the number of tokens it generated and their ids (None if absent)."""
+    url = base_url + "/v1/completions"
+    return parse_completion(_post_json(url, body, timeout_s), url)
 
 
 def send_prompts(
@@ -358,22 +379,26 @@ def send_prompts(
     prompts: Sequence[tuple[int, BenchPrompt]],
     setup: VllmSetup,
     on_done: Callable[[int], None] | None = None,
-) -> tuple[int, float]:
-    """All prompts with `setup.concurrency` requests in flight: (output tokens, wall seconds)."""
+) -> tuple[int, float, dict[int, list[int]]]:
+    """All prompts with `setup.concurrency` requests in flight: (output tokens, wall seconds,
+    prompt index -> generated ids for the answers that carried them)."""
     pool = ThreadPoolExecutor(max_workers=setup.concurrency, thread_name_prefix="specctl-bench")
     start = time.perf_counter()
     try:
-        futures = [
-            pool.submit(complete, base_url, completion_body(p, i, setup), setup.request_timeout_s)
+        futures = {
+            pool.submit(complete, base_url, completion_body(p, i, setup), setup.request_timeout_s): i
             for i, p in prompts
-        ]
+        }
         total = 0
+        outputs: dict[int, list[int]] = {}
         for f in as_completed(futures):
-            n = f.result()
+            n, ids = f.result()
             total += n
+            if ids is not None:
+                outputs[futures[f]] = ids
             if on_done:
                 on_done(n)
-        return total, time.perf_counter() - start
+        return total, time.perf_counter() - start, outputs
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -475,6 +500,7 @@ def to_measurement(
     output_tokens: int,
     wall_s: float,
     num_speculative_tokens: int,
+    outputs: dict[int, list[int]] | None = None,
 ) -> Measurement:
     per_pos = list(delta.accepted_per_position)
     if num_speculative_tokens and len(per_pos) < num_speculative_tokens:
@@ -487,6 +513,7 @@ def to_measurement(
         delta.num_draft_tokens,
         delta.num_accepted_tokens,
         per_pos,
+        dict(outputs or {}),
     )
 
 
@@ -535,13 +562,13 @@ def _measure_groups(
         # landed before the first snapshot, and each group's settled snapshot starts the next
         start = fetch_metrics(server.base_url)
         body = completion_body(first[1], first[0], setup, max_tokens=4)
-        warm = complete(server.base_url, body, setup.request_timeout_s)
+        warm, _ = complete(server.base_url, body, setup.request_timeout_s)
         before = settled_metrics(server.base_url, start, warm)
         for category, prompts in groups.items():
-            tokens, wall = send_prompts(server.base_url, prompts, setup, on_done)
+            tokens, wall, outputs = send_prompts(server.base_url, prompts, setup, on_done)
             after = settled_metrics(server.base_url, before, tokens)
             out[category] = to_measurement(
-                after - before, len(prompts), tokens, wall, method.num_speculative_tokens
+                after - before, len(prompts), tokens, wall, method.num_speculative_tokens, outputs
             )
             before = after
     except VllmError as e:
@@ -549,6 +576,19 @@ def _measure_groups(
     except (urllib.error.URLError, ConnectionError, OSError) as e:
         raise server.failure(f"vLLM server for {method.name} stopped answering ({e})") from None
     return out
+
+
+def offline_job(method: Method, groups: Groups, setup: VllmSetup, cpu: bool) -> dict[str, Any]:
+    """What the worker subprocess needs, as JSON-ready data (groups: category -> [[index, ids]])."""
+    return {
+        "engine_args": engine_args(method, setup, cpu),
+        "groups": {c: [[i, list(p.prompt_ids)] for i, p in g] for c, g in groups.items()},
+        "max_new_tokens": setup.max_new_tokens,
+        "temperature": setup.temperature,
+        "top_p": setup.top_p,
+        "seed": setup.seed,
+        "stop_token_ids": list(setup.stop_token_ids),
+    }
 
 
 def measure_offline(
@@ -564,16 +604,7 @@ def measure_offline(
     result_path = setup.log_dir / f"offline-{method.name}.result.json"
     setup.log_dir.mkdir(parents=True, exist_ok=True)
     result_path.unlink(missing_ok=True)
-    job = {
-        "engine_args": engine_args(method, setup, cpu),
-        "groups": {c: [[i, list(p.prompt_ids)] for i, p in g] for c, g in groups.items()},
-        "max_new_tokens": setup.max_new_tokens,
-        "temperature": setup.temperature,
-        "top_p": setup.top_p,
-        "seed": setup.seed,
-        "stop_token_ids": list(setup.stop_token_ids),
-    }
-    job_path.write_text(json.dumps(job))
+    job_path.write_text(json.dumps(offline_job(method, groups, setup, cpu)))
     argv = [setup.python, "-m", "specctl.bench.vllm", "offline", str(job_path), str(result_path)]
     with process_group(argv, log_path, vllm_env(cpu)) as proc:
         while proc.poll() is None:
@@ -584,17 +615,57 @@ def measure_offline(
             f"vLLM offline run for {method.name} failed (exit code {proc.returncode}); "
             f"log {log_path}, last lines:\n{tail}"
         )
-    result = json.loads(result_path.read_text())
+    return offline_measurements(json.loads(result_path.read_text()), method.num_speculative_tokens)
+
+
+def offline_measurements(result: dict[str, Any], num_speculative_tokens: int) -> dict[str, Measurement]:
+    """The worker's result JSON (see run_offline_job) as measurements per category."""
     out = {}
     for category, r in result.items():
         delta = SpecDecodeCounters(*r["counters"][:3], tuple(r["counters"][3]), r["counters"][4])
+        outputs = {int(i): [int(t) for t in ids] for i, ids in r.get("outputs", {}).items()}
         out[category] = to_measurement(
-            delta, r["num_prompts"], r["output_tokens"], r["wall_s"], method.num_speculative_tokens
+            delta, r["num_prompts"], r["output_tokens"], r["wall_s"], num_speculative_tokens, outputs
         )
     return out
 
 
 # ---------------------------------------------------------------- the offline worker (a subprocess)
+
+# (prompts as (index, token ids), max_tokens) -> each prompt's generated ids, in order
+OfflineGenerate = Callable[[list[tuple[int, list[int]]], int], list[list[int]]]
+
+
+def run_offline_job(
+    job: dict[str, Any], generate: OfflineGenerate, counters: Callable[[], SpecDecodeCounters]
+) -> dict[str, Any]:
+    """The worker's measuring loop, apart from vLLM so tests can drive it with fakes: a warm-up,
+    then per category the counter delta, the wall time and each prompt's generated ids (JSON
+    keys are strings: the prompt index). The ids are vLLM's token_ids, stop token included, so
+    their lengths add up to output_tokens as on the server."""
+    first = next(p for g in job["groups"].values() for p in g)
+    generate([(first[0], first[1])], 4)  # warm-up, not measured
+    result: dict[str, Any] = {}
+    for category, prompts in job["groups"].items():
+        before = counters()
+        start = time.perf_counter()
+        outs = generate([(i, ids) for i, ids in prompts], job["max_new_tokens"])
+        wall = time.perf_counter() - start
+        d = counters() - before
+        result[category] = {
+            "num_prompts": len(prompts),
+            "output_tokens": sum(len(ids) for ids in outs),
+            "wall_s": wall,
+            "counters": [
+                d.num_drafts,
+                d.num_draft_tokens,
+                d.num_accepted_tokens,
+                list(d.accepted_per_position),
+                d.generation_tokens,
+            ],
+            "outputs": {str(i): list(ids) for (i, _), ids in zip(prompts, outs, strict=True)},
+        }
+    return result
 
 
 def _offline_worker(job_path: str, result_path: str) -> None:
@@ -621,31 +692,15 @@ def _offline_worker(job_path: str, result_path: str) -> None:
     def counters() -> SpecDecodeCounters:
         return parse_spec_decode_metrics(generate_latest(REGISTRY).decode())
 
-    first = next(p for g in job["groups"].values() for p in g)
-    llm.generate([{"prompt_token_ids": first[1]}], [params(first[0], 4)], use_tqdm=False)  # warm-up
-    result: dict[str, Any] = {}
-    for category, prompts in job["groups"].items():
-        before = counters()
-        start = time.perf_counter()
+    def generate(prompts: list[tuple[int, list[int]]], max_tokens: int) -> list[list[int]]:
         outs = llm.generate(
             [{"prompt_token_ids": ids} for _, ids in prompts],
-            [params(i, job["max_new_tokens"]) for i, _ in prompts],
+            [params(i, max_tokens) for i, _ in prompts],
             use_tqdm=False,
         )
-        wall = time.perf_counter() - start
-        d = counters() - before
-        result[category] = {
-            "num_prompts": len(prompts),
-            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "wall_s": wall,
-            "counters": [
-                d.num_drafts,
-                d.num_draft_tokens,
-                d.num_accepted_tokens,
-                list(d.accepted_per_position),
-                d.generation_tokens,
-            ],
-        }
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    result = run_offline_job(job, generate, counters)
     tmp = Path(result_path + ".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(result_path)
