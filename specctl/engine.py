@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
-from specctl.verifier import Verifier, _record_layers
+from specctl.verifier import Verifier, record_layers
 
 
 @dataclass
@@ -166,7 +166,7 @@ def generate(
 
     _sync(device)
     start = time.perf_counter()
-    with _record_layers(model, aux_layer_ids) as captured:
+    with record_layers(model, aux_layer_ids) as captured:
         n = P  # tokens in `ids`; the cache holds the first `n - len(pending)` of them
         pending = prompt  # verified tokens whose keys/values are not cached yet
         while len(out) < max_new_tokens:

@@ -332,7 +332,7 @@ def verifier_weights(verifier: Verifier) -> VerifierWeights:
 
 
 @contextmanager
-def _record_layers(model: Any, layer_ids: tuple[int, ...]):
+def record_layers(model: Any, layer_ids: tuple[int, ...]):
     """Forward hooks that keep the residual stream at the given output_hidden_states ids."""
     decoder = model.get_decoder()
     captured: dict[int, torch.Tensor] = {}
@@ -369,7 +369,7 @@ def capture_hidden_states(
     """
     num_layers = model.config.num_hidden_layers
     wanted = (*aux_layer_ids, num_layers)
-    with _record_layers(model, wanted) as captured:
+    with record_layers(model, wanted) as captured:
         model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     aux = torch.stack([captured[i] for i in aux_layer_ids], dim=2)  # [B, T, n_aux, H]
     return aux, captured[num_layers]

