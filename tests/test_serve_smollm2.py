@@ -41,9 +41,12 @@ TRAIN = [
 @pytest.fixture(scope="module")
 def exported(quickstart_run: Path) -> dict[str, Path]:
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
-    for algo in (*SERVED, "dspark"):
+    for algo in SERVED:
         done = specctl(quickstart_run, "train", recipe, "--algo", algo, *TRAIN)
         assert done.returncode == 0, done.stderr[-3000:]
+    # dspark is only parsed, not served: two steps make an exportable checkpoint
+    done = specctl(quickstart_run, "train", recipe, "--algo", "dspark", *TRAIN, "--set", "train.max_steps=2")
+    assert done.returncode == 0, done.stderr[-3000:]
     done = specctl(quickstart_run, "export", "runs/quickstart", "--dtype", "fp32", "--check")
     assert done.returncode == 0, done.stderr[-3000:]
     root = quickstart_run / "runs" / "quickstart" / "drafters"
@@ -90,5 +93,9 @@ def test_vllm_serves_each_trained_drafter_losslessly_with_real_acceptance(quicks
         r = results[algo]
         assert r["outputs_match_plain"] == 1.0, (algo, r["outputs_match_plain"])
         assert r["num_drafts"] > 0, algo
-        # measured: see the issue note; near 1.0 would mean vLLM feeds the drafter other states
+        assert r["outputs_compared"] == 4 == r["num_prompts"], algo
+        assert r["num_draft_tokens"] <= r["num_speculative_tokens"] * r["num_drafts"], algo
+        assert sum(r["per_position_acceptance"]) * r["num_drafts"] == pytest.approx(r["num_accepted_tokens"])
+        # measured 1.94 / 1.86 / 1.81 (eagle3 / peagle / dflash); near 1.0 would mean vLLM feeds
+        # the drafter other hidden states than it was trained on, or ignores a tensor
         assert r["acceptance_length"] > 1.5, (algo, r["acceptance_length"], r["per_position_acceptance"])
