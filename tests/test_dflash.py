@@ -468,12 +468,15 @@ def test_reduced_draft_vocabulary():
     d2t, t2d = build_draft_vocab(freq, 64)
     kept = t2d.nonzero()[:, 0]
     w = tiny_weights()
-    for loss in ("kl", "ce"):
-        m = build(d2t=d2t, loss=loss)
+    for loss, train_head in (("kl", False), ("ce", False), ("kl", True)):
+        m = build(d2t=d2t, loss=loss, train_lm_head=train_head)
         torch.testing.assert_close(m.lm_head.weight, w.lm_head[kept])
         out, metrics = m(random_batch())
         out.backward()
-        assert m.lm_head.weight.grad.abs().sum() > 0 and torch.isfinite(out)
+        assert torch.isfinite(out) and m.fc.weight.grad.abs().sum() > 0
+        # frozen by default (as published); trained only when asked
+        assert m.lm_head.weight.requires_grad == train_head
+        assert (m.lm_head.weight.grad is not None and m.lm_head.weight.grad.abs().sum() > 0) == train_head
     batch = random_batch()
     drafted = m.propose(batch["input_ids"][0, :11], batch["aux_hidden_states"][0, :10], 3)
     assert t2d[drafted].all()
