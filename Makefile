@@ -28,7 +28,7 @@ endif
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q --timeout=900 tests
+	$(PY) -m pytest -q --timeout=900 --durations=15 tests
 
 test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests
