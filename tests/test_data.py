@@ -639,3 +639,36 @@ def test_template_rejecting_a_conversation_names_the_row(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": CONVS[1]}, {"messages": doubled}])
     with pytest.raises(DataError, match=r"d\.jsonl row 1: the chat template rejected.*roles must alternate"):
         prepare(cfg(path), tok, tmp_path / "out")
+
+
+def test_concurrent_workers_build_the_data_once(tmp_path, tiny_tokenizer, monkeypatch):
+    """Collect workers started together (--shard I/N, torchrun ranks) must not each build the data
+    (with self-generation that would be N times the generation): one builds, the rest reuse."""
+    import threading
+    import time
+
+    import specctl.data.prepare as prep
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVS])
+    out = tmp_path / "out"
+    calls = []
+    real = prep._conversations
+
+    def slow_conversations(*args, **kwargs):
+        calls.append(threading.get_ident())
+        time.sleep(0.5)  # the others arrive while this one is still building
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prep, "_conversations", slow_conversations)
+    results = []
+    workers = [
+        threading.Thread(target=lambda: results.append(prepare(cfg(path), tiny_tokenizer, out)))
+        for _ in range(3)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(calls) == 1
+    assert sorted(r.reused for r in results) == [False, True, True]
+    assert len({(r.num_samples, r.num_tokens) for r in results}) == 1

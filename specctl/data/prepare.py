@@ -190,6 +190,26 @@ def _progress_bar(enabled: bool):
         yield bar
 
 
+@contextlib.contextmanager
+def _exclusive(out_dir: Path):
+    """Hold an exclusive lock next to out_dir: concurrent collect workers (`--shard I/N`, torchrun
+    ranks) build the data once; the others wait, then find it complete and reuse it."""
+    import fcntl
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = out_dir.parent / f".lock-{out_dir.name}"
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            # Removed while held, so nothing is left beside the data. A waiter that opened the old
+            # file may then run beside a newcomer; both re-check the manifest first, and a rebuild
+            # writes to a private temp dir swapped in atomically, so at worst work is repeated.
+            path.unlink(missing_ok=True)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def prepare_data(
     cfg: DataSection, tokenizer, out_dir: Path, model=None, progress: bool = True
 ) -> DataSummary:
@@ -197,9 +217,15 @@ def prepare_data(
 
     `model` (HF causal LM) is needed only to self-generate or regenerate conversations.
     Reuses out_dir without work when it is complete for the same DataSection + tokenizer
-    (and, for generated data, the same model when one is passed).
+    (and, for generated data, the same model when one is passed). Concurrent callers on the
+    same out_dir are serialised, so generation runs once.
     """
     out_dir = Path(out_dir)
+    with _exclusive(out_dir):
+        return _prepare_data(cfg, tokenizer, out_dir, model, progress)
+
+
+def _prepare_data(cfg: DataSection, tokenizer, out_dir: Path, model, progress: bool) -> DataSummary:
     fingerprint = data_fingerprint(cfg, tokenizer)
     generating = sources.is_self_generated(cfg.source) or cfg.regenerate
     manifest = read_manifest(out_dir)
