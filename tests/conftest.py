@@ -65,6 +65,17 @@ def make_tiny_verifier(kind: str = "llama", num_layers: int = 4, vocab_size: int
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread: thousands of small ops, where thread
+    hand-offs (OpenMP spinning on a loaded 2-core machine) cost more than the matmuls.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tiny_tokenizer()

@@ -28,13 +28,7 @@ from specctl.drafters.targets import build_draft_vocab
 VOCAB, HIDDEN, MASK_ID = 256, 64, 255
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one intra-op thread; OpenMP spinning dominates otherwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_verifier(**overrides) -> VerifierSpec:

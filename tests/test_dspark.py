@@ -24,14 +24,7 @@ from specctl.drafters.dflash import block_queries
 from specctl.drafters.dspark import Config, DSparkDrafter, confident_prefix_length, total_variation
 from specctl.drafters.targets import build_draft_vocab, targets_from_logits
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one intra-op thread; OpenMP spinning dominates otherwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def dspark(**config) -> DSparkDrafter:

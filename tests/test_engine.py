@@ -22,14 +22,7 @@ PROMPT = [1, 40, 77, 250, 13, 9, 101, 202, 31, 64, 5, 128]
 NEW = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine the
-    thread hand-offs cost more than the matmuls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def varied_verifier(kind: str = "llama", vocab_size: int = 320, scale: float = 8.0):

@@ -23,13 +23,7 @@ LLAMA3_SCALING = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run faster on one intra-op thread; OpenMP spinning dominates otherwise."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _qwen3_config(**kw) -> Qwen3Config:

@@ -19,14 +19,7 @@ from specctl.sampling import (
     sample_categorical,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of tiny tensor ops: intra-op threads only add hand-off latency."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- greedy
