@@ -210,22 +210,12 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
     """
     from specctl.drafters import DRAFTERS
     from specctl.recipe import load_recipe, resolve_recipe_path
-    from specctl.verifier import (
-        capture_hidden_states,
-        check_aux_layer_ids,
-        default_aux_layer_ids,
-        load_verifier,
-        resolve_mask_token_id,
-        verifier_spec,
-        verifier_weights,
-    )
+    from specctl.verifier import capture_hidden_states, load_verifier, recipe_verifier_spec, verifier_weights
 
     base = load_recipe(resolve_recipe_path("quickstart.yaml"))
     verifier = load_verifier(base.verifier)
-    L = verifier.config.num_hidden_layers
-    aux_ids = check_aux_layer_ids(base.features.aux_layer_ids or default_aux_layer_ids(L), L)
-    mask_id = resolve_mask_token_id(verifier.tokenizer, verifier.config, base.drafter.mask_token_id)
-    spec = verifier_spec(verifier, aux_ids, mask_id)
+    spec = recipe_verifier_spec(verifier, base)
+    aux_ids = spec.aux_layer_ids
     weights = verifier_weights(verifier)
     batch = synthetic_batch(spec, batch_size, seq_len, torch.Generator().manual_seed(0))
 

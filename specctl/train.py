@@ -40,12 +40,9 @@ from specctl.optim import build_optimizer, build_scheduler
 from specctl.recipe import Recipe, dump_recipe
 from specctl.verifier import (
     capture_hidden_states,
-    check_aux_layer_ids,
     config_hash,
-    default_aux_layer_ids,
     load_verifier,
-    resolve_mask_token_id,
-    verifier_spec,
+    recipe_verifier_spec,
     verifier_weights,
 )
 
@@ -181,10 +178,8 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     verifier = load_verifier(recipe.verifier.model_copy(update={"device": str(ctx.device)}))
     if ctx.is_main:
         distributed.barrier(ctx)
-    L = verifier.config.num_hidden_layers
-    aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
-    mask_id = resolve_mask_token_id(verifier.tokenizer, verifier.config, recipe.drafter.mask_token_id)
-    spec = verifier_spec(verifier, aux_ids, mask_id)
+    spec = recipe_verifier_spec(verifier, recipe)
+    aux_ids = spec.aux_layer_ids
     weights = verifier_weights(verifier)
     if recipe.train.mode == "offline":
         store = open_store(recipe.run_dir / "features", spec, config_hash(verifier.config))

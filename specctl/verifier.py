@@ -286,6 +286,15 @@ def verifier_spec(verifier: Verifier, aux_layer_ids: tuple[int, ...], mask_token
     )
 
 
+def recipe_verifier_spec(verifier: Verifier, recipe: Any) -> VerifierSpec:
+    """The spec drafters are built from for this recipe: its aux layer ids (default
+    (2, L/2, L-3)) checked against the verifier, and its mask token resolved."""
+    L = verifier.num_layers
+    aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    mask_id = resolve_mask_token_id(verifier.tokenizer, verifier.config, recipe.drafter.mask_token_id)
+    return verifier_spec(verifier, aux_ids, mask_id)
+
+
 def spec_from_config(
     config: Any, name: str, aux_layer_ids: tuple[int, ...], mask_token_id: int
 ) -> VerifierSpec:
