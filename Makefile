@@ -27,8 +27,11 @@ endif
 	$(PY) -c "import specctl.cli, transformers, safetensors"
 	touch $(STAMP)
 
+# Two workers: the SmolLM2 serving chain runs on one while the rest of the suite runs on the other
+# (tests/conftest.py groups tests by module; `make test WORKERS=0` runs them in one process).
+WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --timeout=900 --durations=15 tests
+	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(WORKERS) --dist loadgroup tests
 
 test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import collect_quickstart
+from conftest import SMOLLM2_GROUP, collect_quickstart
 
 from specctl.features import open_features
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group(SMOLLM2_GROUP)]
 
 
 def test_quickstart_features_equal_hf_hidden_states(quickstart_run):

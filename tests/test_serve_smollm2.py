@@ -16,9 +16,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, specctl
+from conftest import ROOT, SMOLLM2_GROUP, specctl
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group(SMOLLM2_GROUP)]
 
 SERVED = ("eagle3", "peagle", "dflash")
 # Small enough to memorise 3-4 short conversations in about a minute per drafter on 2 cores.
