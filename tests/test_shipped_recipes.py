@@ -1,0 +1,164 @@
+"""Every shipped recipe builds its drafter, at full size, on the meta device (no download).
+
+The verifiers' configs are written here from their published config.json values, so the
+8-GPU recipes (Llama-3.1-8B-Instruct, Qwen3-8B) are checked on a CPU with no hub access:
+the recipe validates, its aux layers and mask token fit the verifier, the drafter config
+is the published one for its algorithm, and the module builds with the expected size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, Qwen3Config
+
+from specctl.drafters import DRAFTERS
+from specctl.drafters.api import VerifierWeights
+from specctl.recipe import load_recipe
+from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, spec_from_config
+
+RECIPES = Path(__file__).resolve().parents[1] / "specctl" / "recipes"
+
+# Published config.json values (hub: meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-8B,
+# HuggingFaceTB/SmolLM2-135M-Instruct), and the size of each tokenizer.
+VERIFIERS = {
+    "meta-llama/Llama-3.1-8B-Instruct": (
+        LlamaConfig(
+            architectures=["LlamaForCausalLM"],
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        128256,
+    ),
+    "Qwen/Qwen3-8B": (
+        Qwen3Config(
+            architectures=["Qwen3ForCausalLM"],
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+        ),
+        151669,
+    ),
+    "smollm2-135m-instruct": (
+        LlamaConfig(
+            architectures=["LlamaForCausalLM"],
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            rms_norm_eps=1e-5,
+            rope_theta=100000.0,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+        ),
+        49152,
+    ),
+}
+
+# Published shapes per algorithm (formats.md): (what to check, expected)
+PUBLISHED = {
+    "eagle3": lambda c: c.num_layers == 1 and c.ttt_steps >= 3,
+    "peagle": lambda c: c.num_layers == 4 and c.num_depths == 4,
+    "dflash": lambda c: c.num_layers == 5 and c.block_size == 16,
+    "dspark": lambda c: c.block_size in (7, 8) and c.markov_rank == 256,
+}
+
+SHIPPED = sorted(p.name for p in RECIPES.glob("*.yaml"))
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers lives on the meta device (no memory, no init);
+    buffers and index tables stay real, as the drafter computes them from the d2t table."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _mask_token_id(recipe, tokenizer_size: int, vocab: int) -> int:
+    """What `resolve_mask_token_id` picks without a tokenizer file: the recipe's id, else the
+    first embedding row past the tokenizer (the padded vocabulary of Qwen3)."""
+    if recipe.drafter.mask_token_id is not None:
+        return recipe.drafter.mask_token_id
+    assert tokenizer_size < vocab, "no mask token and no spare row: the recipe must set drafter.mask_token_id"
+    return tokenizer_size
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipe_builds_its_drafter_on_the_meta_device(name):
+    recipe = load_recipe(RECIPES / name)
+    config, tokenizer_size = VERIFIERS[recipe.verifier.name_or_path]
+    L = config.num_hidden_layers
+    aux = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    mask = _mask_token_id(recipe, tokenizer_size, config.vocab_size)
+    assert 0 <= mask < config.vocab_size
+    spec = spec_from_config(config, recipe.verifier.name_or_path, aux, mask)
+    algos = [recipe.drafter.algo] if recipe.drafter.algo else list(DRAFTERS)
+    for algo in algos:
+        drafter_config = getattr(recipe.drafter, algo)
+        if not recipe.verifier.name_or_path.startswith("smollm2"):  # the 8-GPU recipes: published shapes
+            assert PUBLISHED[algo](drafter_config), (name, algo, drafter_config)
+        draft_vocab = recipe.drafter.draft_vocab_size
+        if draft_vocab is not None:
+            assert draft_vocab <= config.vocab_size
+        d2t = (
+            None if draft_vocab is None else torch.zeros(draft_vocab, dtype=torch.long)
+        )  # draft id i = token i
+        V, H = config.vocab_size, config.hidden_size
+        meta = dict(device="meta")
+        weights = VerifierWeights(
+            torch.empty(V, H, **meta), torch.empty(V, H, **meta), torch.empty(H, **meta)
+        )
+        with parameters_on_meta():
+            drafter = DRAFTERS[algo].build(drafter_config, spec, weights, d2t, recipe.train.loss)
+        params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        layer = 4 * H * H + 3 * H * config.intermediate_size  # order of one decoder layer, as a sanity scale
+        assert 0.5 * layer < params < 12 * layer + 2 * V * H, (name, algo, params)
+        assert all(p.device.type == "meta" for p in drafter.parameters())  # nothing was allocated
+
+
+def test_every_algorithm_has_a_recipe_for_each_8b_verifier():
+    algos = {
+        (load_recipe(RECIPES / n).verifier.name_or_path, load_recipe(RECIPES / n).drafter.algo)
+        for n in SHIPPED
+    }
+    for verifier in ("meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3-8B"):
+        assert {a for v, a in algos if v == verifier} >= set(DRAFTERS), verifier
