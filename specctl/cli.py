@@ -212,7 +212,10 @@ def bench(
     max_new_tokens: Annotated[int | None, typer.Option(help="Output tokens per prompt.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
     top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
-    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (vLLM backends).")] = None,
+    concurrency: Annotated[
+        str | None,
+        typer.Option(help="Requests in flight (vLLM backends); a list such as 1,4,16 measures each (vllm)."),
+    ] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = None,
     verifier: Annotated[
         str | None, typer.Option(help="Verifier instead of the recipe's / the drafters' own.")
@@ -227,6 +230,15 @@ def bench(
     ngram: Annotated[
         int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
     ] = None,
+    sweep_k: Annotated[
+        str | None,
+        typer.Option(
+            "--sweep-k",
+            metavar="all|K,...",
+            help="Measure each drafter at several K and recommend the fastest: 'all' (every K it can "
+            "draft) or a list such as 1,2,4,7 or 1-4.",
+        ),
+    ] = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
@@ -237,9 +249,11 @@ def bench(
     """Benchmark drafters against plain decoding and EAGLE-3: acceptance length and throughput.
 
     Example: specctl bench recipes/quickstart.yaml --backend vllm --require 'dflash.acceptance_length>=2'
+
+    Example: specctl bench RECIPE --backend vllm --sweep-k all --concurrency 1,4,16
     """
-    from specctl.bench.report import rich_table
-    from specctl.bench.run import run_bench
+    from specctl.bench.report import rich_sweep, rich_table
+    from specctl.bench.run import parse_int_list, parse_sweep_k, run_bench
     from specctl.errors import RecipeError
     from specctl.recipe import load_recipe
 
@@ -261,15 +275,19 @@ def bench(
         output=output,
         requires=require or [],
         top_p=top_p,
-        concurrency=concurrency,
+        concurrency=parse_int_list(concurrency, "--concurrency") if concurrency is not None else None,
         seed=seed,
         ngram=ngram,
+        sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
         vllm_args=vllm_arg or [],
     )
     if json_:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         out.print(rich_table(report))
+        sweep = rich_sweep(report)
+        if sweep is not None:
+            out.print(sweep)
         out.print(f"report: {report.output_dir}/report.md")
     for e in report.errors:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)

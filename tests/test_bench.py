@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from reliability_matrix import fault
 
 from specctl.bench.prompts import (
     BUILTIN,
@@ -26,13 +27,26 @@ from specctl.bench.report import (
     Method,
     MethodResult,
     RequirementError,
+    SweepPoint,
+    best_results,
     check_requirements,
     markdown,
     parse_requirement,
+    recommend_k,
     report_dict,
+    rich_sweep,
     write_report,
 )
-from specctl.bench.run import BenchInterrupted, group_prompts, plan_methods, run_bench
+from specctl.bench.run import (
+    BenchInterrupted,
+    group_prompts,
+    parse_int_list,
+    parse_sweep_k,
+    plan_methods,
+    plan_sweep,
+    run_bench,
+    speculative_token_limit,
+)
 from specctl.errors import DataError, SpecctlError
 from specctl.recipe import recipe_from_dict
 
@@ -243,6 +257,11 @@ def test_parse_requirement(text, expected):
     assert (r.method, r.category, r.field, r.op, r.value) == expected
 
 
+@fault(
+    stage="bench",
+    fault="malformed `--require`: no operator, no method, unknown figure, not a number, NaN",
+    result="RequirementError (exit 2) on one line",
+)
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -348,6 +367,11 @@ def test_local_jsonl_both_styles_and_categories(tmp_path, tiny_tokenizer):
     assert p.prompt_ids[0] == tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
+@fault(
+    stage="bench",
+    fault="prompt file with broken JSON, unknown row keys, no user turn, a bad role, or empty",
+    result="DataError on one line naming the file and line or row",
+)
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -366,6 +390,11 @@ def test_bad_prompt_file_is_one_line_error(tmp_path, content, message):
     assert "\n" not in str(e.value)
 
 
+@fault(
+    stage="bench",
+    fault="unknown `--dataset`; a hub benchmark while offline",
+    result="DataError listing the choices, or suggesting builtin or a local .jsonl",
+)
 def test_unknown_dataset_and_offline_hub(monkeypatch):
     with pytest.raises(DataError, match="no such file and not a known set; use one of builtin, mt-bench"):
         load_prompt_rows("nope.jsonl")
@@ -438,7 +467,9 @@ def test_group_prompts():
 # ---------------------------------------------------------------- orchestration with a fake engine
 
 
-def _write_drafter(path: Path, algo: str, k: int, verifier: str | None) -> Path:
+def _write_drafter(path: Path, algo: str, k: int, verifier: str | None, **fields) -> Path:
+    """A speculators config.json (no weights: the fake engine never loads any); `fields` go on top
+    (block_size, sample_from_anchor, specctl: what the K limits are read from)."""
     path.mkdir(parents=True)
     config = {
         "speculators_model_type": algo,
@@ -448,6 +479,7 @@ def _write_drafter(path: Path, algo: str, k: int, verifier: str | None) -> Path:
             "proposal_methods": [{"speculative_tokens": k}],
             "verifier": {"name_or_path": verifier},
         },
+        **fields,
     }
     (path / "config.json").write_text(json.dumps(config))
     return path
@@ -473,7 +505,8 @@ def fake_generate(
     num_speculative_tokens,
     eos_token_ids,
 ):
-    """Deterministic counters: `accept` drafts kept per step, so tau = 1 + accept exactly."""
+    """Deterministic counters: `accept` drafts kept per step (at most K), so tau = 1 + min(accept, K)
+    exactly; a step costs DRAFT_COST whatever K, so tokens/s grows with K up to `accept`, then ties."""
     n = max_new_tokens
     fake_generate.calls.append((drafter, tuple(prompt_ids), n, seed, tuple(eos_token_ids)))
     if drafter is None:
@@ -481,7 +514,8 @@ def fake_generate(
             num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
         )
         return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=n * TOKEN_COST)
-    k, a = num_speculative_tokens, drafter.accept
+    k = num_speculative_tokens
+    a = min(drafter.accept, k)
     steps = math.ceil(n / (a + 1))
     counters = SimpleNamespace(
         num_drafts=steps,
@@ -623,6 +657,12 @@ def test_no_drafter_says_which_command_makes_one(tmp_path, tiny_verifier_dir, fa
     assert "specctl train quickstart --algo dflash" in msg and "specctl export runs/quickstart" in msg
 
 
+@fault(
+    stage="bench",
+    fault="`--require` for a method not in the run, unknown backend, num_prompts 0, a drafter without "
+    "proposal methods, ngram on the embedded engine",
+    result="an error before any decoding; no output directory",
+)
 def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engine):
     d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
     with pytest.raises(RequirementError, match="no method 'peagle'; this run has no-spec, dflash"):
@@ -641,6 +681,7 @@ def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engin
     assert fake_generate.calls == [] and not (tmp_path / "o").exists()
 
 
+@fault(stage="bench", fault="Ctrl-C mid-benchmark", result="exit 130 with a partial report marked INCOMPLETE")
 def test_interrupt_writes_partial_report(tmp_path, tiny_verifier_dir, fake_engine):
     d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
     e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
@@ -714,3 +755,374 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         1 + dflash["num_accepted_tokens"] / dflash["num_drafts"]
     )
     assert plain["acceptance_length"] == 1.0 and plain["num_drafts"] == 0
+
+
+# ---------------------------------------------------------------- the K sweep
+
+
+def test_recommend_k_takes_the_fastest_and_ties_go_to_the_smaller_k():
+    assert recommend_k([(1, 10.0), (2, 12.5), (3, 11.0)]) == 2
+    assert recommend_k([(4, 12.0), (1, 9.0), (3, 12.0), (2, 12.0)]) == 2
+    assert recommend_k(iter([(5, 1.0)])) == 5
+    with pytest.raises(ValueError, match="no measured K"):
+        recommend_k([])
+
+
+def _sweep_report() -> BenchReport:
+    """A sweep at concurrency 1 and 4: dflash is fastest at K=3 at 1; at 4, K=2 and K=3 tie
+    (K=2 recommended) and no-spec is faster than either."""
+    r = BenchReport("tiny", "vllm", "builtin", 2, 0.0, 1.0, 32, 0, 1, complete=True)
+    r.sweep, r.sweep_levels = [], [1, 4]
+    r.sweep_skipped = ["dflash: K=9 not measured, it drafts at most 4 per step"]
+    tps = {1: {1: 20.0, 2: 30.0, 3: 36.0, 4: 33.0}, 4: {1: 50.0, 2: 70.0, 3: 70.0, 4: 60.0}}
+    plain_tps = {1: 16.0, 4: 80.0}
+    for level in (1, 4):
+        plain = MethodResult(Method("no-spec", "none"), {"": _m(2, 64, 64 / plain_tps[level])})
+        plain.categories[""].outputs = {0: [5, 6], 1: [7]}
+        r.sweep.append(SweepPoint(level, plain))
+        for k, v in tps[level].items():
+            m = _m(2, 64, 64 / v, 10, (8, 6, 4, 2)[:k], k)
+            m.outputs = {0: [5, 6], 1: [7 if k < 4 else 8]}
+            r.sweep.append(
+                SweepPoint(level, MethodResult(Method("dflash", "dflash", k, Path("/d")), {"": m}))
+            )
+    r.results = best_results(r.sweep, 1)
+    return r
+
+
+def test_sweep_report_points_and_recommendations(tmp_path):
+    r = _sweep_report()
+    assert [(x.method.name, x.method.num_speculative_tokens) for x in r.results] == [
+        ("no-spec", 0),
+        ("dflash", 3),
+    ]
+    d = report_dict(r)
+    s = d["sweep"]
+    assert s["concurrency"] == [1, 4] and len(s["points"]) == 10 and s["skipped"] == r.sweep_skipped
+    point = next(p for p in s["points"] if p["concurrency"] == 4 and p["num_speculative_tokens"] == 2)
+    # figures against no-spec at the same concurrency
+    assert point["speedup"] == pytest.approx(70 / 80) and point["acceptance_length"] == pytest.approx(
+        1 + 14 / 10
+    )
+    assert "ratio_vs_baseline" not in point and point["outputs_match_plain"] == 1.0
+    assert next(p for p in s["points"] if p["num_speculative_tokens"] == 4)["outputs_match_plain"] == 0.5
+    assert s["recommended"] == {
+        "dflash": {
+            "1": {
+                "num_speculative_tokens": 3,
+                "acceptance_length": pytest.approx(1 + 18 / 10),
+                "output_tokens_per_s": pytest.approx(36.0),
+                "speedup": pytest.approx(36 / 16),
+                "speculative_config": {
+                    "method": "dflash",
+                    "model": str(Path("/d").resolve()),
+                    "num_speculative_tokens": 3,
+                },
+            },
+            "4": {
+                "num_speculative_tokens": 2,
+                "acceptance_length": pytest.approx(1 + 14 / 10),
+                "output_tokens_per_s": pytest.approx(70.0),
+                "speedup": pytest.approx(70 / 80),
+                "speculative_config": {
+                    "method": "dflash",
+                    "model": str(Path("/d").resolve()),
+                    "num_speculative_tokens": 2,
+                },
+            },
+        }
+    }
+    # results: each method at its recommended K at the lowest level, against no-spec there
+    assert [(e["name"], e["num_speculative_tokens"]) for e in d["results"]] == [("no-spec", 0), ("dflash", 3)]
+    assert d["results"][1]["speedup"] == pytest.approx(36 / 16)
+    md = markdown(d)
+    assert (
+        "## K sweep" in md
+        and "| 4 | dflash | 2 |" in md
+        and "![output tokens/s and tau against K](sweep.png)" in md
+    )
+    assert """--speculative-config '{"method": "dflash", "model": """ in md
+    assert "slower than no-spec, serve without speculation" in md and "skipped: dflash: K=9" in md
+    paths = write_report(r, tmp_path / "out")
+    assert paths["sweep_png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = [json.loads(line) for line in paths["outputs"].read_text().splitlines()]
+    assert len(lines) == 10 * 2 and lines[2] == {
+        "method": "dflash",
+        "num_speculative_tokens": 1,
+        "concurrency": 1,
+        "prompt_index": 0,
+        "token_ids": [5, 6],
+    }
+
+
+def test_rich_sweep_renders_and_is_none_without_a_sweep():
+    from rich.console import Console
+
+    console = Console(record=True, width=120)
+    console.print(rich_sweep(_sweep_report()))
+    text = console.export_text()
+    assert "K sweep" in text and "recommended:" in text and "concurrency 4, dflash: K=2" in text
+    # the --speculative-config argument stays on one line, to be copied whole
+    assert any(
+        line.strip().startswith("--speculative-config '{") and line.rstrip().endswith("}'")
+        for line in text.splitlines()
+    )
+    assert rich_sweep(_report()) is None and "sweep" not in report_dict(_report())
+
+
+def test_speculative_token_limit_per_drafter():
+    def config(algo, k, **fields):
+        return {
+            "speculators_model_type": algo,
+            "speculators_config": {"proposal_methods": [{"speculative_tokens": k}]},
+            **fields,
+        }
+
+    assert speculative_token_limit(config("dflash", 7, block_size=8, sample_from_anchor=False)) == 7
+    assert speculative_token_limit(config("dflash", 3, block_size=16)) == 15  # fewer K than the block allows
+    assert speculative_token_limit(config("dspark", 7, block_size=7, sample_from_anchor=True)) == 7
+    assert (
+        speculative_token_limit(config("dspark", 7, block_size=7)) == 7
+    )  # DSpark's anchor predicts by default
+    assert speculative_token_limit(config("dflash", 5)) == 5  # no block recorded: the exported K
+    assert speculative_token_limit(config("peagle", 5, specctl={"drafter": {"num_depths": 6}})) == 6
+    assert speculative_token_limit(config("peagle", 5)) == 8  # as peagle.from_export: max(K, 8)
+    assert speculative_token_limit(config("eagle3", 3)) is None  # autoregressive: any K
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1,4,16", [1, 4, 16]), (" 4, 1,4 ", [1, 4]), ("1-3,7", [1, 2, 3, 7]), ("5", [5])],
+)
+def test_parse_int_list(text, expected):
+    assert parse_int_list(text, "--concurrency") == expected
+
+
+@pytest.mark.parametrize("text", ["0", "a", "3-1", "", "1,,2", "-2", "1.5"])
+def test_parse_int_list_errors(text):
+    with pytest.raises(SpecctlError, match="--sweep-k"):
+        parse_int_list(text, "--sweep-k")
+
+
+def test_parse_sweep_k():
+    assert parse_sweep_k("all") is True and parse_sweep_k("ALL") is True
+    assert parse_sweep_k("1,2,4,7") == [1, 2, 4, 7] and parse_sweep_k("2-4") == [2, 3, 4]
+
+
+def test_plan_sweep(tmp_path):
+    d = _write_drafter(tmp_path / "d", "dflash", 4, "v", block_size=6)  # drafts at most 5
+    e = _write_drafter(tmp_path / "e", "eagle3", 2, "v", specctl={"drafter": {"ttt_steps": 3}})
+    methods, _ = plan_methods([d, e], None, ngram=2)
+
+    def ks(configs):
+        return [(m.name, m.num_speculative_tokens) for m in configs]
+
+    configs, skipped = plan_sweep(methods, False)
+    assert configs == methods and skipped == []
+    configs, skipped = plan_sweep(methods, True)  # eagle3 up to its trained depth, ngram up to --ngram K
+    assert ks(configs) == [
+        ("no-spec", 0),
+        *[("eagle3", k) for k in (1, 2, 3)],
+        *[("dflash", k) for k in range(1, 6)],
+        ("ngram", 1),
+        ("ngram", 2),
+    ]
+    assert skipped == [] and all(c.drafter == d for c in configs if c.name == "dflash")
+    configs, skipped = plan_sweep(methods, [8, 2, 6])  # eagle3 and ngram draft any K; dflash at most 5
+    assert ks(configs[:5]) == [("no-spec", 0), ("eagle3", 2), ("eagle3", 6), ("eagle3", 8), ("dflash", 2)]
+    assert ks(configs[5:]) == [("ngram", 2), ("ngram", 6), ("ngram", 8)]
+    assert skipped == ["dflash: K=6,8 not measured, it drafts at most 5 per step"]
+    with pytest.raises(
+        SpecctlError, match=r"dflash .* drafts at most 5 tokens per step; include a K in 1\.\.5"
+    ):
+        plan_sweep(methods, [6, 7])
+    with pytest.raises(SpecctlError, match="give K values of 1 or more"):
+        plan_sweep(methods, [])
+
+
+def test_run_bench_sweep_k_with_a_fake_engine(tmp_path, tiny_verifier_dir, fake_engine):
+    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir), block_size=6)
+    e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
+    loads = []
+
+    def counting_load(path, verifier):
+        loads.append(Path(path))
+        return fake_load_drafter(path, verifier)
+
+    out = tmp_path / "o"
+    report = run_bench(
+        drafters=[d, e],
+        output=out,
+        num_prompts=2,
+        max_new_tokens=12,
+        sweep_k=True,
+        requires=["dflash.acceptance_length>=4"],
+        **{**fake_engine, "load_drafter_fn": counting_load},
+    )
+    assert report.ok and loads == [e, d]  # each drafter loaded once for all its K
+    dd = json.loads((out / "report.json").read_text())
+    assert dd == report.to_dict() and dd["complete"] and dd["concurrency"] == 1
+    points = dd["sweep"]["points"]
+    assert [(p["name"], p["num_speculative_tokens"], p["concurrency"]) for p in points] == [
+        ("no-spec", 0, 1),
+        *[("eagle3", k, 1) for k in (1, 2, 3)],
+        *[("dflash", k, 1) for k in range(1, 6)],
+    ]
+    # the fake accepts min(accept, K) per step: tau rises with K until `accept`, then stays
+    assert [p["acceptance_length"] for p in points if p["name"] == "dflash"] == [2.0, 3.0, 4.0, 4.0, 4.0]
+    assert [len(p["per_position_acceptance"]) for p in points if p["name"] == "dflash"] == [1, 2, 3, 4, 5]
+    # tokens/s ties from K = accept on: the smallest of the tied K is recommended
+    rec = dd["sweep"]["recommended"]
+    assert (
+        rec["dflash"]["1"]["num_speculative_tokens"] == 3
+        and rec["eagle3"]["1"]["num_speculative_tokens"] == 1
+    )
+    assert rec["dflash"]["1"]["speculative_config"]["num_speculative_tokens"] == 3
+    for name in ("dflash", "eagle3"):
+        mine = [(p["num_speculative_tokens"], p["output_tokens_per_s"]) for p in points if p["name"] == name]
+        best = max(v for _, v in mine)
+        assert rec[name]["1"]["num_speculative_tokens"] == min(k for k, v in mine if v == best)
+    # results (and --require) read each method at its recommended K
+    assert [(r["name"], r["num_speculative_tokens"]) for r in dd["results"]] == [
+        ("no-spec", 0),
+        ("eagle3", 1),
+        ("dflash", 3),
+    ]
+    assert "## K sweep" in (out / "report.md").read_text() and (out / "sweep.png").is_file()
+    assert len((out / "outputs.jsonl").read_text().splitlines()) == 9 * 2
+
+
+def test_sweep_k_list_skips_what_a_drafter_cannot_draft(tmp_path, tiny_verifier_dir, fake_engine):
+    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir), block_size=6)
+    e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
+    kw = dict(drafters=[d, e], output=tmp_path / "o", num_prompts=1, max_new_tokens=8, **fake_engine)
+    report = run_bench(sweep_k=[2, 7], **kw)
+    points = [(p["name"], p["num_speculative_tokens"]) for p in report.to_dict()["sweep"]["points"]]
+    assert points == [("no-spec", 0), ("eagle3", 2), ("eagle3", 7), ("dflash", 2)]
+    assert report.sweep_skipped == ["dflash: K=7 not measured, it drafts at most 5 per step"] and report.ok
+    fake_generate.calls.clear()
+    with pytest.raises(SpecctlError, match="dflash .* drafts at most 5 tokens per step"):
+        run_bench(sweep_k=[6], **kw)
+    with pytest.raises(
+        SpecctlError, match="--concurrency 1,4: the embedded backend decodes one request at a time"
+    ):
+        run_bench(concurrency=[4, 1], **kw)
+    assert fake_generate.calls == []
+
+
+def test_interrupted_sweep_keeps_the_points_it_finished(tmp_path, tiny_verifier_dir, fake_engine):
+    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir), block_size=4)
+
+    def interrupted(verifier, drafter, *args, num_speculative_tokens=None, **kw):
+        if num_speculative_tokens == 3:
+            raise KeyboardInterrupt
+        return fake_generate(verifier, drafter, *args, num_speculative_tokens=num_speculative_tokens, **kw)
+
+    with pytest.raises(BenchInterrupted, match=r"partial report \(3 of 4 configurations\)"):
+        run_bench(
+            drafters=[d],
+            output=tmp_path / "o",
+            num_prompts=1,
+            max_new_tokens=8,
+            sweep_k=True,
+            **{**fake_engine, "generate_fn": interrupted},
+        )
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["complete"] is False
+    assert [(p["name"], p["num_speculative_tokens"]) for p in report["sweep"]["points"]] == [
+        ("no-spec", 0),
+        ("dflash", 1),
+        ("dflash", 2),
+    ]
+    assert report["sweep"]["recommended"]["dflash"]["1"]["num_speculative_tokens"] == 2
+    assert (tmp_path / "o" / "sweep.png").is_file()
+
+
+def test_cli_parses_sweep_options(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import specctl.bench.run
+    from specctl.cli import app
+
+    seen = {}
+
+    def fake_run_bench(recipe, **kw):
+        seen.update(kw)
+        r = _sweep_report()
+        r.output_dir = tmp_path
+        return r
+
+    monkeypatch.setattr(specctl.bench.run, "run_bench", fake_run_bench)
+    result = CliRunner().invoke(
+        app, ["bench", "--drafter", "x", "--sweep-k", "all", "--concurrency", "16,1,4"]
+    )
+    assert result.exit_code == 0, result.output
+    assert seen["sweep_k"] is True and seen["concurrency"] == [1, 4, 16]
+    assert "K sweep" in result.output and "--speculative-config" in result.output
+    CliRunner().invoke(app, ["bench", "--drafter", "x", "--sweep-k", "1-3,7"])
+    assert seen["sweep_k"] == [1, 2, 3, 7]
+    CliRunner().invoke(app, ["bench", "--drafter", "x"])
+    assert seen["sweep_k"] is False and seen["concurrency"] is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_sweep_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
+    """Random DFlash (block 4: K 1..3) and EAGLE-3 drafters swept over every K they can draft on the
+    real engine: one point per (drafter, K), greedy outputs still equal plain decoding's, tau at
+    K=1 is at most 2 (one draft token per pass), and each recommendation is the argmax."""
+    import torch
+
+    from specctl.drafters import DRAFTERS
+    from specctl.export import save_drafter
+    from specctl.recipe import VerifierSection
+    from specctl.verifier import load_verifier, resolve_mask_token_id, verifier_spec, verifier_weights
+
+    verifier = load_verifier(VerifierSection(name_or_path=str(tiny_verifier_dir)))
+    spec = verifier_spec(
+        verifier, (1, 2, 3), resolve_mask_token_id(verifier.tokenizer, verifier.config, None)
+    )
+    exports = []
+    for algo, fields in (
+        ("dflash", {"block_size": 4}),
+        ("eagle3", {"num_speculative_tokens": 1, "ttt_steps": 2}),
+    ):
+        torch.manual_seed(0)
+        cls = DRAFTERS[algo]
+        drafter = cls.build(
+            cls.config_cls(num_layers=1, **fields), spec, verifier_weights(verifier), None, "kl"
+        )
+        exports.append(save_drafter(drafter, tmp_path / algo, dtype="float32"))
+    report = run_bench(
+        drafters=exports,
+        output=tmp_path / "bench",
+        num_prompts=2,
+        max_new_tokens=8,
+        sweep_k=True,
+        progress=False,
+    )
+    d = report.to_dict()
+    assert report.ok and d["complete"]
+    points = d["sweep"]["points"]
+    # EAGLE-3 has no block: its default sweep goes up to its trained depth (ttt_steps 2)
+    assert [(p["name"], p["num_speculative_tokens"]) for p in points] == [
+        ("no-spec", 0),
+        *[("eagle3", k) for k in (1, 2)],
+        *[("dflash", k) for k in (1, 2, 3)],
+    ]
+    plain_tokens = points[0]["output_tokens"]
+    for p in points[1:]:
+        assert p["outputs_match_plain"] == 1.0 and p["output_tokens"] == plain_tokens
+        assert len(p["per_position_acceptance"]) == p["num_speculative_tokens"]
+        if p["num_speculative_tokens"] == 1:
+            assert 1.0 <= p["acceptance_length"] <= 2.0
+    for name in ("dflash", "eagle3"):
+        mine = [(p["num_speculative_tokens"], p["output_tokens_per_s"]) for p in points if p["name"] == name]
+        best_tps = max(v for _, v in mine)
+        best_k = min(k for k, v in mine if v == best_tps)
+        rec = d["sweep"]["recommended"][name]["1"]
+        assert (
+            rec["num_speculative_tokens"] == best_k
+            and rec["speculative_config"]["num_speculative_tokens"] == best_k
+        )
+        assert next(r for r in d["results"] if r["name"] == name)["num_speculative_tokens"] == best_k
+    assert (tmp_path / "bench" / "sweep.png").is_file()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from reliability_matrix import fault
 
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Method
@@ -24,6 +25,7 @@ from specctl.bench.vllm import (
     engine_args,
     group_members,
     measure_server,
+    measure_server_levels,
     offline_job,
     offline_measurements,
     parse_completion,
@@ -118,6 +120,11 @@ def test_speculative_configs_match_vllm_names(tmp_path):
         speculative_config(Method("medusa", "medusa", 3, d))
 
 
+@fault(
+    stage="hygiene",
+    fault="the vLLM server command line",
+    result="an argument list (no shell) bound to 127.0.0.1; user arguments last",
+)
 def test_server_command_is_an_argument_list(tmp_path):
     setup = _setup(tmp_path, extra_args=("--max-num-seqs", "4", "--max-model-len", "999"))
     argv = server_command(Method("dflash", "dflash", 7, tmp_path), setup, 8123, cpu=True)
@@ -203,11 +210,13 @@ FAKE_SERVER = textwrap.dedent(
     ready_at = time.time() + a.ready_after
 
     def account(n):
-        # every draft proposes k tokens and has its first two accepted: tau = 3 exactly
+        # every draft proposes k tokens and has its first two (at most k) accepted: tau = 3
+        # exactly for k >= 2, 2 for k = 1; k = 0 (plain decoding) drafts nothing
         with lock:
-            d = n // 3
-            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += 2 * d; c["gen"] += n
-            c["pos"][0] += d; c["pos"][1] += d
+            d, acc = (n // 3 if a.k else 0), min(2, a.k)
+            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += acc * d; c["gen"] += n
+            for i in range(acc):
+                c["pos"][i] += d
 
     class H(BaseHTTPRequestHandler):
         def _send(self, code, body, ctype="application/json"):
@@ -299,6 +308,11 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
+@fault(
+    stage="bench",
+    fault="a vLLM server with a child process, after a benchmark",
+    result="the whole process group is gone; the log is kept",
+)
 def test_measure_server_counts_per_group_and_leaves_nothing(tmp_path, fake_server):
     pidfile, requests = tmp_path / "pid", tmp_path / "requests.jsonl"
     setup = _setup(tmp_path)
@@ -340,6 +354,159 @@ def test_measure_server_counts_per_group_and_leaves_nothing(tmp_path, fake_serve
     assert "fake vllm: starting" in (tmp_path / "logs" / "vllm-server-dflash.log").read_text()
 
 
+def test_measure_server_levels_on_one_server(tmp_path, fake_server):
+    """Two concurrency levels on one server: each level's counters are its own (no bleed), the
+    prompts go out once per level, and the log is named by the label (one server per K)."""
+    pidfile, requests = tmp_path / "pid", tmp_path / "requests.jsonl"
+
+    def command(port):
+        args = ["--port", str(port), "--k", "1", "--pidfile", str(pidfile), "--requests", str(requests)]
+        return [sys.executable, str(fake_server), *args]
+
+    method = Method("dflash", "dflash", 1, tmp_path)
+    out = measure_server_levels(
+        method, _groups(), _setup(tmp_path), (1, 3), cpu=True, command=command, label="dflash-k1"
+    )
+    assert sorted(out) == [1, 3] and all(sorted(m) == ["chat", "code"] for m in out.values())
+    for level in (1, 3):
+        code = out[level]["code"]
+        assert code.num_prompts == 3 and code.output_tokens == 3 * 12 and code.num_drafts == 3 * 4
+        assert code.acceptance_length == 2.0 and code.per_position_acceptance == [1.0]
+        assert code.outputs == {i: [5 + i] * 12 for i in (0, 2, 4)}
+    sent = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert len(sent) == 1 + 2 * 5  # one warm-up, then every prompt once per level
+    assert (tmp_path / "logs" / "vllm-server-dflash-k1.log").is_file()
+    assert group_members(int(pidfile.read_text())) == []
+
+
+def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
+    tmp_path, fake_server, tiny_verifier_dir, monkeypatch
+):
+    """`run_bench(backend="vllm", sweep_k=..., concurrency=[1, 2])` with each vLLM server replaced
+    by the fake (which drafts the K it is started with): one server for no-spec and one per K,
+    each measured at both levels, and a recommendation per level that is the argmax."""
+    import importlib.util
+
+    import specctl.bench.run
+    from specctl.bench.run import run_bench
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    servers = []
+
+    def fake_levels(method, groups, setup, levels, on_done=None, label=None):
+        servers.append((label, tuple(levels), setup.concurrency))
+        k = str(method.num_speculative_tokens)
+        argv = [sys.executable, str(fake_server), "--k", k, "--requests", str(tmp_path / f"{label}.jsonl")]
+        return measure_server_levels(
+            method,
+            groups,
+            setup,
+            levels,
+            on_done,
+            cpu=True,
+            command=lambda port: [*argv, "--port", str(port)],
+            label=label,
+        )
+
+    monkeypatch.setattr(specctl.bench.run, "measure_server_levels", fake_levels)
+    drafter = tmp_path / "dflash"
+    drafter.mkdir()
+    config = {
+        "speculators_model_type": "dflash",
+        "block_size": 4,
+        "speculators_config": {
+            "proposal_methods": [{"speculative_tokens": 3}],
+            "verifier": {"name_or_path": "x"},
+        },
+    }
+    (drafter / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "bench"
+    report = run_bench(
+        drafters=[drafter],
+        verifier=str(tiny_verifier_dir),
+        backend="vllm",
+        concurrency=[2, 1],
+        sweep_k=[1, 3, 5],  # 5 is past the block: skipped
+        num_prompts=3,
+        max_new_tokens=6,
+        output=out,
+        progress=False,
+        ready_timeout_s=30.0,
+    )
+    assert report.ok, report.errors
+    assert servers == [("no-spec", (1, 2), 1), ("dflash-k1", (1, 2), 1), ("dflash-k3", (1, 2), 1)]
+    d = json.loads((out / "report.json").read_text())
+    s = d["sweep"]
+    assert s["concurrency"] == [1, 2] and d["concurrency"] == 1
+    assert s["skipped"] == ["dflash: K=5 not measured, it drafts at most 3 per step"]
+    assert [(p["name"], p["num_speculative_tokens"], p["concurrency"]) for p in s["points"]] == [
+        ("no-spec", 0, 1),
+        ("no-spec", 0, 2),
+        ("dflash", 1, 1),
+        ("dflash", 1, 2),
+        ("dflash", 3, 1),
+        ("dflash", 3, 2),
+    ]
+    assert [p["acceptance_length"] for p in s["points"]] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert all(p["output_tokens"] == 3 * 6 and p["speedup"] is not None for p in s["points"])
+    for level in ("1", "2"):
+        mine = {
+            p["num_speculative_tokens"]: p["output_tokens_per_s"]
+            for p in s["points"]
+            if p["name"] == "dflash" and str(p["concurrency"]) == level
+        }
+        rec = s["recommended"]["dflash"][level]
+        assert rec["output_tokens_per_s"] == max(mine.values()) and mine[
+            rec["num_speculative_tokens"]
+        ] == max(mine.values())
+        assert rec["speculative_config"] == {
+            "method": "dflash",
+            "model": str(drafter.resolve()),
+            "num_speculative_tokens": rec["num_speculative_tokens"],
+        }
+    for label in ("no-spec", "dflash-k1", "dflash-k3"):
+        assert (out / "logs" / f"vllm-server-{label}.log").is_file()
+        assert len((tmp_path / f"{label}.jsonl").read_text().splitlines()) == 1 + 2 * 3
+    assert (out / "sweep.png").is_file() and "### Recommended `--speculative-config`" in (
+        out / "report.md"
+    ).read_text()
+
+
+def test_concurrency_levels_need_the_server_backend(tmp_path, tiny_verifier_dir, monkeypatch):
+    import importlib.util
+
+    from specctl.bench.run import run_bench
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    with pytest.raises(SpecctlError, match="vllm-offline backend hands vLLM every prompt at once"):
+        run_bench(
+            verifier=str(tiny_verifier_dir),
+            backend="vllm-offline",
+            ngram=2,
+            concurrency=[1, 8],
+            recipe=_recipe(tmp_path),
+        )
+    with pytest.raises(SpecctlError, match="bench.concurrency: Input should be greater than or equal to 1"):
+        run_bench(
+            verifier=str(tiny_verifier_dir),
+            backend="vllm",
+            ngram=2,
+            concurrency=[0, 8],
+            recipe=_recipe(tmp_path),
+        )
+
+
+@fault(
+    stage="bench",
+    fault="the vLLM server exits before it is ready (KV cache too small)",
+    result="VllmError within 20 s quoting the log tail and naming the log file",
+)
 def test_server_that_dies_fails_fast_with_log_tail(tmp_path, fake_server):
     setup = _setup(tmp_path)
     start = time.monotonic()
@@ -357,10 +524,16 @@ def test_server_that_dies_fails_fast_with_log_tail(tmp_path, fake_server):
     assert "not enough KV cache space" in msg and "vllm-server-no-spec.log" in msg.splitlines()[0]
 
 
+@fault(
+    stage="bench",
+    fault="the vLLM server never becomes ready",
+    result="VllmError after the ready timeout; the process group is gone",
+)
 def test_server_not_ready_times_out(tmp_path, fake_server):
-    setup = _setup(tmp_path, ready_timeout_s=1.0)
+    # 5 s: long enough for the fake server to start and write its pid on a loaded 2-core machine
+    setup = _setup(tmp_path, ready_timeout_s=5.0)
     pidfile = tmp_path / "pid"
-    with pytest.raises(VllmError, match="not ready after 1 s"):
+    with pytest.raises(VllmError, match="not ready after 5 s"):
         measure_server(
             Method("no-spec", "none"),
             _groups(),
@@ -380,6 +553,11 @@ def test_server_not_ready_times_out(tmp_path, fake_server):
     assert group_members(int(pidfile.read_text())) == []
 
 
+@fault(
+    stage="bench",
+    fault="the server port is already in use",
+    result="VllmError naming the port; nothing started",
+)
 def test_port_taken(tmp_path, fake_server):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -393,6 +571,11 @@ def test_port_taken(tmp_path, fake_server):
     assert not (tmp_path / "log").exists()  # nothing was started
 
 
+@fault(
+    stage="bench",
+    fault="Ctrl-C while requests are in flight",
+    result="the server's process group is stopped",
+)
 def test_ctrl_c_during_requests_stops_the_group(tmp_path, fake_server):
     pidfile = tmp_path / "pid"
     setup = _setup(tmp_path)
@@ -420,6 +603,11 @@ def test_ctrl_c_during_requests_stops_the_group(tmp_path, fake_server):
     assert group_members(int(pidfile.read_text())) == []
 
 
+@fault(
+    stage="bench",
+    fault="a server that ignores SIGTERM",
+    result="SIGKILL after the grace period; the group is gone within 10 s",
+)
 def test_stop_escalates_to_sigkill(tmp_path):
     code = (
         "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -435,6 +623,11 @@ def test_stop_escalates_to_sigkill(tmp_path):
         assert proc.returncode == -signal.SIGKILL and group_members(proc.pid) == []
 
 
+@fault(
+    stage="bench",
+    fault="the server answers HTTP 400",
+    result="VllmError quoting the status and the reason",
+)
 def test_bad_request_is_reported(tmp_path, fake_server):
     setup = _setup(tmp_path)
     groups = {"": [(0, BenchPrompt(("not-an-id",), None, "x"))]}  # type: ignore[arg-type]

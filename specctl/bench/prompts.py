@@ -164,8 +164,12 @@ def load_prompt_rows(dataset: str) -> tuple[list[PromptRow], str]:
         return builtin_rows(), BUILTIN
     if dataset in HUB_PROMPT_SETS:
         return load_hub_rows(dataset), dataset
-    path = Path(dataset).expanduser()
-    if path.is_file():
+    try:
+        path = Path(dataset).expanduser()
+        is_file = path.is_file()
+    except (OSError, RuntimeError):  # a name too long for the OS; ~user with no such user
+        is_file = False
+    if is_file:
         return load_jsonl_rows(path), str(path)
     raise DataError(
         f"--dataset {dataset!r}: no such file and not a known set; use one of {DATASET_CHOICES}, "

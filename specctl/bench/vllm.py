@@ -34,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -520,8 +520,8 @@ def to_measurement(
 # ---------------------------------------------------------------- measuring one method
 
 
-def _log_path(setup: VllmSetup, method: Method, mode: str) -> Path:
-    return setup.log_dir / f"vllm-{mode}-{method.name}.log"
+def _log_path(setup: VllmSetup, label: str, mode: str) -> Path:
+    return setup.log_dir / f"vllm-{mode}-{label}.log"
 
 
 def measure_server(
@@ -536,14 +536,34 @@ def measure_server(
 
     `command(port)` replaces the vLLM command line (tests run a fake server through it).
     """
+    levels = (setup.concurrency,)
+    return measure_server_levels(method, groups, setup, levels, on_done, cpu, command)[setup.concurrency]
+
+
+def measure_server_levels(
+    method: Method,
+    groups: Groups,
+    setup: VllmSetup,
+    levels: Sequence[int],
+    on_done: Callable[[int], None] | None = None,
+    cpu: bool | None = None,
+    command: Callable[[int], list[str]] | None = None,
+    label: str | None = None,
+) -> dict[int, dict[str, Measurement]]:
+    """measure_server at each concurrency level in turn, on one server: a vLLM start costs up
+    to minutes, the levels only change how many requests are in flight.
+
+    `label` names the log (vllm-server-LABEL.log; default the method's name), so the servers of
+    a sweep, one per K, each keep theirs.
+    """
     cpu = on_cpu() if cpu is None else cpu
-    log_path = _log_path(setup, method, "server")
+    log_path = _log_path(setup, label or method.name, "server")
     for attempt in range(2):
         port = free_port()
         argv = command(port) if command else server_command(method, setup, port, cpu)
         try:
             with serve(argv, port, log_path, method.name, vllm_env(cpu), setup.ready_timeout_s) as server:
-                return _measure_groups(server, method, groups, setup, on_done)
+                return _measure_levels(server, method, groups, setup, levels, on_done)
         except VllmError as e:
             # another process may take the free port between the check and vLLM's bind: retry once
             if attempt == 0 and "address already in use" in str(e).lower():
@@ -552,10 +572,15 @@ def measure_server(
     raise AssertionError("unreachable")
 
 
-def _measure_groups(
-    server: Server, method: Method, groups: Groups, setup: VllmSetup, on_done: Callable[[int], None] | None
-) -> dict[str, Measurement]:
-    out: dict[str, Measurement] = {}
+def _measure_levels(
+    server: Server,
+    method: Method,
+    groups: Groups,
+    setup: VllmSetup,
+    levels: Sequence[int],
+    on_done: Callable[[int], None] | None,
+) -> dict[int, dict[str, Measurement]]:
+    out: dict[int, dict[str, Measurement]] = {}
     try:
         first = next(p for g in groups.values() for p in g)
         # warm-up (not measured): first-request costs, e.g. lazy allocations; its stats must have
@@ -564,13 +589,16 @@ def _measure_groups(
         body = completion_body(first[1], first[0], setup, max_tokens=4)
         warm, _ = complete(server.base_url, body, setup.request_timeout_s)
         before = settled_metrics(server.base_url, start, warm)
-        for category, prompts in groups.items():
-            tokens, wall, outputs = send_prompts(server.base_url, prompts, setup, on_done)
-            after = settled_metrics(server.base_url, before, tokens)
-            out[category] = to_measurement(
-                after - before, len(prompts), tokens, wall, method.num_speculative_tokens, outputs
-            )
-            before = after
+        for level in levels:
+            at_level = replace(setup, concurrency=level)
+            out[level] = {}
+            for category, prompts in groups.items():
+                tokens, wall, outputs = send_prompts(server.base_url, prompts, at_level, on_done)
+                after = settled_metrics(server.base_url, before, tokens)
+                out[level][category] = to_measurement(
+                    after - before, len(prompts), tokens, wall, method.num_speculative_tokens, outputs
+                )
+                before = after
     except VllmError as e:
         raise server.failure(f"vLLM server for {method.name}: {e}") from None
     except (urllib.error.URLError, ConnectionError, OSError) as e:
@@ -596,12 +624,15 @@ def measure_offline(
     groups: Groups,
     setup: VllmSetup,
     cpu: bool | None = None,
+    label: str | None = None,
 ) -> dict[str, Measurement]:
-    """Run vLLM's offline `LLM` in a worker subprocess (own process group, log kept)."""
+    """Run vLLM's offline `LLM` in a worker subprocess (own process group, log kept; `label`
+    names the log and job files, default the method's name)."""
     cpu = on_cpu() if cpu is None else cpu
-    log_path = _log_path(setup, method, "offline")
-    job_path = setup.log_dir / f"offline-{method.name}.job.json"
-    result_path = setup.log_dir / f"offline-{method.name}.result.json"
+    label = label or method.name
+    log_path = _log_path(setup, label, "offline")
+    job_path = setup.log_dir / f"offline-{label}.job.json"
+    result_path = setup.log_dir / f"offline-{label}.result.json"
     setup.log_dir.mkdir(parents=True, exist_ok=True)
     result_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(offline_job(method, groups, setup, cpu)))
