@@ -51,7 +51,7 @@ demo: install
 	    --baseline $(DEMO_RUN)/drafters/eagle3/export --output $(DEMO_RUN)/bench-vllm; \
 	fi
 
-# The run behind docs/results.md: four drafters, same data and budget, both backends (1.5-2 h on
+# The run behind docs/results.md: four drafters, same data and budget, both backends (about 1.5 h on
 # 2 cores); a rerun reuses finished stages. Commit docs/results.md and docs/results/ afterwards.
 results: install
 	$(PY) -m specctl.results recipes/results.yaml --doc docs/results.md
@@ -70,6 +70,7 @@ gpu-check: install
 
 docs: install
 	$(PY) -m specctl.recipe --markdown > docs/recipe.md
+	$(PY) tests/reliability_matrix.py > docs/reliability.md
 
 clean:
 	rm -rf runs .pytest_cache

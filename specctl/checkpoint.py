@@ -8,6 +8,7 @@ Layout of `<drafters>/<algo>/checkpoints/`:
       trainer_state.pt      step, data cursor, LR scheduler, RNG states (python, numpy, torch, cuda)
       recipe.yaml           the recipe this run used
       meta.json             algo, loss, step, world size, the VerifierSpec the drafter was built for
+      checksums.json        sha256 of the three state files, checked before they are read
     latest                  text file naming the newest step-N directory
 
 A checkpoint is written to a hidden temporary directory and renamed into place only when every
@@ -15,10 +16,17 @@ file is on disk, then `latest` is replaced (temp file + rename): a crash mid-wri
 previous checkpoint in charge, and a half-written directory is never picked up. State dicts go
 through `torch.distributed.checkpoint.state_dict`, so the same code saves a plain module, DDP or
 FSDP2 (gathered to rank 0) and loads into any of them (rank 0 reads, then broadcasts).
+
+The state files are checksummed like feature shards: a flipped bit in a weight or an optimizer
+moment loads without complaint and silently skews the run, so resume and export verify the
+sha256 first and name the file that no longer matches. recipe.yaml and meta.json stay plain,
+hand-editable text.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import io
 import json
 import os
@@ -30,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -41,14 +50,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specctl.distributed import DistContext, barrier, broadcast_object
-from specctl.errors import SpecctlError
+from specctl.errors import CheckpointError, SpecctlError
 
 DRAFTER_FILE = "drafter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_FILE = "trainer_state.pt"
 RECIPE_FILE = "recipe.yaml"
 META_FILE = "meta.json"
-REQUIRED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE)
+CHECKSUM_FILE = "checksums.json"
+CHECKSUMMED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+REQUIRED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE, CHECKSUM_FILE)
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -126,18 +137,83 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
     """The drafter's full state dict from a checkpoint (for export: build, then load_state_dict)."""
+    verify_checksums(path, (DRAFTER_FILE,))
     return load_file(path / DRAFTER_FILE)
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_checksums(path: Path) -> None:
+    sums = {name: _sha256_file(path / name) for name in CHECKSUMMED}
+    (path / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1) + "\n")
+
+
+def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
+    """Raise CheckpointError naming the first of `names` whose sha256 differs from checksums.json."""
+    advice = f"delete {path}; the checkpoint before it then counts as the latest (train --resume, export)"
+    try:
+        sums = json.loads((path / CHECKSUM_FILE).read_text())
+        expected = {name: sums[name] for name in names}
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path / CHECKSUM_FILE}: missing or unreadable; {advice}") from None
+    for name in names:
+        if _sha256_file(path / name) != expected[name]:
+            raise CheckpointError(f"{path / name}: checksum mismatch (corrupted); {advice}")
 
 
 # ---------------------------------------------------------------- save
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, or an exception it was raised from or while handling, is a write refused
+    for lack of space (ENOSPC, EDQUOT, or EFBIG from RLIMIT_FSIZE). torch.save reports one as a
+    RuntimeError raised while handling its file's OSError; safetensors as a SafetensorError
+    ending `(os error N)`."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            return True
+        if isinstance(error, SafetensorError):
+            code = re.search(r"\(os error (\d+)\)", str(error))
+            if code and int(code.group(1)) in DISK_FULL:
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in `path` durable: a rename is on disk once its directory is synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}.tmp-{os.getpid()}"
-    tmp.write_text(name + "\n")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, root / LATEST)
+    try:
+        tmp.write_text(name + "\n")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, root / LATEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(root)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -146,11 +222,19 @@ def _fsync_tree(path: Path) -> None:
             os.fsync(handle.fileno())
 
 
+def _torch_save(obj: Any, path: Path) -> None:
+    # through a Python file: a refused write then surfaces as an OSError with its errno
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def prune(root: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (and whatever `latest` names); drop leftovers
     of interrupted writes."""
     for tmp in root.glob(".step-*.tmp-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in root.glob(f".{LATEST}.tmp-*"):
+        tmp.unlink(missing_ok=True)
     steps = sorted((p for p in root.glob("step-*") if step_of(p) is not None), key=lambda p: step_of(p) or 0)
     pointer = root / LATEST
     current = pointer.read_text().strip() if pointer.is_file() else None
@@ -170,7 +254,12 @@ def save_checkpoint(
     ctx: DistContext,
     keep: int,
 ) -> Path:
-    """Gather the full state on rank 0 (a collective: every rank calls this) and write step-N/."""
+    """Gather the full state on rank 0 (a collective: every rank calls this) and write step-N/.
+
+    A full disk (or file size limit) raises CheckpointError naming the file and the checkpoint
+    a rerun with --resume continues from; the temporary directory is removed, the previous
+    checkpoints are untouched.
+    """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
     optim_state = get_optimizer_state_dict(model, optimizer, options=options)
@@ -178,25 +267,47 @@ def save_checkpoint(
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f".step-{step}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
         # clone: safetensors refuses tensors that share storage (tied weights)
-        save_file(
-            {k: v.detach().clone().contiguous() for k, v in model_state.items()}, str(tmp / DRAFTER_FILE)
+        drafter_state = {k: v.detach().clone().contiguous() for k, v in model_state.items()}
+        files = (
+            (DRAFTER_FILE, lambda f: save_file(drafter_state, str(f))),
+            (OPTIMIZER_FILE, lambda f: _torch_save(optim_state, f)),
+            (TRAINER_FILE, lambda f: _torch_save({**trainer_state, "rng": rng_state()}, f)),
+            (RECIPE_FILE, lambda f: f.write_text(recipe_yaml)),
+            (META_FILE, lambda f: f.write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")),
+            (CHECKSUM_FILE, lambda f: write_checksums(f.parent)),
         )
-        torch.save(optim_state, tmp / OPTIMIZER_FILE)
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_FILE)
-        (tmp / RECIPE_FILE).write_text(recipe_yaml)
-        (tmp / META_FILE).write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")
-        _fsync_tree(tmp)
-        if path.exists():  # re-saving a step (e.g. after resuming from it): swap, then drop the old one
-            stale = root / f".step-{step}.tmp-old-{os.getpid()}"
-            os.rename(path, stale)
-            os.rename(tmp, path)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-        _write_latest(root, path.name)
+        writing = path
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for name, write in files:
+                writing = path / name
+                write(tmp / name)
+            writing = path
+            _fsync_tree(tmp)
+            if path.exists():  # re-saving a step (e.g. after resuming from it): swap, then drop the old one
+                stale = root / f".step-{step}.tmp-old-{os.getpid()}"
+                os.rename(path, stale)
+                os.rename(tmp, path)
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.rename(tmp, path)
+            _fsync_dir(root)
+            writing = root / LATEST
+            _write_latest(root, path.name)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not disk_full(e):
+                raise
+            previous = latest_checkpoint(root)
+            resume = (
+                f"it continues from {previous.name}" if previous else "none was saved yet: rerun without it"
+            )
+            raise CheckpointError(
+                f"{writing}: disk full, checkpoint {path.name} not saved; free space and rerun with "
+                f"--resume ({resume})"
+            ) from None
         prune(root, keep)
     barrier(ctx)
     return path
@@ -214,6 +325,7 @@ def load_checkpoint(
     optim_state: dict[str, Any] = {}
     trainer_bytes = None
     if ctx.is_main:
+        verify_checksums(path)
         model_state = load_file(path / DRAFTER_FILE)
         optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         trainer_bytes = (path / TRAINER_FILE).read_bytes()
@@ -221,7 +333,7 @@ def load_checkpoint(
     try:
         set_model_state_dict(model, model_state, options=options)
     except RuntimeError as e:
-        raise SpecctlError(
+        raise CheckpointError(
             f"{path}: checkpoint does not fit this drafter ({str(e).splitlines()[0]}); "
             "was the drafter section of the recipe changed since it was saved?"
         ) from None

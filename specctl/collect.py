@@ -4,6 +4,10 @@ Samples are split into shards by a plan that depends only on their lengths; each
 computed in token-budget batches of similar-length samples (sorted, right-padded, so little
 compute is spent on padding) and written atomically. Rerunning skips finished shards, so a
 killed run resumes where it stopped and produces the same bytes.
+
+The recipe's layout (`features.target` / `aux_dtype`) is applied where the states are computed
+(`encode_features`: on the verifier's device for the HF backend), so a GPU does the top-k over
+the vocabulary and the fp8 scaling, and only the compact tensors travel to the host.
 """
 
 from __future__ import annotations
@@ -17,8 +21,20 @@ from pathlib import Path
 import torch
 
 from specctl.data import load_samples, prepare_data
+from specctl.drafters.targets import verifier_topk
 from specctl.errors import DataError, SpecctlError
-from specctl.features import StorePlan, finalize_store, init_store, plan_shards, shard_done, write_shard
+from specctl.features import (
+    FP8,
+    TENSOR_DTYPES,
+    Layout,
+    StorePlan,
+    finalize_store,
+    init_store,
+    plan_shards,
+    quantize_fp8,
+    shard_done,
+    write_shard,
+)
 from specctl.progress import progress_bar
 from specctl.recipe import Recipe
 from specctl.verifier import (
@@ -28,6 +44,7 @@ from specctl.verifier import (
     config_hash,
     default_aux_layer_ids,
     load_verifier,
+    verifier_weights,
 )
 
 
@@ -64,6 +81,51 @@ def parse_shard(spec: str | None) -> tuple[int, int]:
     return i, n
 
 
+@dataclass
+class TargetHead:
+    """The verifier's frozen final norm and LM head in float32, for top-k targets at collect time.
+
+    Float32 once, here: `verifier_logits` would otherwise up-cast the [V, H] head per chunk.
+    """
+
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    eps: float
+
+    @classmethod
+    def from_verifier(cls, verifier: Verifier) -> TargetHead:
+        """The HF verifier's own tensors, on its device: the same ones training would use."""
+        weights = verifier_weights(verifier)
+        eps = getattr(verifier.config, "rms_norm_eps", 1e-6)
+        return cls(weights.norm.float(), weights.lm_head.float(), eps)
+
+
+def encode_features(
+    aux: torch.Tensor, last: torch.Tensor, layout: Layout, head: TargetHead | None
+) -> dict[str, torch.Tensor]:
+    """One row per token: aux [N, n_aux, H], last [N, H] (pre-norm) -> what a shard stores for them.
+
+    aux: aux_hidden_states in `layout.aux_dtype`, or fp8 + aux_scale [N, n_aux]. Target: the
+    final state in `layout.dtype`, or topk_ids / topk_logprobs [N, k] + logsumexp [N] from its
+    logits (`head` needed). Runs on the inputs' device; the float16 / id casts happen in write_shard.
+    """
+    out: dict[str, torch.Tensor] = {}
+    if layout.aux_dtype == FP8:
+        out["aux_hidden_states"], out["aux_scale"] = quantize_fp8(aux)
+    else:
+        out["aux_hidden_states"] = aux.to(TENSOR_DTYPES[layout.aux_dtype])
+    if layout.target == "topk":
+        if head is None:
+            raise ValueError("target topk needs the verifier's norm and LM head (TargetHead)")
+        ids, logprobs, logsumexp = verifier_topk(
+            last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, layout.topk
+        )
+        out.update(topk_ids=ids, topk_logprobs=logprobs, logsumexp=logsumexp)
+    else:
+        out["last_hidden_state"] = last.to(TENSOR_DTYPES[layout.dtype])
+    return out
+
+
 def samples_hash(samples: list[dict[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for s in samples:
@@ -90,8 +152,14 @@ def forward_samples(
     aux_layer_ids: tuple[int, ...],
     batch_tokens: int,
     on_batch=None,
+    layout: Layout | None = None,
+    head: TargetHead | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run the verifier over samples; returns them with aux_hidden_states / last_hidden_state (CPU)."""
+    """Run the verifier over samples; returns them with their features, on the CPU.
+
+    Without `layout`: aux_hidden_states [T, n_aux, H] and last_hidden_state [T, H] in the
+    verifier's dtype. With one: `encode_features` of them, computed on the verifier's device.
+    """
     out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
     lengths = [s["input_ids"].numel() for s in samples]
     pad_id = 0
@@ -105,10 +173,17 @@ def forward_samples(
         aux, last = capture_hidden_states(
             verifier.model, input_ids.to(verifier.device), attention_mask.to(verifier.device), aux_layer_ids
         )
-        aux, last = aux.cpu(), last.cpu()
-        for r, i in enumerate(batch):
-            n = lengths[i]
-            out[i] = {**samples[i], "aux_hidden_states": aux[r, :n], "last_hidden_state": last[r, :n]}
+        if layout is None:
+            aux, last = aux.cpu(), last.cpu()
+            for r, i in enumerate(batch):
+                n = lengths[i]
+                out[i] = {**samples[i], "aux_hidden_states": aux[r, :n], "last_hidden_state": last[r, :n]}
+        else:
+            real = attention_mask.to(verifier.device).bool()  # right-padded: rows of sample 0, then 1...
+            encoded = {k: v.cpu() for k, v in encode_features(aux[real], last[real], layout, head).items()}
+            pieces = {k: v.split([lengths[i] for i in batch]) for k, v in encoded.items()}
+            for r, i in enumerate(batch):
+                out[i] = {**samples[i], **{k: v[r] for k, v in pieces.items()}}
         if on_batch:
             on_batch(sum(lengths[i] for i in batch))
     return out  # type: ignore[return-value]
@@ -145,16 +220,20 @@ def collect(
         raise
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
+    layout = Layout.from_section(recipe.features)
     plan = StorePlan(
         verifier=verifier.hub_id or verifier.name_or_path,
         verifier_config_hash=config_hash(verifier.config),
         num_layers=L,
         hidden_size=verifier.config.hidden_size,
         aux_layer_ids=list(aux_ids),
-        dtype=recipe.features.dtype,
+        dtype=layout.dtype,
         data_hash=samples_hash(samples),
         lengths=lengths,
         shards=plan_shards(lengths, recipe.features.shard_tokens),
+        aux_dtype=layout.aux_dtype,
+        target=layout.target,
+        topk=layout.topk,
     )
     path = run_dir / "features"
     init_store(path, plan)
@@ -166,7 +245,10 @@ def collect(
     forward_start = time.perf_counter()
     with ExitStack() as stack:
         if use_vllm and todo:  # start the engine only when there is work
-            from specctl.collect_vllm import forward_samples_vllm, open_vllm_verifier
+            from specctl.collect_vllm import forward_samples_vllm, load_target_head, open_vllm_verifier
+
+            # the LM head from the checkpoint files, on the CPU (vLLM's model is in its own process)
+            head = load_target_head(verifier) if layout.target == "topk" else None
 
             engine = stack.enter_context(
                 open_vllm_verifier(
@@ -178,11 +260,14 @@ def collect(
             )
 
             def forward(batch, on_batch):
-                return forward_samples_vllm(engine, batch, aux_ids, on_batch)
+                return forward_samples_vllm(engine, batch, aux_ids, on_batch, layout=layout, head=head)
         else:
+            head = TargetHead.from_verifier(verifier) if layout.target == "topk" and todo else None
 
             def forward(batch, on_batch):
-                return forward_samples(verifier, batch, aux_ids, recipe.features.batch_tokens, on_batch)
+                return forward_samples(
+                    verifier, batch, aux_ids, recipe.features.batch_tokens, on_batch, layout, head
+                )
 
         bar = stack.enter_context(progress_bar("tok", enabled=progress))
         task = bar.add_task("collect hidden states", total=total)
@@ -195,7 +280,7 @@ def collect(
         for j in todo:
             a, b = plan.shards[j]
             results = forward(samples[a:b], advance)
-            write_shard(path, j, results, recipe.features.dtype)
+            write_shard(path, j, results, layout)
     manifest = finalize_store(path)
     bpt = None
     if manifest:

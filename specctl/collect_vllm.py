@@ -18,6 +18,11 @@ memory, which CPU torch does not have ("pin_memory=True requires a CUDA or other
 backend"); on CPU the engine is given `CPUHiddenStatesConnector` below, the same connector with
 a plain copy. The CPU attention kernels also only support some head sizes, checked before the
 engine starts.
+
+Top-k targets (`features.target: topk`): vLLM's model lives in the engine's own process, so the
+verifier's final norm and LM head are read from the checkpoint's safetensors files and the logits
+are formed on the CPU from the captured pre-norm state, with the same `verifier_logits` that
+training applies to a stored final hidden state.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from typing import Any
 
 import torch
 
+from specctl.collect import TargetHead, encode_features
 from specctl.errors import SpecctlError, VerifierError
+from specctl.features import Layout
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
 
@@ -306,11 +313,14 @@ def forward_samples_vllm(
     aux_layer_ids: tuple[int, ...],
     on_batch: Callable[[int], None] | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    layout: Layout | None = None,
+    head: TargetHead | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """`collect.forward_samples` through vLLM: each sample + aux_hidden_states, last_hidden_state.
 
     Returns the samples in order, each with aux_hidden_states [T, n_aux, H] (ids in
-    `aux_layer_ids` order) and last_hidden_state [T, H] (pre-norm), in the engine's dtype, on CPU.
+    `aux_layer_ids` order) and last_hidden_state [T, H] (pre-norm), in the engine's dtype, on CPU;
+    with `layout`, `encode_features` of them instead (top-k targets need `head`: `load_target_head`).
 
     vLLM schedules and batches the prompts itself; they are handed over in chunks of about
     `chunk_tokens` so `on_batch(tokens)` can report progress.
@@ -346,10 +356,70 @@ def forward_samples_vllm(
             if not torch.equal(data["token_ids"].long(), sample["input_ids"].long()):
                 raise SpecctlError(f"{path}: token ids differ from the prompt; vLLM mixed up requests")
             aux, last = split_captured(data["hidden_states"], engine.capture_ids, aux_layer_ids, L)
-            out.append({**sample, "aux_hidden_states": aux, "last_hidden_state": last})
+            if layout is None:
+                out.append({**sample, "aux_hidden_states": aux, "last_hidden_state": last})
+            else:
+                out.append({**sample, **encode_features(aux, last, layout, head)})
         if on_batch:
             on_batch(sum(lengths[a:b]))
     return out
+
+
+def load_target_head(verifier: VllmVerifier) -> TargetHead:
+    """The verifier's final norm and LM head (float32, CPU) from its checkpoint files.
+
+    A hub id resolves to its snapshot in the HF cache, the same files vLLM loads (only the
+    safetensors are fetched, once, whichever of the two asks first).
+    """
+    if verifier.local_path is not None:
+        model_dir = Path(verifier.local_path)
+    else:
+        from huggingface_hub import snapshot_download
+
+        model_dir = Path(
+            snapshot_download(
+                verifier.source,
+                revision=verifier.section.revision,
+                allow_patterns=["*.safetensors", "*.safetensors.index.json"],
+            )
+        )
+    return read_target_head(model_dir, verifier.config)
+
+
+def read_target_head(model_dir: Path, config: Any) -> TargetHead:
+    """Final norm [H] + LM head [V, H] of an HF checkpoint directory, read from its safetensors.
+
+    Names follow the HF layout: `<prefix>norm.weight` beside `<prefix>embed_tokens.weight`, and
+    `lm_head.weight`, or the embeddings when the checkpoint ties them (no lm_head tensor).
+    """
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    embed = next((n for n in where if n.endswith("embed_tokens.weight")), None)
+    lm_head = next((n for n in where if n.endswith("lm_head.weight")), embed)
+    norm = None if embed is None else embed.removesuffix("embed_tokens.weight") + "norm.weight"
+    if lm_head is None or norm not in where:
+        raise VerifierError(
+            f"{model_dir}: found no final norm / LM head in its safetensors files for top-k targets; "
+            f"use features.target: hidden (or --backend hf)"
+        )
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), "pt") as f:
+            return f.get_tensor(name).float()
+
+    head = TargetHead(read(norm), read(lm_head), getattr(config, "rms_norm_eps", 1e-6))
+    H = config.hidden_size
+    if head.norm.shape != (H,) or head.lm_head.ndim != 2 or head.lm_head.shape[1] != H:
+        raise VerifierError(
+            f"{model_dir}: {norm} {list(head.norm.shape)} / {lm_head} {list(head.lm_head.shape)} do not "
+            f"fit hidden size {H}; use features.target: hidden"
+        )
+    return head
 
 
 def read_hidden_states(path: str | Path, timeout_s: float = READ_TIMEOUT_S) -> dict[str, torch.Tensor]:

@@ -23,3 +23,7 @@ class VerifierError(SpecctlError):
 
 class FeatureStoreError(SpecctlError):
     """The feature store is corrupt, incomplete or does not match the recipe."""
+
+
+class CheckpointError(SpecctlError):
+    """A training checkpoint is missing, corrupt (checksum mismatch) or does not fit the drafter."""

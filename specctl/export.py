@@ -670,8 +670,21 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(handle.fileno())
 
 
+def _fsync_renames(directory: Path) -> None:
+    """Make the renames in `directory` durable: a rename is on disk once its directory is synced."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling directory, then swap it in: a failure leaves `output` as it was."""
+    """Write into a temporary sibling directory, then swap it in: a failure leaves `output` as it was.
+
+    A full disk (or file size limit) raises one line naming `output`; the temporary directory is
+    removed.
+    """
     if output.exists() and not output.is_dir():
         raise SpecctlError(f"{output}: exists and is not a directory; choose another --output")
     if output.is_dir() and any(output.iterdir()) and not is_export_dir(output):
@@ -682,10 +695,11 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))  # unique like tmp
+    existed = output.exists()
     try:
         write(tmp)
         _fsync_dir(tmp)
-        if output.exists():
+        if existed:
             os.rename(output, old)
             try:
                 os.rename(tmp, output)
@@ -695,8 +709,16 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, output)
+    except Exception as e:
+        from specctl.checkpoint import disk_full  # torch.distributed.checkpoint: slow import
+
+        if not disk_full(e):
+            raise
+        kept = "the export already there is unchanged" if existed else "nothing was written"
+        raise SpecctlError(f"{output}: disk full writing the export, {kept}; free space and rerun") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _fsync_renames(output.parent)
 
 
 def save_drafter(drafter: nn.Module, output: str | Path, dtype: str = "bfloat16") -> Path:
@@ -975,7 +997,6 @@ def push_to_hub(
     if dry_run:
         return plan
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     api = HfApi(token=token)
     message = commit_message or f"specctl export: {export.spec.name} drafter for {verifier}"
@@ -988,7 +1009,7 @@ def push_to_hub(
             commit_message=message,
             allow_patterns=[name for name, _ in plan.files],
         )
-    except (HfHubHTTPError, OSError, ValueError) as e:
+    except Exception as e:  # network, auth, quota, offline: all end the same way, on one line
         raise SpecctlError(f"push to {repo} failed: {_first_line(e)[:300]}") from None
     plan.pushed = True
     plan.url = getattr(commit, "commit_url", None) or f"https://huggingface.co/{repo}"

@@ -6,6 +6,11 @@ Layout of a store directory (see docs/features.md):
     shard-00000.json          sidecar: sha256 + size of the shard; written after the shard
     manifest.json             written once every shard is done: the store is complete
 
+What a shard holds for the verifier's output depends on the store's `Layout` (recorded in
+plan.json and manifest.json, so a store is always read the way it was written): its final hidden
+state, or its top-k log-probs + the exact logsumexp; aux layers in a float dtype, or fp8 with one
+scale per token and layer. Stores written before layouts existed read as the full-precision one.
+
 A shard file is written to a temporary name and renamed, and its sidecar is written the same
 way afterwards, so a process killed at any moment leaves either a finished shard or nothing
 that reads as one. Workers of `--shard I/N` own shards j with j % N == I; whoever finishes the
@@ -30,6 +35,101 @@ from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+FP8 = "fp8"  # aux_dtype: float8 e4m3 + one float32 scale per row
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: a row's largest |x| maps here
+# what a sample may carry besides input_ids / loss_mask, as the reader returns it
+FEATURE_KEYS = ("aux_hidden_states", "last_hidden_state", "topk_ids", "topk_logprobs", "logsumexp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a store encodes the verifier's output on disk (recipe: features.dtype/aux_dtype/target/topk).
+
+    target "hidden": last_hidden_state [T, H] in `dtype`; training forms the logits itself.
+    target "topk": topk_ids [T, k] (uint16 when every id fits, else int32), topk_logprobs [T, k]
+    float16 (descending; log-probs, not logits, so the entries holding the mass are the precise
+    ones) and logsumexp [T] float32 over the full vocabulary: argmax, logsumexp and the kept
+    log-probs are what the full logits give; the rest of the distribution is dropped.
+    aux_dtype "fp8": aux_hidden_states [T, n_aux, H] float8_e4m3fn and aux_scale [T, n_aux]
+    float32, x ~= q * scale (`quantize_fp8`).
+    """
+
+    dtype: str = "bfloat16"  # last_hidden_state, and aux unless aux_dtype says otherwise
+    aux_dtype: str = "bfloat16"  # a TENSOR_DTYPES name or "fp8"
+    target: str = "hidden"  # "hidden" | "topk"
+    topk: int = 0  # k when target is "topk", else 0
+
+    @classmethod
+    def from_section(cls, features: Any) -> Layout:
+        """The layout a recipe's `features` section asks for (aux_dtype None = dtype)."""
+        topk = features.topk if features.target == "topk" else 0
+        return cls(features.dtype, features.aux_dtype or features.dtype, features.target, topk)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that change what is on disk, in the order a mismatch is reported.
+
+        `dtype` only counts when something is stored in it, so a top-k + fp8 store does not
+        clash with a recipe whose (unused) dtype differs.
+        """
+        out: dict[str, Any] = {"target": self.target}
+        if self.target == "topk":
+            out["topk"] = self.topk
+        if self.target == "hidden" or self.aux_dtype != FP8:
+            out["dtype"] = self.dtype  # before aux_dtype: it sets both when aux_dtype is None
+        out["aux_dtype"] = self.aux_dtype
+        return out
+
+
+def layout_bytes_per_token(layout: Layout, hidden_size: int, num_aux: int, vocab_size: int) -> int:
+    """Bytes a token costs on disk in `layout` (per-sample offsets and shard headers aside).
+
+    input_ids int32 + loss_mask uint8, then the aux layers, then the target: the full layout is
+    (n_aux + 1) * H * 2 + 5 in bf16; fp8 aux + top-16 is n_aux * (H + 4) + 16 * (2 + 2|4) + 4 + 5.
+    """
+    H = hidden_size
+    total = 4 + 1
+    if layout.aux_dtype == FP8:
+        total += num_aux * (H + 4)  # one float32 scale per layer
+    else:
+        total += num_aux * H * TENSOR_DTYPES[layout.aux_dtype].itemsize
+    if layout.target == "topk":
+        k = min(layout.topk, vocab_size)
+        total += k * (2 + (2 if vocab_size <= 2**16 else 4)) + 4
+    else:
+        total += H * TENSOR_DTYPES[layout.dtype].itemsize
+    return total
+
+
+def check_layout(path: Path, have: Layout, want: Layout) -> None:
+    """One-line error when a store (`have`) was collected with other features settings than `want`."""
+    a, b = have.settings(), want.settings()
+    for k in dict.fromkeys([*a, *b]):
+        if a.get(k) != b.get(k):
+            raise FeatureStoreError(
+                f"{path}: the features were collected with features.{k}={a.get(k)} but the recipe has "
+                f"features.{k}={b.get(k)}; re-run collect-hidden-states or set features.{k}={a.get(k)}"
+            )
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> q [..., H] float8_e4m3fn, scale [...] float32, with x ~= q * scale per row.
+
+    One scale per row (a token's state at one layer): the residual stream's few huge channels
+    differ in size from token to token and layer to layer, and one scale for a whole tensor
+    would push every small row into e4m3's coarse subnormals. The row's largest |x| maps to 448,
+    so nothing saturates. Error: |x - q * scale| <= |x| / 16 + scale / 1024 (3 mantissa bits,
+    subnormal step 2^-9), plus float32 rounding. An all-zero row gets scale 1.
+    """
+    x = x.float()
+    amax = x.abs().amax(-1)  # [...]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [...]
+    q = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [..., H]
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [..., H] float8_e4m3fn, scale [...] -> [..., H] in `dtype` (float32: what training computes in)."""
+    return (q.float() * scale.float()[..., None]).to(dtype)
 
 
 @dataclass
@@ -46,6 +146,18 @@ class StorePlan:
     lengths: list[int]  # tokens per sample, in store order
     shards: list[list[int]]  # [start, end) sample ranges
     format_version: int = FORMAT_VERSION
+    # the Layout (older stores have none of these: the full-precision layout in `dtype`)
+    aux_dtype: str | None = None  # None = dtype
+    target: str = "hidden"
+    topk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.aux_dtype is None:
+            self.aux_dtype = self.dtype
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.dtype, self.aux_dtype or self.dtype, self.target, self.topk)
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
@@ -120,7 +232,7 @@ def init_store(path: Path, plan: StorePlan) -> None:
     path.mkdir(parents=True, exist_ok=True)
     plan_file = path / "plan.json"
     if plan_file.is_file():
-        old = json.loads(plan_file.read_text())
+        old = asdict(StorePlan(**json.loads(plan_file.read_text())))  # an older plan: its defaults filled in
         new = asdict(plan)
         diffs = [k for k in new if old.get(k) != new[k]]
         if diffs:
@@ -146,17 +258,45 @@ def shard_done(path: Path, j: int) -> bool:
         return False
 
 
-def write_shard(path: Path, j: int, samples: list[dict[str, torch.Tensor]], dtype: str) -> dict[str, Any]:
-    """Write shard j: samples (each input_ids [T], loss_mask [T], aux [T, n_aux, H], last [T, H])."""
-    target_dtype = TENSOR_DTYPES[dtype]
+def write_shard(
+    path: Path, j: int, samples: list[dict[str, torch.Tensor]], layout: Layout | str
+) -> dict[str, Any]:
+    """Write shard j in `layout` (a dtype name = the full-precision layout in that dtype).
+
+    Each sample: input_ids [T], loss_mask [T], aux_hidden_states [T, n_aux, H] (float, or fp8
+    with aux_scale [T, n_aux] for aux_dtype fp8: `quantize_fp8` runs where the states are, which
+    may be a GPU), and last_hidden_state [T, H] (target hidden) or topk_ids / topk_logprobs
+    [T, k] + logsumexp [T] (target topk). Casting to the on-disk dtypes happens here.
+    """
+    if isinstance(layout, str):
+        layout = Layout(layout, layout)
+
+    def cat(key: str) -> torch.Tensor:
+        return torch.cat([s[key] for s in samples])
+
     lengths = torch.tensor([0] + [s["input_ids"].numel() for s in samples], dtype=torch.int64)
     tensors = {
         "offsets": torch.cumsum(lengths, 0),
-        "input_ids": torch.cat([s["input_ids"] for s in samples]).to(torch.int32),
-        "loss_mask": torch.cat([s["loss_mask"] for s in samples]).to(torch.uint8),
-        "aux_hidden_states": torch.cat([s["aux_hidden_states"] for s in samples]).to(target_dtype),
-        "last_hidden_state": torch.cat([s["last_hidden_state"] for s in samples]).to(target_dtype),
+        "input_ids": cat("input_ids").to(torch.int32),
+        "loss_mask": cat("loss_mask").to(torch.uint8),
     }
+    if layout.aux_dtype == FP8:
+        tensors["aux_hidden_states"] = cat("aux_hidden_states")
+        if tensors["aux_hidden_states"].dtype != torch.float8_e4m3fn:
+            raise ValueError("aux_dtype fp8: pass quantize_fp8 output (aux_hidden_states + aux_scale)")
+        tensors["aux_scale"] = cat("aux_scale").float()
+    else:
+        tensors["aux_hidden_states"] = cat("aux_hidden_states").to(TENSOR_DTYPES[layout.aux_dtype])
+    if layout.target == "topk":
+        ids = cat("topk_ids").long()
+        small = ids.numel() == 0 or int(ids.max()) < 2**16  # any vocabulary up to 65536 (SmolLM2's 49152)
+        tensors["topk_ids"] = ids.to(torch.uint16 if small else torch.int32)
+        # a log-prob below float16's range (a masked logit) stays finite: exp() of it is 0 all the same
+        logprobs = cat("topk_logprobs").clamp(min=torch.finfo(torch.float16).min)
+        tensors["topk_logprobs"] = logprobs.to(torch.float16)
+        tensors["logsumexp"] = cat("logsumexp").float()
+    else:
+        tensors["last_hidden_state"] = cat("last_hidden_state").to(TENSOR_DTYPES[layout.dtype])
     data = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "specctl"})
     info = {
         "file": f"{shard_name(j)}.safetensors",
@@ -187,11 +327,14 @@ class FeatureStore:
     """Random access to samples of a complete store; shards are opened lazily (mmap).
 
     Each shard's sha256 is checked the first time it is opened (`verify=True`), so a
-    corrupted file is named before training reads garbage from it.
+    corrupted file is named before training reads garbage from it. Rows come back in one form
+    whatever the layout: fp8 aux states dequantized to float32, top-k ids as int64 and log-probs
+    / logsumexp as float32.
     """
 
     def __init__(self, path: Path, manifest: Manifest, verify: bool = True):
         self.path, self.manifest, self.verify = path, manifest, verify
+        self.layout = manifest.layout
         self._starts = [s[0] for s in manifest.shards]
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
@@ -231,12 +374,22 @@ class FeatureStore:
         handle = self._open(j)
         k = i - self._starts[j]
         a, b = self._offsets[j][k], self._offsets[j][k + 1]
-        return {
-            "input_ids": handle.get_slice("input_ids")[a:b].long(),
-            "loss_mask": handle.get_slice("loss_mask")[a:b].bool(),
-            "aux_hidden_states": handle.get_slice("aux_hidden_states")[a:b],
-            "last_hidden_state": handle.get_slice("last_hidden_state")[a:b],
-        }
+
+        def rows(key: str) -> torch.Tensor:
+            return handle.get_slice(key)[a:b]
+
+        row = {"input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").bool()}
+        if self.layout.aux_dtype == FP8:
+            row["aux_hidden_states"] = dequantize_fp8(rows("aux_hidden_states"), rows("aux_scale"))
+        else:
+            row["aux_hidden_states"] = rows("aux_hidden_states")
+        if self.layout.target == "topk":
+            row["topk_ids"] = rows("topk_ids").long()
+            row["topk_logprobs"] = rows("topk_logprobs").float()
+            row["logsumexp"] = rows("logsumexp").float()
+        else:
+            row["last_hidden_state"] = rows("last_hidden_state")
+        return row
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for i in range(len(self)):
@@ -247,8 +400,12 @@ class FeatureStore:
         return total / max(1, self.manifest.num_tokens)
 
 
-def open_features(path: str | Path, verify: bool = True) -> FeatureStore:
-    """Open a complete feature store directory (runs/<name>/features)."""
+def open_features(path: str | Path, verify: bool = True, layout: Layout | None = None) -> FeatureStore:
+    """Open a complete feature store directory (runs/<name>/features).
+
+    With `layout` (what the recipe asks for), a store collected with other features settings is
+    refused with the setting that differs.
+    """
     path = Path(path)
     manifest_file = path / "manifest.json"
     if not manifest_file.is_file():
@@ -272,4 +429,6 @@ def open_features(path: str | Path, verify: bool = True) -> FeatureStore:
         raise FeatureStoreError(
             f"{path}: store format {manifest.format_version}, this specctl reads {FORMAT_VERSION}"
         )
+    if layout is not None:
+        check_layout(path, manifest.layout, layout)
     return FeatureStore(path, manifest, verify=verify)

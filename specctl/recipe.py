@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from specctl.drafters import DRAFTERS
 from specctl.errors import RecipeError
@@ -20,7 +20,8 @@ BUILTIN_RECIPES = Path(__file__).parent / "recipes"
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/nan pass `gt=0`-style bounds (lr: .inf is "positive"); no recipe field means them
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class VerifierSection(Section):
@@ -84,8 +85,22 @@ class FeaturesSection(Section):
         "(0 = embeddings). None = (2, L//2, L-3).",
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="On-disk dtype of hidden states."
+        "bfloat16",
+        description="On-disk dtype of the final hidden state (`target: hidden`) and of the aux layers "
+        "unless `aux_dtype` says otherwise.",
     )
+    aux_dtype: Literal["bfloat16", "float16", "float32", "fp8"] | None = Field(
+        None,
+        description="On-disk dtype of the aux layers; None = `dtype`. `fp8` = float8 e4m3 with one "
+        "float32 scale per token and layer, dequantized to float32 when read (see docs/features.md).",
+    )
+    target: Literal["hidden", "topk"] = Field(
+        "hidden",
+        description="What stands for the verifier's output: `hidden` = its final hidden state (training "
+        "applies norm + LM head); `topk` = its top-`topk` log-probs and ids plus the exact logsumexp "
+        "over the full vocabulary (argmax exact, tokens outside the top k get probability 0).",
+    )
+    topk: int = Field(16, ge=1, description="k for `target: topk`.")
     batch_tokens: int = Field(8192, ge=1, description="Token budget of one verifier forward pass.")
     shard_tokens: int = Field(
         65536, ge=1, description="Tokens per safetensors shard (the unit of resume; held in memory once)."
@@ -103,6 +118,14 @@ class DrafterSectionBase(Section):
         description="Mask token for parallel drafters; None = the tokenizer's mask token, "
         "else one id past the tokenizer's length.",
     )
+
+    @field_validator("algo")
+    @classmethod
+    def _registered(cls, algo: str) -> str:
+        """Checked in the schema, so a recipe built in code fails as early as one read from YAML."""
+        if algo not in DRAFTERS:
+            raise ValueError(f"unknown algorithm {algo!r}; choose one of " + ", ".join(DRAFTERS))
+        return algo
 
 
 def _drafter_section() -> type[Section]:
@@ -188,18 +211,45 @@ class Recipe(Section):
 # ---------------------------------------------------------------- loading
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise RecipeError(f"{path}: recipe not found; pass a YAML file (see recipes/ for examples)")
+def _exists(path: Path) -> bool:
+    """Path.exists, False for names the OS refuses (too long, ...): _read_yaml then says why."""
     try:
-        data = yaml.safe_load(path.read_text())
+        return path.exists()
+    except OSError:
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise RecipeError(f"{path}: recipe not found; pass a YAML file (see recipes/ for examples)") from None
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not a text file; a recipe is UTF-8 YAML") from None
+    except ValueError:  # a NUL in the name
+        raise RecipeError(f"{str(path)!r}: not a valid file name") from None
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or type(e).__name__})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or _first_line(str(e)) or type(e).__name__
         raise RecipeError(f"{path}{where}: not valid YAML ({problem})") from None
-    except UnicodeDecodeError:
-        raise RecipeError(f"{path}: not a text file; a recipe is UTF-8 YAML") from None
+    except RecursionError:
+        raise RecipeError(f"{path}: YAML nested too deeply; a recipe is a few levels of sections") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -216,7 +266,7 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def _load_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a recipe and the recipes it `extends` (paths relative to the file)."""
-    path = path.resolve() if path.exists() else path
+    path = path.resolve() if _exists(path) else path
     if path in seen:
         raise RecipeError(f"{path}: `extends` forms a cycle")
     data = _read_yaml(path)
@@ -225,34 +275,53 @@ def _load_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(parent, str):
         raise RecipeError(f"{path}: extends: expected a path to another recipe")
-    return _merge(_load_tree(path.parent / parent, (*seen, path)), data)
+    target = path.parent / parent
+    if not _is_file(target):
+        raise RecipeError(f"{path}: extends: {target} not found (paths are relative to this file)")
+    return _merge(_load_tree(target, (*seen, path)), data)
+
+
+def _printable(text: str) -> str:
+    """`text`, with line breaks and other control characters escaped: messages stay one line."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _set(tree: dict[str, Any], assignment: str) -> None:
     key, sep, raw = assignment.partition("=")
     if not sep or not key:
         raise RecipeError(f"--set {assignment!r}: expected key=value, e.g. --set train.lr=3e-4")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise RecipeError(f"--set {key!r}: empty field name; write section.field, e.g. train.lr")
+    where = f"--set {_printable(key.strip())}"
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    except RecursionError:
+        raise RecipeError(f"{where}: value nested too deeply") from None
     node = tree
-    parts = key.strip().split(".")
     for p in parts[:-1]:
         if not isinstance(node.get(p, {}), dict):
-            raise RecipeError(f"--set {key}: {p} is not a section")
+            raise RecipeError(f"{where}: {_printable(p)} is not a section")
         node = node.setdefault(p, {})
     node[parts[-1]] = value
 
 
 def _describe(err: dict[str, Any]) -> str:
-    loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+    """One pydantic error as `section.field: problem (got value)`, on one line whatever the value."""
+    loc = ".".join(_printable(str(p)) for p in err["loc"] if not str(p).startswith("function-"))
+    loc = loc or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":
         return f"{loc}: unknown key"
     if kind == "missing":
         return f"{loc}: required field is missing"
-    return f"{loc}: {err['msg']} (got {err.get('input')!r})"
+    if kind == "value_error":  # our own validators: their message already says what and why
+        return f"{loc}: {' '.join(str(err['ctx']['error']).split())}"
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return f"{loc}: {' '.join(err['msg'].split())} (got {got})"
 
 
 def recipe_from_dict(tree: dict[str, Any], source: str = "<recipe>") -> Recipe:
@@ -270,22 +339,16 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     tree = _load_tree(path)
     for assignment in overrides:
         _set(tree, assignment)
-    recipe = recipe_from_dict(tree, str(path))
-    if recipe.drafter.algo not in DRAFTERS:
-        raise RecipeError(
-            f"{path}: drafter.algo: unknown algorithm {recipe.drafter.algo!r}; choose one of "
-            + ", ".join(DRAFTERS)
-        )
-    return recipe
+    return recipe_from_dict(tree, str(path))
 
 
 def resolve_recipe_path(path: str | Path) -> Path:
     """A path as given, else a recipe shipped with specctl (`quickstart` -> recipes/quickstart.yaml)."""
     p = Path(path)
-    if p.exists():
+    if _exists(p):
         return p
     builtin = BUILTIN_RECIPES / (p.name if p.suffix else f"{p.name}.yaml")
-    return builtin if builtin.exists() else p
+    return builtin if _exists(builtin) else p
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -35,14 +35,18 @@ from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
-from specctl.features import open_features
+from specctl.features import FEATURE_KEYS, Layout, open_features
 from specctl.optim import build_optimizer, build_scheduler
 from specctl.recipe import Recipe, dump_recipe
 from specctl.verifier import (
     capture_hidden_states,
+    check_aux_layer_ids,
     config_hash,
+    default_aux_layer_ids,
     load_verifier,
+    locate_verifier,
     recipe_verifier_spec,
+    resolve_mask_token_id,
     verifier_weights,
 )
 
@@ -112,7 +116,8 @@ def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> dict[str
     """Right-pad samples into a batch of the drafter contract, cropped to max_tokens.
 
     input_ids [B, T] int64, loss_mask / attention_mask [B, T] bool, and when the samples carry
-    features, aux_hidden_states [B, T, n_aux, H] and last_hidden_state [B, T, H] (stored dtype).
+    features, aux_hidden_states [B, T, n_aux, H] and last_hidden_state [B, T, H] (stored dtype),
+    or for a top-k store topk_ids / topk_logprobs [B, T, k] and logsumexp [B, T].
     """
     T = min(max(len(s["input_ids"]) for s in samples), max_tokens)
     B = len(samples)
@@ -121,7 +126,7 @@ def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> dict[str
         "loss_mask": torch.zeros(B, T, dtype=torch.bool),
         "attention_mask": torch.zeros(B, T, dtype=torch.bool),
     }
-    feature_keys = [k for k in ("aux_hidden_states", "last_hidden_state") if k in samples[0]]
+    feature_keys = [k for k in FEATURE_KEYS if k in samples[0]]
     for k in feature_keys:
         batch[k] = samples[0][k].new_zeros(B, T, *samples[0][k].shape[1:])
     for b, s in enumerate(samples):
@@ -166,7 +171,8 @@ class Source:
         batch = collate([self.sample(i) for i in indices], max_tokens)
         batch = self.featurize({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         for k in ("aux_hidden_states", "last_hidden_state"):
-            batch[k] = batch[k].float()  # autocast picks the compute dtype on CUDA
+            if k in batch:  # a top-k store has no last_hidden_state
+                batch[k] = batch[k].float()  # autocast picks the compute dtype on CUDA
         return batch
 
 
@@ -175,6 +181,7 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     the feature store (offline) or the data stage's samples (online), checking they fit."""
     if not ctx.is_main:  # rank 0 first: it may download or convert the model into a shared cache
         distributed.barrier(ctx)
+    preflight(recipe)
     verifier = load_verifier(recipe.verifier.model_copy(update={"device": str(ctx.device)}))
     if ctx.is_main:
         distributed.barrier(ctx)
@@ -182,11 +189,11 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     aux_ids = spec.aux_layer_ids
     weights = verifier_weights(verifier)
     if recipe.train.mode == "offline":
-        store = open_store(recipe.run_dir / "features", spec, config_hash(verifier.config))
+        layout = Layout.from_section(recipe.features)
+        store = open_store(recipe.run_dir / "features", spec, config_hash(verifier.config), layout)
         del verifier  # offline needs only the borrowed tensors; the decoder layers can go
-        return Source(
-            list(store.lengths), store.__getitem__, lambda b: b, spec, weights, recipe.run_dir / "features"
-        )
+        sample = finite_samples(store, recipe.run_dir / "features")
+        return Source(list(store.lengths), sample, lambda b: b, spec, weights, recipe.run_dir / "features")
     data_dir = recipe.run_dir / "data"
     if ctx.is_main:  # reuses a complete data dir for the same recipe; builds it otherwise
         prepare_data(recipe.data, verifier.tokenizer, data_dir, model=verifier.model, progress=progress)
@@ -206,14 +213,17 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     return Source([len(s["input_ids"]) for s in samples], samples.__getitem__, featurize, spec, weights)
 
 
-def open_store(path: Path, spec: VerifierSpec, verifier_config_hash: str | None = None):
-    """The feature store at `path`, checked against the verifier and recipe it will train with."""
+def open_store(
+    path: Path, spec: VerifierSpec, verifier_config_hash: str | None = None, layout: Layout | None = None
+):
+    """The feature store at `path`, checked against the verifier and recipe it will train with
+    (and against the recipe's features layout, when given)."""
     if not (path / "manifest.json").is_file() and not (path / "plan.json").is_file():
         raise FeatureStoreError(
             f"{path}: no feature store; run `specctl collect-hidden-states RECIPE` first "
             "(or set train.mode=online)"
         )
-    store = open_features(path)  # names an incomplete store itself
+    store = open_features(path, layout=layout)  # names an incomplete store / a layout mismatch itself
     manifest = store.manifest
     if manifest.hidden_size != spec.hidden_size:
         raise FeatureStoreError(
@@ -236,15 +246,72 @@ def open_store(path: Path, spec: VerifierSpec, verifier_config_hash: str | None 
     return store
 
 
+def finite_samples(store: Any, path: Path) -> Callable[[int], dict[str, torch.Tensor]]:
+    """store[i], refusing NaN/Inf features and naming the shard and sample that hold them.
+
+    A verifier run in float16 can overflow, and a store may come from another tool: the
+    checksums match what was written, NaN included. Unchecked, the loss turns NaN some steps
+    later with no hint where from. Each sample is checked the first time it is read (one pass
+    over the store, like the shard checksums), before it reaches a batch.
+    """
+    checked = bytearray(len(store))
+    shards = list(zip(store.manifest.shards, store.manifest.shard_files, strict=True))
+
+    def sample(i: int) -> dict[str, torch.Tensor]:
+        s = store[i]
+        if checked[i]:
+            return s
+        for key in FEATURE_KEYS:
+            if key in s and s[key].is_floating_point() and not bool(torch.isfinite(s[key]).all()):
+                (start, _), info = next(((a, b), f) for (a, b), f in shards if a <= i < b)
+                raise FeatureStoreError(
+                    f"{path / info['file']}: sample {i - start} (store sample {i}) holds NaN/Inf in "
+                    f"{key}; delete {path} and collect again with verifier.dtype float32 or bfloat16 "
+                    "(float16 can overflow)"
+                )
+        checked[i] = 1
+        return s
+
+    return sample
+
+
+def check_draft_vocab_size(size: int | None, vocab_size: int) -> None:
+    if size is not None and size > vocab_size:
+        raise RecipeError(
+            f"drafter.draft_vocab_size={size} exceeds the verifier's vocabulary of {vocab_size}"
+        )
+
+
+def preflight(recipe: Recipe) -> None:
+    """Check the recipe against the verifier's config.json alone, before any heavy work.
+
+    Layer ids, the mask token and the draft vocabulary are otherwise checked after the verifier's
+    weights, the data and the feature store are loaded: a typo should cost a second, not a model
+    load. A config that cannot be read is left to load_verifier, which says what to pass instead.
+    """
+    from transformers import AutoConfig
+
+    section = recipe.verifier
+    source, _ = locate_verifier(section.name_or_path, section.revision)
+    try:
+        config = AutoConfig.from_pretrained(
+            source, revision=section.revision, trust_remote_code=section.trust_remote_code
+        )
+    except (OSError, ValueError):
+        return
+    num_layers = config.num_hidden_layers
+    check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(num_layers), num_layers)
+    if recipe.drafter.mask_token_id is not None:  # None is resolved from the tokenizer, at load
+        resolve_mask_token_id(None, config, recipe.drafter.mask_token_id)
+    check_draft_vocab_size(recipe.drafter.draft_vocab_size, config.vocab_size)
+
+
 def draft_vocab(recipe: Recipe, vocab_size: int) -> torch.Tensor | None:
     """d2t offsets of the `drafter.draft_vocab_size` most frequent assistant tokens (None = full vocab)."""
     size = recipe.drafter.draft_vocab_size
     if size is None:
         return None
-    if size > vocab_size:
-        raise RecipeError(
-            f"drafter.draft_vocab_size={size} exceeds the verifier's vocabulary of {vocab_size}"
-        )
+    check_draft_vocab_size(size, vocab_size)
     freq = load_token_freq(recipe.run_dir / "data", vocab_size)[:vocab_size]
     return build_draft_vocab(freq, size)[0]
 

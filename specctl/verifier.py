@@ -126,14 +126,22 @@ def materialize_builtin(alias: str) -> Path:
     return target
 
 
+def _is_dir(name: str) -> bool:
+    """A directory by that name; False for names the OS cannot even look up (too long, ~nouser)."""
+    try:
+        return Path(name).expanduser().is_dir()
+    except (OSError, RuntimeError):
+        return False
+
+
 def locate_verifier(name_or_path: str, revision: str | None = None) -> tuple[str, str | None]:
     """(path or hub id to load from, hub id to record) for a verifier reference."""
     alias = builtin_alias(name_or_path)
-    if alias and not Path(name_or_path).is_dir():
+    if alias and not _is_dir(name_or_path):
         path = materialize_builtin(alias)
         return str(path), BUILTIN_VERIFIERS[alias]["hub_id"]
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if _is_dir(name_or_path):
+        path = Path(name_or_path).expanduser()
         recorded = path / "specctl.json"
         hub_id = json.loads(recorded.read_text()).get("hub_id") if recorded.is_file() else None
         if not (path / "config.json").is_file():

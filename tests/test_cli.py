@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from reliability_matrix import fault
 
 from specctl import __version__
 from specctl.cli import main
@@ -40,6 +41,11 @@ def test_collect_help_has_example(monkeypatch, capsys):
     assert code == 0 and "Example:" in out and "--shard" in out
 
 
+@fault(
+    stage="recipe",
+    fault="through the CLI: missing recipe, broken YAML, unknown key, out-of-range value",
+    result="exit 2 and one line on stderr naming the file and the field",
+)
 @pytest.mark.parametrize(
     "recipe_text, needle",
     [
@@ -75,6 +81,11 @@ def _recipe(tmp_path: Path, verifier_dir: Path, source: str) -> Path:
     return path
 
 
+@fault(
+    stage="data",
+    fault="through the CLI: data.source missing, empty, or without any assistant turn",
+    result="exit 1 and one line on stderr naming the file",
+)
 @pytest.mark.parametrize(
     "make_source, needle",
     [
@@ -102,6 +113,11 @@ def test_bad_data_is_one_line(monkeypatch, capsys, tmp_path, tiny_verifier_dir, 
     assert err.strip().count("\n") == 0
 
 
+@fault(
+    stage="data",
+    fault="an unknown hub dataset while offline",
+    result="exit 1 and one line naming the id and suggesting a local .jsonl",
+)
 def test_unknown_hub_dataset_offline(monkeypatch, capsys, tmp_path, tiny_verifier_dir):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -112,6 +128,7 @@ def test_unknown_hub_dataset_offline(monkeypatch, capsys, tmp_path, tiny_verifie
     assert err.strip().count("\n") == 0
 
 
+@fault(stage="collect", fault="`--shard 3/2`", result="exit 1, the message names --shard")
 def test_bad_shard_spec(monkeypatch, capsys, tmp_path, tiny_verifier_dir):
     path = _recipe(tmp_path, tiny_verifier_dir, "x.jsonl")
     code, _, err = run_main(monkeypatch, capsys, "collect-hidden-states", str(path), "--shard", "3/2")

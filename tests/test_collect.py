@@ -14,11 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from reliability_matrix import fault
 
 from specctl.collect import collect, token_budget_batches
 from specctl.data import load_samples
+from specctl.drafters.targets import batch_targets
 from specctl.errors import FeatureStoreError, VerifierError
-from specctl.features import open_features, plan_shards, shard_done
+from specctl.features import (
+    FP8_MAX,
+    Layout,
+    dequantize_fp8,
+    layout_bytes_per_token,
+    open_features,
+    plan_shards,
+    quantize_fp8,
+    shard_done,
+)
 from specctl.recipe import load_recipe
 
 WORDS = [
@@ -140,6 +151,11 @@ def test_collect_matches_hf_output_hidden_states(tmp_path, tiny_verifier_dir):
         torch.testing.assert_close(normed, hs[-1][0], atol=5e-2, rtol=2e-2)
 
 
+@fault(
+    stage="collect",
+    fault="rerun into the same store with other aux_layer_ids",
+    result="FeatureStoreError naming aux_layer_ids; a plain rerun rewrites nothing",
+)
 def test_rerun_skips_done_shards_and_refuses_other_layers(tmp_path, tiny_verifier_dir):
     path = make_recipe(tmp_path, tiny_verifier_dir)
     recipe = load_recipe(path)
@@ -166,6 +182,11 @@ def test_shard_workers_build_one_store_identical_to_single_run(tmp_path, tiny_ve
     assert store_bytes(split.run_dir / "features") == store_bytes(single.run_dir / "features")
 
 
+@fault(
+    stage="collect",
+    fault="a torn shard write (half the file)",
+    result="the shard does not count as done; the rerun rewrites it byte-identically",
+)
 def test_half_written_shard_is_not_done(tmp_path, tiny_verifier_dir):
     recipe = load_recipe(make_recipe(tmp_path, tiny_verifier_dir))
     collect(recipe, progress=False)
@@ -179,6 +200,11 @@ def test_half_written_shard_is_not_done(tmp_path, tiny_verifier_dir):
     assert shard.read_bytes() == good
 
 
+@fault(
+    stage="collect",
+    fault="a flipped byte in a feature shard",
+    result="FeatureStoreError `shard-00000.safetensors: checksum mismatch` on first read",
+)
 def test_flipped_byte_is_named(tmp_path, tiny_verifier_dir):
     recipe = load_recipe(make_recipe(tmp_path, tiny_verifier_dir))
     collect(recipe, progress=False)
@@ -191,6 +217,11 @@ def test_flipped_byte_is_named(tmp_path, tiny_verifier_dir):
         store[0]
 
 
+@fault(
+    stage="collect",
+    fault="kill -9 during collect-hidden-states",
+    result="the rerun finishes; the store is byte-identical to an uninterrupted run; no temporary files",
+)
 def test_kill_9_then_rerun_gives_identical_store(tmp_path, tiny_verifier_dir):
     reference = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="ref"))
     collect(reference, progress=False)
@@ -214,6 +245,12 @@ def test_kill_9_then_rerun_gives_identical_store(tmp_path, tiny_verifier_dir):
     assert not [p for p in features.iterdir() if ".tmp-" in p.name]
 
 
+@fault(
+    stage="collect",
+    fault="disk full (RLIMIT_FSIZE) mid-collect",
+    result="exit 1 with one line `disk full ... rerun`; finished shards kept, no temporary files; the "
+    "rerun completes",
+)
 def test_disk_full_keeps_finished_shards(tmp_path, tiny_verifier_dir):
     import resource
 
@@ -237,6 +274,7 @@ def test_disk_full_keeps_finished_shards(tmp_path, tiny_verifier_dir):
     assert len(open_features(features)) == 24
 
 
+@fault(stage="collect", fault="verifier directory missing", result="exit 1 and one line `no such directory`")
 def test_missing_verifier_dir_is_one_line(tmp_path):
     path = make_recipe(tmp_path, tmp_path / "no-such-model")
     result = run_cli("collect-hidden-states", str(path))
@@ -245,6 +283,11 @@ def test_missing_verifier_dir_is_one_line(tmp_path):
     assert "no such directory" in result.stderr
 
 
+@fault(
+    stage="collect",
+    fault="hub verifier unreachable (offline)",
+    result="VerifierError suggesting a local HF directory or the built-in alias",
+)
 def test_unreachable_hub_verifier_says_what_to_pass(tmp_path, tiny_verifier_dir):
     from specctl.recipe import VerifierSection
     from specctl.verifier import load_verifier
@@ -259,3 +302,323 @@ def test_unreachable_hub_verifier_says_what_to_pass(tmp_path, tiny_verifier_dir)
             os.environ.pop("HF_HUB_OFFLINE")
         else:
             os.environ["HF_HUB_OFFLINE"] = env_before
+
+
+# ---------------------------------------------------------------- compact layouts (fp8 aux, top-k targets)
+
+COMPACT = {"aux_dtype": "fp8", "target": "topk", "topk": 16}
+E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3 = E4M3[E4M3.isfinite()]  # every finite float8_e4m3fn value (254 of them)
+
+
+def fp8_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """|x - dequantize(quantize(x))| <= |x| / 16 + scale / 1024 (+ float32 rounding), per element."""
+    scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
+    return x.abs() / 16 + scale / 1024 + 1e-6 * x.abs().amax(-1, keepdim=True)
+
+
+def test_quantize_fp8_is_the_nearest_e4m3_value_of_each_row_scaled_to_448():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 40, generator=g) * torch.logspace(-3, 3, 40)  # [..., H], tiny to huge
+    x[0, 0, 7] = 2.5e4  # a massive-activation channel in one row only
+    x[1, 2] = 0.0  # an all-zero row
+    q, scale = quantize_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (5, 3)
+    assert scale.dtype == torch.float32 and scale[1, 2] == 1 and (q[1, 2].float() == 0).all()
+    y = x / scale[..., None]  # brute force: nearest of all finite e4m3 values, element by element
+    nearest = E4M3[(y[..., None] - E4M3).abs().argmin(-1)]
+    assert torch.equal(q.float(), nearest)
+    assert (q.float().abs().amax(-1)[scale != 1] == FP8_MAX).all()  # each row's largest |x| -> 448
+    back = dequantize_fp8(q, scale)
+    assert back.dtype == torch.float32
+    assert ((back - x).abs() <= fp8_error_bound(x)).all()
+    assert dequantize_fp8(q, scale, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_layout_bytes_per_token():
+    full, compact = Layout(), Layout("bfloat16", "fp8", "topk", 16)
+    # SmolLM2-135M (H 576, vocab 49152: ids fit uint16) and Llama-3.1-8B (H 4096, vocab 128256), 3 aux layers
+    assert layout_bytes_per_token(full, 576, 3, 49152) == 4 * 576 * 2 + 5 == 4613
+    assert layout_bytes_per_token(compact, 576, 3, 49152) == 3 * 580 + 16 * 4 + 4 + 5 == 1813
+    assert layout_bytes_per_token(full, 4096, 3, 128256) == 32773
+    assert layout_bytes_per_token(compact, 4096, 3, 128256) == 3 * 4100 + 16 * 6 + 4 + 5 == 12405
+    assert 1813 / 4613 <= 0.4 and 12405 / 32773 <= 0.4
+    assert layout_bytes_per_token(Layout("float32", "float32"), 64, 2, 320) == 3 * 64 * 4 + 5
+    assert layout_bytes_per_token(Layout("float32", "fp8", "topk", 16), 64, 2, 10) == 2 * 68 + 10 * 4 + 9
+
+
+@pytest.mark.parametrize("vocab", [300, 70_000])
+def test_store_round_trip_of_the_compact_layout(tmp_path, vocab):
+    """write_shard -> open_features: ids exact (uint16 up to 65536 ids, int32 beyond), log-probs to
+    float16, logsumexp exact, aux = dequantize(q, scale); a masked (-inf) logit reads as finite."""
+    from safetensors import safe_open
+
+    from specctl.drafters.targets import topk_compact
+    from specctl.features import StorePlan, finalize_store, init_store, write_shard
+
+    g = torch.Generator().manual_seed(vocab)
+    lengths = [5, 1, 9]
+    layout = Layout("bfloat16", "fp8", "topk", 6)
+    samples = []
+    for T in lengths:
+        logits = torch.randn(T, vocab, generator=g) * 4
+        logits[:, vocab // 2 :] += 8.0  # the top ids are large ones: int32 for the big vocabulary
+        logits[0, :-4] = float("-inf")  # a row with only 4 finite logits: 2 of its top 6 are masked
+        ids, logprobs, lse = topk_compact(logits, 6)
+        q, scale = quantize_fp8(torch.randn(T, 2, 8, generator=g))
+        samples.append(
+            {
+                "input_ids": torch.randint(0, 300, (T,), generator=g),
+                "loss_mask": torch.rand(T, generator=g) < 0.5,
+                "aux_hidden_states": q,
+                "aux_scale": scale,
+                "topk_ids": ids,
+                "topk_logprobs": logprobs,
+                "logsumexp": lse,
+            }
+        )
+    plan = StorePlan(
+        verifier="v",
+        verifier_config_hash="h",
+        num_layers=2,
+        hidden_size=8,
+        aux_layer_ids=[1, 2],
+        dtype="bfloat16",
+        data_hash="d",
+        lengths=lengths,
+        shards=[[0, 2], [2, 3]],
+        aux_dtype="fp8",
+        target="topk",
+        topk=6,
+    )
+    init_store(tmp_path, plan)
+    write_shard(tmp_path, 0, samples[:2], layout)
+    write_shard(tmp_path, 1, samples[2:], layout)
+    finalize_store(tmp_path)
+    with safe_open(str(tmp_path / "shard-00000.safetensors"), "pt") as f:
+        assert f.get_slice("topk_ids").get_dtype() == ("U16" if vocab <= 2**16 else "I32")
+        assert f.get_slice("aux_hidden_states").get_dtype() == "F8_E4M3"
+    store = open_features(tmp_path)
+    assert store.layout == layout
+    for want, row in zip(samples, store, strict=True):
+        assert torch.equal(row["input_ids"], want["input_ids"]) and torch.equal(
+            row["topk_ids"], want["topk_ids"]
+        )
+        assert torch.equal(
+            row["aux_hidden_states"], dequantize_fp8(want["aux_hidden_states"], want["aux_scale"])
+        )
+        assert torch.equal(row["logsumexp"], want["logsumexp"])
+        lp, got = want["topk_logprobs"], row["topk_logprobs"]
+        assert got.isfinite().all()
+        finite = lp.isfinite()
+        assert ((got - lp)[finite].abs() <= lp[finite].abs() * 2**-11).all()
+        assert (got[~finite] == torch.finfo(torch.float16).min).all() and (~finite).sum() == 2
+
+
+@pytest.fixture(scope="module")
+def two_stores(tmp_path_factory, tiny_verifier_dir):
+    """The same 24 conversations collected twice: full precision (float32) and compact (fp8 + top-16)."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    full = load_recipe(make_recipe(tmp, tiny_verifier_dir, name="full", dtype="float32"))
+    compact = load_recipe(make_recipe(tmp, tiny_verifier_dir, name="compact", **COMPACT))
+    collect(full, progress=False)
+    collect(compact, progress=False)
+    return tmp, full, compact
+
+
+def test_compact_store_records_its_layout_and_matches_hf(two_stores, tiny_verifier_dir):
+    _, full, compact = two_stores
+    store = open_features(compact.run_dir / "features")
+    assert store.layout == Layout("bfloat16", "fp8", "topk", 16)
+    manifest = json.loads((compact.run_dir / "features" / "manifest.json").read_text())
+    assert (manifest["aux_dtype"], manifest["target"], manifest["topk"]) == ("fp8", "topk", 16)
+    assert open_features(full.run_dir / "features").layout == Layout("float32", "float32")
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
+    for i in (0, 7, 23):
+        row = store[i]
+        T = row["input_ids"].numel()
+        assert "last_hidden_state" not in row
+        assert (
+            row["aux_hidden_states"].shape == (T, 3, 64) and row["aux_hidden_states"].dtype == torch.float32
+        )
+        assert row["topk_ids"].shape == row["topk_logprobs"].shape == (T, 16) and row["logsumexp"].shape == (
+            T,
+        )
+        with torch.no_grad():
+            out = model(row["input_ids"][None], output_hidden_states=True)
+        hs, logits = out.hidden_states, out.logits[0]
+        for j, layer in enumerate([1, 2, 3]):
+            want = hs[layer][0]
+            assert ((row["aux_hidden_states"][:, j] - want).abs() <= fp8_error_bound(want) + 1e-4).all()
+        assert torch.equal(row["topk_ids"][:, 0], logits.argmax(-1))
+        torch.testing.assert_close(row["logsumexp"], torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-5)
+        want_lp = torch.log_softmax(logits, -1).gather(1, row["topk_ids"])
+        assert ((row["topk_logprobs"] - want_lp).abs() <= want_lp.abs() * 2**-11 + 1e-4).all()
+        rest = torch.log_softmax(logits, -1).scatter(1, row["topk_ids"], float("-inf"))
+        assert (rest.amax(-1) <= want_lp[:, -1] + 1e-4).all()  # nothing outside the stored k is larger
+
+
+def test_shard_sizes_follow_the_layout(two_stores):
+    """Real shard files: layout bytes per token x tokens, plus offsets and a header per shard."""
+    _, full, compact = two_stores
+    for recipe in (full, compact):
+        store = open_features(recipe.run_dir / "features")
+        per_token = layout_bytes_per_token(store.layout, 64, 3, 320)
+        for info, (a, b) in zip(store.manifest.shard_files, store.manifest.shards, strict=True):
+            tokens = sum(store.lengths[a:b])
+            overhead = info["bytes"] - tokens * per_token - 8 * (b - a + 1)
+            assert 0 < overhead < 1024, (recipe.name, overhead)
+    assert layout_bytes_per_token(open_features(compact.run_dir / "features").layout, 64, 3, 320) == 277
+
+
+def test_compact_and_full_stores_give_the_same_training_targets(two_stores, tiny_verifier_dir):
+    """Store -> train's collate -> batch_targets: argmax and logsumexp as from the full hidden state,
+    the kept top-k logits up to float16 rounding, aux states within the fp8 bound."""
+    from transformers import AutoModelForCausalLM
+
+    from specctl.train import collate
+
+    _, full, compact = two_stores
+    a, b = open_features(full.run_dir / "features"), open_features(compact.run_dir / "features")
+    model = AutoModelForCausalLM.from_pretrained(tiny_verifier_dir, dtype=torch.float32).eval()
+    norm, lm_head, eps = model.model.norm.weight, model.lm_head.weight, model.config.rms_norm_eps
+    t2d = torch.zeros(320, dtype=torch.bool)
+    t2d[torch.randperm(320, generator=torch.Generator().manual_seed(0))[:200]] = True
+    for indices in ([0, 1, 2, 3], [9, 17, 23]):
+        batch_a = collate([a[i] for i in indices], 1024)
+        batch_b = collate([b[i] for i in indices], 1024)
+        assert set(batch_b) == {"input_ids", "loss_mask", "attention_mask", "aux_hidden_states"} | {
+            "topk_ids",
+            "topk_logprobs",
+            "logsumexp",
+        }
+        assert torch.equal(batch_a["input_ids"], batch_b["input_ids"])
+        x = batch_a["aux_hidden_states"]
+        assert ((batch_b["aux_hidden_states"] - x).abs() <= fp8_error_bound(x)).all()
+        for kept in (None, t2d):
+            ta = batch_targets(batch_a, norm, lm_head, eps, kept)
+            tb = batch_targets(batch_b, norm, lm_head, eps, kept)
+            assert torch.equal(ta.index, tb.index) and ta.targets.argmax.numel() > 0
+            assert torch.equal(ta.targets.argmax, tb.targets.argmax)
+            torch.testing.assert_close(ta.targets.logsumexp, tb.targets.logsumexp)
+            inside = tb.targets.kept_logits.isfinite()
+            want = ta.targets.kept_logits[inside]
+            got = tb.targets.kept_logits[inside]
+            lp = want - ta.targets.logsumexp[:, None].expand_as(inside)[inside]
+            assert ((got - want).abs() <= lp.abs() * 2**-11 + 1e-4).all()
+
+
+@fault(
+    stage="collect",
+    fault="a store read or resumed with another features layout (target, topk, aux_dtype)",
+    result="FeatureStoreError naming both values, before anything is written",
+)
+def test_recipe_and_store_layouts_must_agree(two_stores):
+    tmp, _, compact = two_stores
+    path = compact.run_dir / "features"
+    with pytest.raises(FeatureStoreError) as err:
+        open_features(path, layout=Layout())
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "collected with features.target=topk but the recipe has features.target=hidden" in msg
+    with pytest.raises(FeatureStoreError, match="features.topk=16 but the recipe has features.topk=8"):
+        open_features(path, layout=Layout("bfloat16", "fp8", "topk", 8))
+    with pytest.raises(
+        FeatureStoreError, match="features.aux_dtype=fp8 but the recipe has features.aux_dtype=bf"
+    ):
+        open_features(path, layout=Layout("bfloat16", "bfloat16", "topk", 16))
+    with pytest.raises(
+        FeatureStoreError, match="features.dtype=float32 but the recipe has features.dtype=bfloat16"
+    ):
+        open_features(two_stores[1].run_dir / "features", layout=Layout())
+    # dtype stores nothing in a top-k + fp8 store: a different one is no mismatch
+    assert len(open_features(path, layout=Layout("float32", "fp8", "topk", 16))) == 24
+    # resuming with another layout is refused before anything is written
+    recipe_file = tmp / "compact.yaml"
+    with pytest.raises(FeatureStoreError, match="different target"):
+        collect(load_recipe(recipe_file, ["features.target=hidden"]), progress=False)
+    with pytest.raises(FeatureStoreError, match="different aux_dtype"):
+        collect(load_recipe(recipe_file, ["features.aux_dtype=null"]), progress=False)
+
+
+def test_store_without_layout_fields_reads_and_resumes_as_full_precision(tmp_path, tiny_verifier_dir):
+    """Stores written before layouts existed: no aux_dtype / target / topk in plan or manifest."""
+    recipe = load_recipe(make_recipe(tmp_path, tiny_verifier_dir))
+    collect(recipe, progress=False)
+    path = recipe.run_dir / "features"
+    before = store_bytes(path)
+    for name in ("plan.json", "manifest.json"):
+        old = {
+            k: v
+            for k, v in json.loads((path / name).read_text()).items()
+            if k not in ("aux_dtype", "target", "topk")
+        }
+        (path / name).write_text(json.dumps(old, indent=1))
+    store = open_features(path, layout=Layout())
+    assert store.layout == Layout("bfloat16", "bfloat16", "hidden", 0)
+    row = store[3]
+    assert row["aux_hidden_states"].dtype == row["last_hidden_state"].dtype == torch.bfloat16
+    again = collect(recipe, progress=False)  # the old plan is the same plan: nothing to redo
+    assert again.shards_written == 0 and again.complete
+    after = store_bytes(path)
+    assert {k: v for k, v in after.items() if k.endswith(".safetensors")} == {
+        k: v for k, v in before.items() if k.endswith(".safetensors")
+    }
+
+
+TRAIN_SETTINGS = [
+    "train.max_steps=2",
+    "train.warmup_steps=1",
+    "train.batch_tokens=256",
+    "train.val_fraction=0.25",
+    "train.eval_every=2",
+    "train.save_every=2",
+    "train.log_every=1",
+    "drafter.draft_vocab_size=64",
+    "verifier.device=cpu",
+]
+
+
+@pytest.mark.parametrize(
+    "algo, settings",
+    [
+        (
+            "dflash",
+            ["drafter.dflash.num_layers=1", "drafter.dflash.block_size=4", "drafter.dflash.max_anchors=8"],
+        ),
+        (
+            "dspark",
+            ["drafter.dspark.num_layers=1", "drafter.dspark.block_size=4", "drafter.dspark.markov_rank=8"],
+        ),
+    ],
+)
+def test_drafters_train_from_the_compact_store_like_from_the_full_one(two_stores, algo, settings):
+    """Same data, same seed, ce loss: the first training loss (before any update) from the compact
+    store is the full store's up to fp8 rounding of the aux states (DSpark's loss also has a TV term,
+    which top-k targets overestimate by the tail mass, so it is not compared); kl trains on the top-k
+    targets; a recipe that disagrees with the store is refused."""
+    from specctl.train import run_training
+
+    tmp, _, _ = two_stores
+    overrides = [*TRAIN_SETTINGS, f"drafter.algo={algo}", *settings]
+    if algo != "dspark":
+        first = {}
+        for name in ("full", "compact"):
+            summary = run_training(
+                load_recipe(tmp / f"{name}.yaml", [*overrides, "train.loss=ce"]), progress=False
+            )
+            lines = [json.loads(x) for x in (summary.output_dir / "metrics.jsonl").read_text().splitlines()]
+            first[name] = next(r["loss"] for r in lines if "loss" in r)
+        assert first["compact"] == pytest.approx(first["full"], rel=2e-2)
+    kl = run_training(load_recipe(tmp / "compact.yaml", [*overrides, "train.loss=kl"]), progress=False)
+    assert kl.loss is not None and kl.loss == kl.loss  # not NaN
+    assert kl.tau_hat is not None and kl.val_loss == kl.val_loss
+    with pytest.raises(
+        FeatureStoreError, match="features.target=topk but the recipe has features.target=hidden"
+    ):
+        run_training(
+            load_recipe(tmp / "compact.yaml", [*overrides, "features.target=hidden"]), progress=False
+        )

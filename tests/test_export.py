@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reliability_matrix import fault
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -190,6 +191,11 @@ def test_load_drafter_finds_the_verifier_config_json_records(verifier, exports):
     assert torch.equal(loaded.propose(ids, aux, 4), drafter.propose(ids, aux, 4))
 
 
+@fault(
+    stage="export",
+    fault="loading an export with a verifier of another vocabulary size",
+    result="SpecctlError naming both shapes",
+)
 def test_load_drafter_refuses_a_verifier_of_another_shape(exports):
     _, path = exports["eagle3", False]
     wrong = VerifierWeights(
@@ -435,6 +441,12 @@ CORRUPTIONS = [
 ]
 
 
+@fault(
+    stage="export",
+    fault="corrupt export: wrong shapes or dtypes, NaN weights, missing config fields, unknown model type,"
+    " config and weights that disagree",
+    result="SpecctlError naming the file and the field or tensor; loading refuses it the same way",
+)
 @pytest.mark.parametrize(
     "algo,reduced,tensors_edit,config_edit,file,needle", CORRUPTIONS, ids=[c[-1][:48] for c in CORRUPTIONS]
 )
@@ -458,6 +470,11 @@ def test_corrupt_export_is_rejected_naming_the_problem(
         load_drafter(path, verifier["weights"])
 
 
+@fault(
+    stage="export",
+    fault="export dir without config.json or model.safetensors, invalid JSON, unreadable safetensors",
+    result="SpecctlError naming the file",
+)
 @pytest.mark.parametrize(
     "setup,needle",
     [
@@ -551,6 +568,12 @@ def test_export_records_the_verifier_hub_id(verifier, tmp_path):
     assert result.check.verifier == "org/tiny-llama"
 
 
+@fault(
+    stage="export",
+    fault="disk full while writing over an existing export; a non-export directory as the output",
+    result="the previous export is untouched and no temporary dir is left; a foreign directory is never "
+    "replaced",
+)
 def test_export_is_atomic(verifier, tmp_path, monkeypatch):
     path = save_drafter(build_drafter(verifier, "dflash"), tmp_path / "export", "float32")
     before = {p.name: p.read_bytes() for p in path.iterdir()}
@@ -577,11 +600,21 @@ def test_export_is_atomic(verifier, tmp_path, monkeypatch):
     assert (other / "todo.txt").read_text() == "keep me"
 
 
+@fault(
+    stage="export",
+    fault="export with no training checkpoint",
+    result="SpecctlError `no training checkpoint found`",
+)
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(SpecctlError, match="no training checkpoint found"):
         export_drafters(tmp_path)
 
 
+@fault(
+    stage="export",
+    fault="checkpoint meta.json naming an unknown algorithm",
+    result="SpecctlError `unknown algorithm`",
+)
 def test_checkpoint_meta_of_unknown_algorithm(verifier, tmp_path):
     run = fake_run(tmp_path, verifier, ["eagle3"])
     step = run / "drafters" / "eagle3" / "checkpoints" / "step-4"

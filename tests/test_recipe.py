@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from reliability_matrix import fault
 
 from specctl.drafters import DRAFTERS
 from specctl.errors import RecipeError
@@ -24,6 +25,12 @@ def test_minimal_recipe_gets_schema_defaults(tmp_path):
     assert set(DRAFTERS) <= set(r.drafter.model_dump())
 
 
+@fault(
+    stage="recipe",
+    fault="unknown key, wrong type, missing name, bad list item, unknown algorithm, a list instead of a "
+    "mapping, broken YAML",
+    result="RecipeError (exit 2) on one line naming the file and the field path",
+)
 @pytest.mark.parametrize(
     "text, needle",
     [
@@ -46,11 +53,17 @@ def test_bad_recipes_name_file_and_key(tmp_path, text, needle):
     assert e.value.exit_code == 2
 
 
+@fault(stage="recipe", fault="a recipe file that does not exist", result="RecipeError `recipe not found`")
 def test_missing_recipe_file(tmp_path):
     with pytest.raises(RecipeError, match="recipe not found"):
         load_recipe(tmp_path / "nope.yaml")
 
 
+@fault(
+    stage="recipe",
+    fault="`--set` with a value of the wrong type, without `=`, or for an unknown key",
+    result="RecipeError naming the field or the `--set`",
+)
 def test_set_overrides_use_field_types(tmp_path):
     p = write(tmp_path, "name: a\n")
     r = load_recipe(p, ["train.lr=1e-3", "features.aux_layer_ids=[1,2]", "data.shuffle=false", "name=b"])
@@ -66,6 +79,11 @@ def test_set_overrides_use_field_types(tmp_path):
         load_recipe(p, ["train.nope=1"])
 
 
+@fault(
+    stage="recipe",
+    fault="`extends:` chain that forms a cycle",
+    result="RecipeError `extends forms a cycle`",
+)
 def test_extends_merges_sections(tmp_path):
     write(tmp_path, "name: base\ntrain:\n  lr: 0.01\n  max_steps: 7\n", "base.yaml")
     child = write(tmp_path, "extends: base.yaml\nname: child\ntrain:\n  lr: 0.02\n")

@@ -11,8 +11,12 @@ from specctl.drafters.targets import (
     draft_loss,
     scored_positions,
     target_table,
+    targets_from_logits,
+    targets_from_topk,
+    topk_compact,
     verifier_logits,
     verifier_targets,
+    verifier_topk,
 )
 
 V, H = 97, 16
@@ -78,3 +82,140 @@ def test_kl_loss_matches_cross_entropy_to_the_renormalised_kept_distribution():
     p = F.softmax(verifier_logits(last[b, t], norm, lm_head, 1e-6)[:, t2d], -1)
     torch.testing.assert_close(loss, -(p * F.log_softmax(draft, -1)).sum(-1))
     assert valid.all() and correct.dtype == torch.bool
+
+
+# ---------------------------------------------------------------- top-k targets (compact feature stores)
+
+
+def _brute_topk_kept(logits: torch.Tensor, k: int, t2d: torch.Tensor | None) -> torch.Tensor:
+    """[N, V] -> [N, Vd]: the full logits at each row's k largest ids that are kept, -inf elsewhere,
+    one row and one id at a time."""
+    N, V = logits.shape
+    kept_ids = list(range(V)) if t2d is None else t2d.nonzero()[:, 0].tolist()
+    out = torch.full((N, len(kept_ids)), float("-inf"))
+    for n in range(N):
+        top = sorted(range(V), key=lambda v: -logits[n, v].item())[:k]
+        for col, v in enumerate(kept_ids):
+            if v in top:
+                out[n, col] = logits[n, v]
+    return out
+
+
+def test_topk_compact_is_the_k_largest_logits_as_logprobs():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, V, generator=g) * 4
+    for k in (1, 5, V, V + 3):
+        ids, logprobs, lse = topk_compact(logits, k)
+        assert ids.shape == logprobs.shape == (6, min(k, V)) and lse.shape == (6,)
+        for n in range(6):
+            order = sorted(range(V), key=lambda v: -logits[n, v].item())[: min(k, V)]
+            assert ids[n].tolist() == order
+        torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+        torch.testing.assert_close(logprobs, F.log_softmax(logits, -1).gather(1, ids))
+        assert (logprobs[:, 1:] <= logprobs[:, :-1]).all()  # descending: ids[:, 0] is the argmax
+
+
+def test_targets_from_topk_equal_full_targets_on_argmax_logsumexp_and_kept_entries():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, V, generator=g) * 3
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 40)
+    for kept in (None, t2d):
+        full = targets_from_logits(logits, kept)
+        for k in (1, 8, V):
+            got = targets_from_topk(*topk_compact(logits, k), kept, V)
+            assert torch.equal(got.argmax, full.argmax)
+            torch.testing.assert_close(got.logsumexp, full.logsumexp)
+            want = _brute_topk_kept(logits, k, kept)
+            assert torch.equal(got.kept_logits.isfinite(), want.isfinite())
+            inside = want.isfinite()
+            torch.testing.assert_close(got.kept_logits[inside], full.kept_logits[inside])
+            torch.testing.assert_close(got.kept_logits[inside], want[inside])
+        # k = V keeps everything: the same Targets as the full logits
+        torch.testing.assert_close(
+            targets_from_topk(*topk_compact(logits, V), kept, V).kept_logits, full.kept_logits
+        )
+
+
+def test_float16_logprobs_keep_the_mass_carrying_entries_precise():
+    """The store keeps top-k log-probs in float16: the error is relative to |log p|, so it is
+    smallest where the probability is largest, and p itself moves by under |log p| * 2^-11."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(64, V, generator=g) * 6
+    _, logprobs, _ = topk_compact(logits, 16)
+    stored = logprobs.half().float()
+    assert ((stored - logprobs).abs() <= logprobs.abs() * 2**-11 + 1e-7).all()
+    p, q = logprobs.exp(), stored.exp()
+    assert ((p - q).abs() <= p * (logprobs.abs() * 2**-11 * 1.01 + 1e-6)).all()
+
+
+def test_verifier_topk_is_topk_of_verifier_logits_in_any_chunking():
+    norm, lm_head = _weights()
+    last = torch.randn(37, H, generator=torch.Generator().manual_seed(7))
+    want = topk_compact(verifier_logits(last, norm, lm_head, 1e-6), 6)
+    for chunk in (5, 1000):
+        got = verifier_topk(last, norm, lm_head, 1e-6, 6, chunk_rows=chunk)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+        torch.testing.assert_close(got[2], want[2])
+
+
+def test_batch_targets_from_a_topk_batch_match_the_hidden_state_batch():
+    norm, lm_head = _weights()
+    g = torch.Generator().manual_seed(8)
+    last = torch.randn(2, 9, H, generator=g)
+    masks = {
+        "loss_mask": torch.rand(2, 9, generator=g) < 0.7,
+        "attention_mask": torch.tensor([[1] * 9, [1] * 6 + [0] * 3], dtype=torch.bool),
+    }
+    ids, logprobs, lse = verifier_topk(last.flatten(0, 1), norm, lm_head, 1e-6, 7)
+    compact = {
+        "topk_ids": ids.view(2, 9, 7),
+        "topk_logprobs": logprobs.view(2, 9, 7),
+        "logsumexp": lse.view(2, 9),
+        **masks,
+    }
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 30)
+    for kept in (None, t2d):
+        full = batch_targets({"last_hidden_state": last, **masks}, norm, lm_head, 1e-6, kept)
+        got = batch_targets(compact, norm, lm_head, 1e-6, kept)
+        assert torch.equal(got.index, full.index)
+        assert torch.equal(got.targets.argmax, full.targets.argmax)
+        torch.testing.assert_close(got.targets.logsumexp, full.targets.logsumexp)
+        inside = got.targets.kept_logits.isfinite()
+        assert (inside.sum(-1) <= 7).all()
+        torch.testing.assert_close(got.targets.kept_logits[inside], full.targets.kept_logits[inside])
+
+
+def test_losses_from_topk_targets():
+    """ce: exactly the full-logit loss (the argmax is exact). kl: cross-entropy to the verifier's
+    distribution on top-k & draft vocabulary, renormalised; a row whose top k all fall outside
+    the draft vocabulary is invalid with loss 0, never NaN."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, V, generator=g) * 3
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 30)
+    logits[0, ~t2d] += 50.0  # row 0: its top 4 are all outside the draft vocabulary
+    draft = torch.randn(12, 30, generator=g, requires_grad=True)
+    full = targets_from_logits(logits, t2d)
+    topk = targets_from_topk(*topk_compact(logits, 4), t2d, V)
+
+    ce_full, ok_full, valid_full = draft_loss(draft, full, t2d, "ce")
+    ce_topk, ok_topk, valid_topk = draft_loss(draft, topk, t2d, "ce")
+    torch.testing.assert_close(ce_topk, ce_full)
+    assert torch.equal(ok_topk, ok_full) and torch.equal(valid_topk, valid_full)
+
+    loss, correct, valid = draft_loss(draft, topk, t2d, "kl")
+    assert torch.equal(correct, ok_full) and loss.isfinite().all()
+    logp = F.log_softmax(draft.detach(), -1)
+    kept_ids = t2d.nonzero()[:, 0]
+    for n in range(12):
+        top = set(sorted(range(V), key=lambda v: -logits[n, v].item())[:4])
+        cols = [c for c, v in enumerate(kept_ids.tolist()) if v in top]
+        assert bool(valid[n]) == bool(cols)
+        if not cols:
+            assert loss[n] == 0
+            continue
+        p = F.softmax(logits[n, kept_ids[cols]], -1)
+        torch.testing.assert_close(loss[n], -(p * logp[n, cols]).sum())
+    assert not valid[0] and valid.any()
+    loss.sum().backward()
+    assert draft.grad.isfinite().all() and draft.grad[0].abs().sum() == 0

@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+from reliability_matrix import fault
 from torch import nn
 
 from specctl import checkpoint as ckpt
@@ -270,6 +271,11 @@ def test_checkpoint_round_trip_and_latest(tmp_path):
     assert ckpt.load_drafter_state(root / "step-4").keys() == model.state_dict().keys()
 
 
+@fault(
+    stage="train",
+    fault="crash mid-checkpoint: a temporary dir, a step dir missing files, `latest` pointing at it",
+    result="resume uses the previous complete checkpoint; leftovers are pruned",
+)
 def test_half_written_checkpoint_is_never_picked(tmp_path):
     model, opt = _tiny_state(0)
     root = tmp_path / "checkpoints"
@@ -543,6 +549,11 @@ def killable(monkeypatch, base: DrafterSpec) -> dict:
     return kill
 
 
+@fault(
+    stage="train",
+    fault="a run interrupted mid-step (before and after its metrics line), then `--resume`",
+    result="metrics and final weights identical to an uninterrupted run",
+)
 @pytest.mark.parametrize("drafter", ["toy", "dflash"])
 def test_interrupted_then_resumed_run_matches_uninterrupted(tmp_path, offline, monkeypatch, drafter):
     kill = killable(monkeypatch, use_toy_drafter()["dflash"] if drafter == "toy" else DRAFTERS["dflash"])
@@ -580,17 +591,32 @@ def test_resume_extends_a_finished_run(tmp_path, offline, toy):
     assert done.steps == 6 and done.loss == summary.loss
 
 
+@fault(
+    stage="train",
+    fault="`--resume` with no checkpoint",
+    result="SpecctlError `no checkpoint to resume from`",
+)
 def test_resume_without_checkpoint_says_so(tmp_path, offline, toy):
     with pytest.raises(SpecctlError, match="no checkpoint to resume from"):
         run_training(tiny_recipe(tmp_path), resume=True, progress=False)
 
 
+@fault(
+    stage="train",
+    fault="the training loss turns NaN",
+    result="SpecctlError naming the step, before the optimizer applies it",
+)
 def test_nan_loss_fails_fast_naming_the_step(tmp_path, offline, toy):
     toy.nan_at = 2
     with pytest.raises(SpecctlError, match=r"^step 2: training loss is nan"):
         run_training(tiny_recipe(tmp_path), progress=False)
 
 
+@fault(
+    stage="train",
+    fault="no loss-masked token in any sample",
+    result="DataError at step 1 instead of a silent zero loss",
+)
 def test_nothing_to_train_on_fails_fast(tmp_path, monkeypatch):
     _, _, samples = tiny_world()
     unmasked = [{**s, "loss_mask": torch.zeros_like(s["loss_mask"])} for s in samples]
@@ -633,6 +659,11 @@ def test_draft_vocab_from_token_frequencies(tmp_path, offline, monkeypatch):
     assert state["lm_head.weight"].shape == (48, HIDDEN)
 
 
+@fault(
+    stage="train",
+    fault="feature store missing, incomplete, or from another hidden size, aux layers or verifier config",
+    result="FeatureStoreError naming the mismatch and the command that fixes it",
+)
 def test_feature_store_mismatches_fail_fast(tmp_path):
     spec, _, samples = tiny_world()
     path = tmp_path / "features"

@@ -54,8 +54,12 @@ def _looks_like_path(source: str) -> bool:
 
 def local_path(source: str) -> Path | None:
     """The local file/dir a source names, None for a hub id; DataError for a missing local file."""
-    path = Path(source).expanduser()
-    if path.exists():
+    try:
+        path = Path(source).expanduser()
+        exists = path.exists()
+    except (OSError, RuntimeError):  # a name too long for the OS; `~user` with no such user
+        path, exists = Path(source), False
+    if exists:
         return path
     if _looks_like_path(source):
         raise DataError(
@@ -94,12 +98,16 @@ def read_json_rows(path: Path) -> list[dict[str, Any]]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start}); pass a .json or .jsonl file") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from None
     if not text.strip():
         raise DataError(f"{path}: the file is empty; add rows of {STYLES}")
     try:
         whole = json.loads(text)
     except json.JSONDecodeError as whole_err:
         return _read_jsonl(path, text, whole_err)
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply; rows are objects of turns or token ids") from None
     if isinstance(whole, list):
         bad = next((i for i, r in enumerate(whole) if not isinstance(r, dict)), None)
         if bad is not None:
@@ -125,6 +133,8 @@ def _read_jsonl(path: Path, text: str, whole_err: json.JSONDecodeError) -> list[
             continue
         try:
             obj = json.loads(line)
+        except RecursionError:
+            raise DataError(f"{path}:{n}: JSON nested too deeply; each line is one row object") from None
         except json.JSONDecodeError as e:
             if n - 1 == first and path.suffix.lower() != ".jsonl":
                 # A multi-line JSON document with a syntax error: report its position.
@@ -242,8 +252,13 @@ def normalize_messages(turns: Any, where: str) -> list[dict[str, str]]:
 
 def _normalize_pretokenized(row: dict[str, Any], where: str) -> dict[str, Any]:
     ids, mask = row["input_ids"], row["loss_mask"]
-    if not isinstance(ids, list | tuple) or not isinstance(mask, list | tuple):
-        ids, mask = list(ids), list(mask)  # numpy arrays from `datasets`
+    for name, value in (("input_ids", ids), ("loss_mask", mask)):
+        if not isinstance(value, list | tuple) and not hasattr(value, "tolist"):
+            raise DataError(f"{where}: {name} must be a list, got {type(value).__name__}")
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids  # numpy arrays from `datasets`
+    mask = mask.tolist() if hasattr(mask, "tolist") else mask
+    if not isinstance(ids, list | tuple) or not isinstance(mask, list | tuple):  # 0-d arrays
+        raise DataError(f"{where}: input_ids and loss_mask must be lists of equal length")
     if len(ids) != len(mask):
         raise DataError(
             f"{where}: input_ids has {len(ids)} tokens but loss_mask {len(mask)}; they must match"

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 class DrafterConfig(BaseModel):
     """Base of each algorithm's recipe section (`drafter.<algo>`): strict, documented fields."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,14 @@ The verifier's next-token distribution at position t is norm + lm_head of its fi
 state there; a drafter predicting the token after t is scored against it (KL) or against its
 argmax/next token (CE). With a reduced draft vocabulary the target is restricted to the kept
 ids and renormalised, as in vLLM where the drafter can only propose kept ids.
+
+A feature store may hold the verifier's output compacted to its top-k log-probs plus the exact
+logsumexp over the full vocabulary (`topk_compact`); `targets_from_topk` builds the same
+`Targets` from that: the argmax, the logsumexp and every kept entry inside the top k are what
+the full logits give, entries outside the top k are -inf. So "ce" is unchanged, and "kl"
+matches the verifier's distribution restricted to top-k & draft vocabulary, renormalised (the
+tail mass, typically a few percent, is dropped); `p(kept) = exp(kept_logits - logsumexp)` stays
+exact on the top k and is 0 beyond it.
 """
 
 from __future__ import annotations
@@ -107,6 +115,59 @@ def targets_from_logits(logits: torch.Tensor, t2d: torch.Tensor | None) -> Targe
     return Targets(logits.argmax(-1), kept_logits, torch.logsumexp(logits.float(), -1))
 
 
+def topk_compact(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full verifier logits [N, V] -> ids [N, k'] int64, logprobs [N, k'] float32, logsumexp [N] float32.
+
+    k' = min(k, V). Ids are in descending order of logit, so ids[:, 0] is the argmax (ties broken
+    by torch.topk). Log-probs rather than logits: the store keeps them in float16, where the
+    entries holding the mass (log-probs near 0) are the precisely represented ones.
+    """
+    logits = logits.float()
+    logsumexp = torch.logsumexp(logits, -1)  # [N]
+    values, ids = logits.topk(min(k, logits.shape[-1]), -1)  # [N, k'] sorted descending
+    return ids, values - logsumexp[:, None], logsumexp
+
+
+@torch.no_grad()
+def verifier_topk(
+    last_hidden_state: torch.Tensor,
+    norm_weight: torch.Tensor,
+    lm_head: torch.Tensor,
+    eps: float,
+    k: int,
+    chunk_rows: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, H] final hidden states -> `topk_compact` of their logits, a [chunk, V] block at a time."""
+    chunks = last_hidden_state.split(chunk_rows) or [last_hidden_state]
+    parts = [topk_compact(verifier_logits(rows, norm_weight, lm_head, eps), k) for rows in chunks]
+    ids, logprobs, logsumexp = (torch.cat(p) for p in zip(*parts, strict=True))
+    return ids, logprobs, logsumexp
+
+
+def targets_from_topk(
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    logsumexp: torch.Tensor,
+    t2d: torch.Tensor | None,
+    vocab_size: int,
+) -> Targets:
+    """Stored top-k ids / log-probs [N, k] (descending) and logsumexp [N] -> Targets [N].
+
+    kept_logits [N, Vd] holds logprob + logsumexp (the verifier's logit) at the top-k ids that
+    are in the draft vocabulary and -inf everywhere else.
+    """
+    N = topk_ids.shape[0]
+    width = vocab_size if t2d is None else int(t2d.sum())
+    logsumexp = logsumexp.float()
+    kept_logits = torch.full((N, width), float("-inf"), device=topk_logprobs.device)
+    cols = target_to_draft(topk_ids, t2d)  # [N, k], -1 outside the draft vocabulary
+    rows = torch.arange(N, device=topk_ids.device)[:, None].expand_as(cols)
+    inside = cols >= 0
+    logits = topk_logprobs.float() + logsumexp[:, None]  # [N, k]
+    kept_logits[rows[inside], cols[inside]] = logits[inside]
+    return Targets(topk_ids[:, 0], kept_logits, logsumexp)
+
+
 def target_table(
     last_hidden_state: torch.Tensor,
     scored: torch.Tensor,
@@ -121,9 +182,17 @@ def target_table(
     is the loss mask shifted left by one: every position whose next token is a counted one.
     """
     b, t = scored.nonzero(as_tuple=True)
+    return TargetTable(
+        verifier_targets(last_hidden_state[b, t], norm_weight, lm_head, eps, t2d), _row_index(scored)
+    )
+
+
+def _row_index(scored: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool -> [B, T] int64: the row of each scored position among all of them, -1 elsewhere."""
+    b, t = scored.nonzero(as_tuple=True)
     index = torch.full(scored.shape, -1, dtype=torch.long, device=scored.device)
     index[b, t] = torch.arange(b.numel(), device=scored.device)
-    return TargetTable(verifier_targets(last_hidden_state[b, t], norm_weight, lm_head, eps, t2d), index)
+    return index
 
 
 def scored_positions(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -141,9 +210,19 @@ def batch_targets(
     eps: float,
     t2d: torch.Tensor | None,
 ) -> TargetTable:
-    """The verifier's distribution at every scored position of a drafter batch, computed once."""
+    """The verifier's distribution at every scored position of a drafter batch, computed once.
+
+    From the batch's last_hidden_state [B, T, H] (norm + LM head here), or, for a store that
+    kept the top k, from topk_ids / topk_logprobs [B, T, k] and logsumexp [B, T].
+    """
     scored = scored_positions(batch["loss_mask"], batch["attention_mask"])  # [B, T]
-    return target_table(batch["last_hidden_state"], scored, norm_weight, lm_head, eps, t2d)
+    if "last_hidden_state" in batch:
+        return target_table(batch["last_hidden_state"], scored, norm_weight, lm_head, eps, t2d)
+    b, t = scored.nonzero(as_tuple=True)
+    targets = targets_from_topk(
+        batch["topk_ids"][b, t], batch["topk_logprobs"][b, t], batch["logsumexp"][b, t], t2d, lm_head.shape[0]
+    )
+    return TargetTable(targets, _row_index(scored))
 
 
 def draft_loss(
@@ -159,14 +238,17 @@ def draft_loss(
     verifier's distribution (restricted to the draft vocab); "ce": cross-entropy to the
     verifier's argmax. `correct` compares argmaxes in target ids, which is what greedy
     verification accepts. Rows whose target argmax is outside the draft vocabulary are
-    invalid for "ce" (nothing to learn) but still count as wrong for accuracy.
+    invalid for "ce" (nothing to learn) but still count as wrong for accuracy. For "kl", rows
+    with no finite kept logit (top-k targets none of whose ids is in the draft vocabulary) are
+    invalid, with loss 0 rather than NaN.
     """
     target_argmax = target.argmax  # [N]
     logp_draft = F.log_softmax(draft_logits.float(), -1)
     if kind == "kl":
-        p_target = F.softmax(target.kept_logits.float(), -1)  # [N, Vd]
-        loss = -(p_target * logp_draft).sum(-1)  # cross-entropy to p == KL up to a constant
-        valid = torch.ones_like(target_argmax, dtype=torch.bool)
+        valid = target.kept_logits.isfinite().any(-1)  # [N]
+        kept = target.kept_logits.float().masked_fill(~valid[:, None], 0.0)  # no all -inf row: no NaN
+        p_target = F.softmax(kept, -1)  # [N, Vd]
+        loss = -(p_target * logp_draft).sum(-1) * valid  # cross-entropy to p == KL up to a constant
     elif kind == "ce":
         labels = target_to_draft(target_argmax, t2d)
         valid = labels >= 0
