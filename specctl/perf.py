@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import json
 import random
+import resource
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from specctl.drafters import VerifierSpec, VerifierWeights
 
 PERF_WORDS = [
     "model",
@@ -125,6 +132,9 @@ def _reset_peak_memory(device: torch.device) -> float:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device) / 2**20
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # glibc: hand freed heap pages back to the OS,
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # so an earlier, larger step's garbage is not reused
     with contextlib.suppress(OSError):  # Linux: writing 5 to clear_refs resets VmHWM to the current RSS
         Path("/proc/self/clear_refs").write_text("5")
     return _rss_mb("VmRSS")
@@ -187,18 +197,22 @@ def measure_train_step(
     baseline = _reset_peak_memory(device)
     for _ in range(warmup):
         step()
-    positions, start = 0.0, time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    positions, start, cpu_start = 0.0, time.perf_counter(), time.process_time()
     for _ in range(steps):
         positions += step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     tokens = float(batch["attention_mask"].sum()) * steps
     return {
         "positions_per_s": positions / seconds,
         "tokens_per_s": tokens / seconds,
         "peak_mem_mb": _peak_memory_mb(device, baseline),
         "step_s": seconds / steps,
+        "step_cpu_s": cpu_seconds / steps,  # all threads; steadier than wall time on a shared CPU
     }
 
 
@@ -241,9 +255,177 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
     return figures
 
 
+SEQ_LENS = (512, 2048, 8192)
+
+
+def tiny_verifier(
+    hidden_size: int = 128, vocab_size: int = 2048, num_aux: int = 3, seed: int = 0
+) -> tuple[VerifierSpec, VerifierWeights]:
+    """A verifier spec + random frozen weights for drafter-only benchmarks: no model is loaded.
+
+    Drafters only read the verifier's geometry and its embed/norm/lm_head tensors, so a
+    made-up spec measures the drafter's own cost (4 heads of 32, 2 KV heads, MLP 2H).
+    """
+    from specctl.drafters import VerifierSpec, VerifierWeights
+
+    heads, kv_heads = max(1, hidden_size // 32), max(1, hidden_size // 64)
+    spec = VerifierSpec(
+        name_or_path="tiny-random",
+        architectures=("LlamaForCausalLM",),
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        num_hidden_layers=num_aux + 3,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden_size // heads,
+        intermediate_size=2 * hidden_size,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=max(SEQ_LENS) + 64,
+        aux_layer_ids=tuple(range(2, 2 + num_aux)),
+        mask_token_id=vocab_size - 1,
+    )
+    g = torch.Generator().manual_seed(seed)
+    weights = VerifierWeights(
+        embed_tokens=torch.randn(vocab_size, hidden_size, generator=g) * 0.02,
+        lm_head=torch.randn(vocab_size, hidden_size, generator=g) * 0.02,
+        norm=torch.ones(hidden_size),
+    )
+    return spec, weights
+
+
+def _vm_size_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("no VmSize in /proc/self/status")
+
+
+@contextlib.contextmanager
+def address_space_limit(extra_bytes: int) -> Iterator[None]:
+    """Cap new address space at `extra_bytes` over what the process maps now (RLIMIT_AS).
+
+    A training step that would need more fails its allocation with a RuntimeError instead of
+    pushing a shared machine into swap or the OOM killer; the limit is lifted on exit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = _vm_size_bytes() + extra_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _available_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def default_mem_limit_mb() -> float:
+    """Half of the memory available now, at most 12 GiB: the machine is shared."""
+    return min(12 * 1024.0, 0.5 * _available_mb())
+
+
+def bench_seq(
+    workdir: Path,
+    seq_lens: tuple[int, ...] = SEQ_LENS,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 2048,
+    mem_limit_mb: float | None = None,
+    tokens_per_measure: int = 2048,
+    threads: int = 1,
+) -> dict[str, float]:
+    """How each drafter's training step scales with sequence length (batch = 1 sequence).
+
+    Tiny drafters (hidden 128, 2 layers, vocab 2048), every other setting at its recipe
+    default, on synthetic features. `train_time_ratio_seq{L}_vs_{S}` is the step time
+    ratio (`train_cpu_time_ratio_...` the same in process CPU time, which other jobs on a
+    shared machine disturb less); linear scaling gives `train_positions_ratio_seq{L}_vs_{S}`
+    (the ratio of scored positions, the sequence-length ratio unless an anchor cap binds).
+    A step that would allocate more than `mem_limit_mb` is stopped and reported as
+    `train_over_mem_limit_mb_seq{L}.<algo>` instead of its figures.
+
+    One intra-op thread by default: tiny drafters are thousands of small ops, and on a shared
+    2-core machine two OpenMP threads spinning for each other made steps 3-10x slower.
+    """
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _bench_seq(
+            workdir, seq_lens, hidden_size, num_layers, vocab_size, mem_limit_mb, tokens_per_measure
+        )
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _bench_seq(
+    workdir: Path,
+    seq_lens: tuple[int, ...],
+    hidden_size: int,
+    num_layers: int,
+    vocab_size: int,
+    mem_limit_mb: float | None,
+    tokens_per_measure: int,
+) -> dict[str, float]:
+    from specctl.drafters import DRAFTERS
+
+    limit_mb = default_mem_limit_mb() if mem_limit_mb is None else mem_limit_mb
+    spec, weights = tiny_verifier(hidden_size, vocab_size)
+    device = torch.device("cpu")
+    figures: dict[str, float] = {"train_seq_mem_limit_mb": round(limit_mb)}
+    for algo, drafter_spec in DRAFTERS.items():
+        step_s: dict[int, float] = {}
+        cpu_s: dict[int, float] = {}
+        positions: dict[int, float] = {}
+        for seq_len in seq_lens:
+            batch = synthetic_batch(spec, 1, seq_len, torch.Generator().manual_seed(seq_len))
+            torch.manual_seed(0)
+            drafter = drafter_spec.build(
+                drafter_spec.config_cls(num_layers=num_layers), spec, weights, None, "kl"
+            )
+            # about the same tokens per measurement; the longest runs once, without a warm-up
+            # step (its one-off costs are small next to a step that long, and 2 cores are slow)
+            steps, warmup = max(1, tokens_per_measure // seq_len), int(seq_len < max(seq_lens))
+            try:
+                with address_space_limit(int(limit_mb * 2**20)):
+                    m = measure_train_step(drafter, batch, steps, device, warmup=warmup)
+            except (RuntimeError, MemoryError) as e:  # torch's "can't allocate memory" under the cap
+                if isinstance(e, RuntimeError) and "allocate" not in str(e):
+                    raise
+                figures[f"train_over_mem_limit_mb_seq{seq_len}.{algo}"] = round(limit_mb)
+                print(f"seq: {algo} at {seq_len} tokens needs more than {limit_mb:.0f} MiB; skipped")
+                continue
+            finally:
+                del drafter
+                gc.collect()
+            step_s[seq_len], cpu_s[seq_len] = m["step_s"], m["step_cpu_s"]
+            positions[seq_len] = m["positions_per_s"] * m["step_s"]
+            figures[f"train_positions_per_s_seq{seq_len}.{algo}"] = round(m["positions_per_s"], 1)
+            figures[f"train_peak_mem_mb_seq{seq_len}.{algo}"] = round(m["peak_mem_mb"], 1)
+            figures[f"train_step_s_seq{seq_len}.{algo}"] = round(m["step_s"], 4)
+            figures[f"train_step_cpu_s_seq{seq_len}.{algo}"] = round(m["step_cpu_s"], 4)
+        short, long = min(seq_lens), max(seq_lens)
+        if short in step_s and long in step_s and short != long:
+            figures[f"train_time_ratio_seq{long}_vs_{short}.{algo}"] = round(step_s[long] / step_s[short], 2)
+            figures[f"train_cpu_time_ratio_seq{long}_vs_{short}.{algo}"] = round(
+                cpu_s[long] / cpu_s[short], 2
+            )
+            figures[f"train_positions_ratio_seq{long}_vs_{short}.{algo}"] = round(
+                positions[long] / positions[short], 2
+            )
+    return figures
+
+
 BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "collect": bench_collect,
     "train": bench_train,
+    "seq": bench_seq,
 }
 
 

@@ -1,0 +1,535 @@
+"""`make gpu-check`: one prepared command that measures every drafter on a CUDA GPU.
+
+GPU time is scarce and comes in short leases, so everything a GPU session should measure is
+in this one command: each algorithm trained for a fixed number of steps at its published
+Llama-3.1-8B size on synthetic features (positions/s, peak memory, MFU), then the embedded
+engine on a small random Llama verifier with a random drafter of each algorithm (tokens/s
+against plain decoding). A failure or an out-of-memory in one algorithm is reported in its
+row and the others still run; an out-of-memory retries at half the sequence length.
+
+Without CUDA (or with --dry-run) the same code runs with tiny shapes, 2 steps each, in fp32
+on the CPU, so CI exercises every line that the GPU run depends on.
+
+Needs torch, transformers, pyyaml, rich and pydantic (the drafters' configs are pydantic
+models); datasets and gguf are not needed. The device machine of this workplace lacks
+pydantic: carry it as wheels (docs/performance.md, "Running gpu-check on the device machine").
+
+Usage: python -m specctl.gpu_check [--output runs/gpu-check.json] [--dry-run] [--algos dflash,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from specctl.perf import measure_train_step, synthetic_batch
+
+if TYPE_CHECKING:
+    from specctl.drafters import VerifierSpec, VerifierWeights
+
+ALGOS = ("eagle3", "peagle", "dflash", "dspark")
+RECIPES = Path(__file__).parent / "recipes"
+H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H200 (SXM), no sparsity
+MFU_FORMULA = (
+    "mfu = 6 * trainable_params * positions_per_s / peak_flops "
+    "(positions = draft predictions scored per step, a proxy for the rows the drafter's layers "
+    "process; 6 = 2 forward + 4 backward FLOPs per parameter per row; attention and the frozen "
+    "verifier LM head are not in it). mfu_counted = counted_flops_per_step / step_s / peak_flops "
+    "(torch.utils.flop_counter over one forward+backward: every matmul and attention op as executed)."
+)
+
+# Llama-3.1-8B-Instruct's config.json: the verifier every *-llama.yaml recipe trains against.
+LLAMA_31_8B: dict[str, Any] = {
+    "name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
+    "architectures": ("LlamaForCausalLM",),
+    "hidden_size": 4096,
+    "vocab_size": 128256,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "aux_layer_ids": (2, 16, 29),  # EAGLE-3's default (2, L//2, L-3)
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
+# The dry run's stand-in: same code paths, shapes small enough for 2 CPU cores.
+TINY_VERIFIER: dict[str, Any] = {
+    "name_or_path": "tiny-random-llama",
+    "architectures": ("LlamaForCausalLM",),
+    "hidden_size": 64,
+    "vocab_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 4096,
+    "aux_layer_ids": (1, 2, 3),
+    "rope_scaling": None,
+}
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The random Llama verifier the engine decodes with (a real 8B would not fit the time budget)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    prompt_len: int
+    max_new_tokens: int
+    repeats: int  # best of this many generations per method: a one-off stall must not pick the winner
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one gpu-check run measures, and at what size."""
+
+    device: torch.device
+    dtype: torch.dtype
+    verifier: dict[str, Any]
+    seq_len: int
+    min_seq_len: int  # an out-of-memory halves the sequence down to this length, then gives up
+    batch_size: int
+    warmup: int
+    steps: int
+    engine: EngineShape
+    algos: tuple[str, ...] = ALGOS
+    drafter_overrides: dict[str, Any] = field(default_factory=dict)  # dry run: fewer layers/anchors
+    max_draft_vocab: int | None = None  # dry run: the recipe's 32000 does not fit a 512 vocabulary
+    compile: bool = False
+    peak_tflops: float | None = None
+
+
+def gpu_plan(args: argparse.Namespace) -> Plan:
+    return Plan(
+        device=torch.device("cuda"),
+        dtype=torch.bfloat16,
+        verifier=LLAMA_31_8B,
+        seq_len=args.seq_len or 4096,  # the llama recipes' data.max_length
+        min_seq_len=1024,
+        batch_size=args.batch_size or 1,
+        warmup=args.warmup if args.warmup is not None else 2,
+        steps=args.steps or 8,
+        engine=EngineShape(1024, 8, 16, 8, 2816, 32000, prompt_len=128, max_new_tokens=256, repeats=2),
+        algos=args.algos,
+        compile=args.compile,
+        peak_tflops=args.peak_tflops,
+    )
+
+
+def dry_plan(args: argparse.Namespace) -> Plan:
+    return Plan(
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        verifier=TINY_VERIFIER,
+        seq_len=args.seq_len or 96,
+        min_seq_len=32,
+        batch_size=args.batch_size or 1,
+        warmup=args.warmup if args.warmup is not None else 0,
+        steps=args.steps or 2,
+        engine=EngineShape(64, 4, 4, 2, 128, 512, prompt_len=12, max_new_tokens=16, repeats=1),
+        algos=args.algos,
+        drafter_overrides={"num_layers": 1, "max_anchors": 16},
+        max_draft_vocab=256,
+        compile=args.compile,
+        peak_tflops=None,
+    )
+
+
+# ---------------------------------------------------------------- drafter settings
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def recipe_tree(path: Path) -> dict[str, Any]:
+    """A recipe file merged over the files it `extends`, as a plain tree.
+
+    Read with yaml, not `specctl.recipe`, so the published drafter sizes come from the
+    shipped recipes themselves and this module does not load the whole recipe schema.
+    """
+    tree = yaml.safe_load(path.read_text()) or {}
+    parent = tree.pop("extends", None)
+    return _merge(recipe_tree(path.parent / parent), tree) if parent else tree
+
+
+def llama_recipe(algo: str) -> dict[str, Any]:
+    return recipe_tree(RECIPES / f"{algo}-llama.yaml")
+
+
+def drafter_setup(algo: str, plan: Plan) -> tuple[dict[str, Any], int | None, str, int]:
+    """(config fields, draft vocab size or None, loss, mask token id) for `algo` at the plan's size."""
+    tree = llama_recipe(algo)
+    drafter = tree.get("drafter", {})
+    fields = dict(drafter.get(algo) or {})
+    from specctl.drafters import DRAFTERS
+
+    known = DRAFTERS[algo].config_cls.model_fields
+    fields.update({k: v for k, v in plan.drafter_overrides.items() if k in known})
+    draft_vocab = drafter.get("draft_vocab_size")
+    if draft_vocab is not None and plan.max_draft_vocab is not None:
+        draft_vocab = min(draft_vocab, plan.max_draft_vocab)
+    mask = drafter.get("mask_token_id")
+    vocab = plan.verifier["vocab_size"]
+    mask = mask if mask is not None and mask < vocab else vocab - 1
+    return fields, draft_vocab, (tree.get("train") or {}).get("loss", "kl"), mask
+
+
+def verifier_spec(geometry: dict[str, Any], mask_token_id: int) -> VerifierSpec:
+    from specctl.drafters import VerifierSpec
+
+    return VerifierSpec(**geometry, mask_token_id=mask_token_id)
+
+
+def random_weights(spec: VerifierSpec, device: torch.device, dtype: torch.dtype) -> VerifierWeights:
+    """Frozen verifier tensors drafters borrow; random, made on the device (2 GiB at 8B size)."""
+    from specctl.drafters import VerifierWeights
+
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = (spec.vocab_size, spec.hidden_size)
+    return VerifierWeights(
+        embed_tokens=torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.02,
+        lm_head=torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.02,
+        norm=torch.ones(spec.hidden_size, device=device, dtype=dtype),
+    )
+
+
+def build_drafter(algo: str, plan: Plan, spec: VerifierSpec, weights: VerifierWeights) -> torch.nn.Module:
+    """The drafter at the plan's size, parameters in fp32 on the CPU (train.py's layout: fp32
+    master weights, bf16 autocast on CUDA); the verifier tensors stay where `weights` are."""
+    from specctl.drafters import DRAFTERS
+
+    fields, draft_vocab, loss, _ = drafter_setup(algo, plan)
+    d2t = None if draft_vocab is None else torch.zeros(draft_vocab, dtype=torch.long)  # ids 0..Vd-1
+    torch.manual_seed(0)
+    return DRAFTERS[algo].build(DRAFTERS[algo].config_cls(**fields), spec, weights, d2t, loss)
+
+
+# ---------------------------------------------------------------- training
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def counted_flops(drafter: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device) -> float:
+    """FLOPs of one forward + backward as executed (matmuls and attention), by torch's counter."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        with _autocast(device):
+            loss, _ = drafter(batch)
+        loss.backward()
+    drafter.zero_grad(set_to_none=True)
+    _sync(device)
+    return float(counter.get_total_flops())
+
+
+def train_one(
+    algo: str, plan: Plan, spec: VerifierSpec, weights: VerifierWeights, seq_len: int
+) -> dict[str, Any]:
+    """Train `algo` for the plan's steps at `seq_len`; raises on out-of-memory (the caller retries)."""
+    drafter = build_drafter(algo, plan, spec, weights)
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    batch = synthetic_batch(spec, plan.batch_size, seq_len, torch.Generator().manual_seed(0))
+    batch = {k: v.to(plan.device) for k, v in batch.items()}
+    module = torch.compile(drafter) if plan.compile else drafter
+    m = measure_train_step(module, batch, plan.steps, plan.device, warmup=plan.warmup)
+    row: dict[str, Any] = {
+        "status": "ok",
+        "seq_len": seq_len,
+        "batch_size": plan.batch_size,
+        "steps": plan.steps,
+        "trainable_params": trainable,
+        "positions_per_step": m["positions_per_s"] * m["step_s"],
+        "positions_per_s": m["positions_per_s"],
+        "tokens_per_s": m["tokens_per_s"],
+        "step_s": m["step_s"],
+        "peak_mem_above_start_gib": m["peak_mem_mb"] / 1024,
+    }
+    if plan.device.type == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(plan.device) / 2**30
+    try:
+        row["counted_flops_per_step"] = counted_flops(drafter, batch, plan.device)
+    except torch.cuda.OutOfMemoryError:
+        row["counted_flops_per_step"] = None  # the figures above stand; only the count is missing
+    except Exception as e:  # the counter is an extra; never lose the measured row over it
+        row["counted_flops_per_step"] = None
+        row["flop_count_error"] = f"{type(e).__name__}: {e}"
+    flops = row["counted_flops_per_step"]
+    row["counted_tflops_per_s"] = None if flops is None else flops / m["step_s"] / 1e12
+    if plan.peak_tflops:
+        peak = plan.peak_tflops * 1e12
+        row["mfu"] = 6 * trainable * m["positions_per_s"] / peak
+        row["mfu_counted"] = None if flops is None else flops / m["step_s"] / peak
+    return row
+
+
+def train_check(plan: Plan, log: Any) -> dict[str, Any]:
+    """Every algorithm of the plan; an out-of-memory halves the sequence length and retries."""
+    mask = drafter_setup(plan.algos[0], plan)[3] if plan.algos else 0
+    spec = verifier_spec(plan.verifier, mask)
+    weights = random_weights(spec, plan.device, plan.dtype)
+    rows: dict[str, Any] = {}
+    for algo in plan.algos:
+        seq_len, oom_at = plan.seq_len, []
+        start = time.perf_counter()
+        while True:
+            try:
+                row = train_one(algo, plan, spec, weights, seq_len)
+            except torch.cuda.OutOfMemoryError as e:
+                oom_at.append(seq_len)
+                row = {"status": "oom", "error": str(e).splitlines()[0][:300]}
+            except Exception as e:  # one algorithm's bug must not hide the others' figures
+                row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+            _free(plan.device)
+            if row["status"] != "oom" or seq_len // 2 < plan.min_seq_len:
+                break
+            seq_len //= 2
+        row["oom_seq_lens"] = oom_at
+        row["wall_s"] = time.perf_counter() - start
+        rows[algo] = row
+        log(f"train {algo}: {row['status']} in {row['wall_s']:.0f} s")
+    del weights
+    _free(plan.device)
+    return rows
+
+
+# ---------------------------------------------------------------- engine
+
+
+def engine_check(plan: Plan, log: Any) -> dict[str, Any]:
+    """Tokens/s of the embedded engine: plain decoding, then each drafter (random weights, so
+    nearly nothing is accepted: this measures the cost of drafting and verifying, not a speedup)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specctl.drafters import VerifierWeights
+    from specctl.engine import generate
+    from specctl.verifier import spec_from_config
+
+    e = plan.engine
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=e.vocab_size,
+        hidden_size=e.hidden_size,
+        intermediate_size=e.intermediate_size,
+        num_hidden_layers=e.num_layers,
+        num_attention_heads=e.num_heads,
+        num_key_value_heads=e.num_kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(device=plan.device, dtype=plan.dtype).eval()
+    L = e.num_layers
+    spec = spec_from_config(model.config, "tiny-random-llama", (1, L // 2, L - 1), e.vocab_size - 1)
+    weights = VerifierWeights(
+        embed_tokens=model.get_input_embeddings().weight.detach(),
+        lm_head=model.get_output_embeddings().weight.detach(),
+        norm=model.model.norm.weight.detach(),
+    )
+    prompt = torch.randint(0, e.vocab_size, (e.prompt_len,), generator=torch.Generator().manual_seed(0))
+
+    def run(drafter: torch.nn.Module | None) -> dict[str, Any]:
+        generate(model, drafter, prompt[:8], 4)  # warm-up: kernels, cuBLAS handles, caches
+        runs = [generate(model, drafter, prompt, e.max_new_tokens) for _ in range(e.repeats)]
+        result = max(runs, key=lambda r: r.tokens_per_s)
+        return {
+            "status": "ok",
+            "tokens": len(result.tokens),
+            "tokens_per_s": result.tokens_per_s,
+            "wall_s": result.wall_s,
+            "acceptance_length": result.counters.acceptance_length,
+        }
+
+    out: dict[str, Any] = {"verifier": asdict(e), "no_spec": run(None)}
+    base = out["no_spec"]["tokens_per_s"]
+    log(f"engine no-spec: {base:.1f} tokens/s")
+    engine_plan = replace(plan, verifier={**plan.verifier, "vocab_size": e.vocab_size})
+    for algo in plan.algos:
+        try:
+            drafter = build_drafter(algo, engine_plan, spec, weights)
+            drafter = drafter.to(device=plan.device, dtype=plan.dtype).eval()
+            row = run(drafter)
+            row["ratio_vs_no_spec"] = row["tokens_per_s"] / base if base else None
+        except torch.cuda.OutOfMemoryError as err:
+            row = {"status": "oom", "error": str(err).splitlines()[0][:300]}
+        except Exception as err:  # report and go on to the next drafter
+            row = {"status": "error", "error": f"{type(err).__name__}: {err}"[:500]}
+        drafter = None
+        _free(plan.device)
+        out[algo] = row
+        log(f"engine {algo}: {row['status']} {row.get('tokens_per_s', 0):.1f} tokens/s")
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=140)  # logs: no wrapped columns
+    train = Table(title=f"gpu-check training ({report['device_name']}, {report['dtype']})")
+    for col in ("algo", "status", "seq x batch", "positions/s", "tokens/s", "step ms", "peak GiB"):
+        train.add_column(col)
+    for col in ("params M", "MFU", "MFU counted"):
+        train.add_column(col)
+    for algo, r in report["train"].items():
+        if r["status"] != "ok":
+            train.add_row(algo, r["status"], r.get("error", "")[:80], *[""] * 7)
+            continue
+        peak = r.get("peak_mem_gib", r["peak_mem_above_start_gib"])
+        train.add_row(
+            algo,
+            "ok" + (f" (oom at {r['oom_seq_lens']})" if r["oom_seq_lens"] else ""),
+            f"{r['seq_len']} x {r['batch_size']}",
+            f"{r['positions_per_s']:.0f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{peak:.2f}",
+            f"{r['trainable_params'] / 1e6:.1f}",
+            _fmt(r.get("mfu"), ".1%"),
+            _fmt(r.get("mfu_counted"), ".1%"),
+        )
+    console.print(train)
+    if not report["engine"]:
+        console.print(report["mfu_formula"])
+        return
+    engine = Table(title="gpu-check embedded engine (random tiny Llama verifier, random drafters)")
+    for col in ("drafter", "status", "tokens/s", "vs no-spec", "tau"):
+        engine.add_column(col)
+    for name, r in report["engine"].items():
+        if name == "verifier":
+            continue
+        if r["status"] != "ok":
+            engine.add_row(name, r["status"], r.get("error", "")[:60], "", "")
+            continue
+        engine.add_row(
+            name,
+            "ok",
+            f"{r['tokens_per_s']:.1f}",
+            _fmt(r.get("ratio_vs_no_spec"), ".2f"),
+            f"{r['acceptance_length']:.2f}",
+        )
+    console.print(engine)
+    console.print(report["mfu_formula"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="runs/gpu-check.json")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)"
+    )
+    parser.add_argument("--algos", default=",".join(ALGOS), help="comma-separated: " + ",".join(ALGOS))
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (GPU: 4096)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (GPU: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per algorithm (GPU: 8)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (GPU: 2)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each drafter (off by default)")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=H200_PEAK_BF16_TFLOPS, help="MFU denominator")
+    args = parser.parse_args(argv)
+    args.algos = tuple(a for a in args.algos.split(",") if a)
+    unknown = [a for a in args.algos if a not in ALGOS]
+    if unknown:
+        print(f"gpu-check: unknown algorithm(s) {unknown}; choose from {', '.join(ALGOS)}", file=sys.stderr)
+        return 2
+    try:
+        import pydantic  # noqa: F401  (the drafters' configs are pydantic models)
+    except ImportError:
+        print(
+            "gpu-check: the drafters need pydantic, which this Python lacks: pip install 'pydantic>=2.6' "
+            "(device machine: carry the wheels, see docs/performance.md)",
+            file=sys.stderr,
+        )
+        return 2
+    dry = args.dry_run or not torch.cuda.is_available()
+    if dry:  # tiny ops: one intra-op thread beats two that spin on a shared 2-core machine
+        torch.set_num_threads(1)
+    plan = dry_plan(args) if dry else gpu_plan(args)
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {msg}", flush=True)
+
+    log(f"{'dry run, CPU fp32' if dry else 'CUDA bf16'}: {', '.join(plan.algos)}")
+    report: dict[str, Any] = {
+        "dry_run": dry,
+        "device_name": torch.cuda.get_device_name(plan.device) if not dry else "cpu",
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "peak_tflops": plan.peak_tflops,
+        "mfu_formula": MFU_FORMULA,
+        "train_verifier": {k: v for k, v in plan.verifier.items() if k != "architectures"},
+        "train": train_check(plan, log),
+        "engine": {},
+        "output": args.output,
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["wall_s"] = time.perf_counter() - start
+    out.write_text(json.dumps(report, indent=1) + "\n")  # the training figures survive an engine crash
+    if not args.skip_engine:
+        try:
+            report["engine"] = engine_check(plan, log)
+        except Exception as e:  # e.g. the verifier itself failed: keep the report, say why
+            report["engine"] = {"no_spec": {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}}
+        report["wall_s"] = time.perf_counter() - start
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    print_report(report)
+    print(f"total {report['wall_s']:.0f} s; JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

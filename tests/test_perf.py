@@ -1,0 +1,163 @@
+"""bench-perf's sequence-length section and gpu-check: keys, memory guard, OOM handling, and the
+gpu-check CPU dry run end to end with the packages the GPU machine lacks blocked.
+
+Benchmarks are not tests: nothing here asserts a speed, only that the figures are produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from specctl import gpu_check, perf
+from specctl.drafters import DRAFTERS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def test_address_space_limit_turns_a_too_large_allocation_into_an_error():
+    with perf.address_space_limit(64 * 2**20), pytest.raises(RuntimeError, match="allocate"):
+        torch.empty(2**30, dtype=torch.uint8)
+    assert torch.empty(2**28, dtype=torch.uint8).numel() == 2**28  # lifted on exit
+
+
+def test_bench_seq_reports_every_algo_and_length(tmp_path):
+    figures = perf.bench_seq(
+        tmp_path, seq_lens=(32, 64), hidden_size=32, num_layers=1, vocab_size=128, tokens_per_measure=32
+    )
+    for algo in DRAFTERS:
+        for seq_len in (32, 64):
+            assert figures[f"train_positions_per_s_seq{seq_len}.{algo}"] > 0
+            assert figures[f"train_peak_mem_mb_seq{seq_len}.{algo}"] >= 0
+            assert figures[f"train_step_s_seq{seq_len}.{algo}"] > 0
+        assert figures[f"train_time_ratio_seq64_vs_32.{algo}"] > 0
+        assert figures[f"train_cpu_time_ratio_seq64_vs_32.{algo}"] > 0
+        assert figures[f"train_positions_ratio_seq64_vs_32.{algo}"] > 0
+    assert all(isinstance(v, int | float) for v in figures.values())  # one flat JSON object
+
+
+def test_bench_seq_reports_a_step_over_the_memory_limit_instead_of_failing(tmp_path, monkeypatch):
+    """The guard's failure at one length is recorded and the run goes on. (Whether a real step
+    trips RLIMIT_AS depends on the heap the process already holds, so the guard is simulated
+    here; the test above checks that the real guard trips.)"""
+    lengths = iter([32, 64] * len(DRAFTERS))
+
+    @contextlib.contextmanager
+    def guard(extra_bytes: int):
+        if next(lengths) == 64:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GiB")
+        yield
+
+    monkeypatch.setattr(perf, "address_space_limit", guard)
+    figures = perf.bench_seq(
+        tmp_path,
+        seq_lens=(32, 64),
+        hidden_size=32,
+        num_layers=1,
+        vocab_size=128,
+        mem_limit_mb=8,
+        tokens_per_measure=32,
+    )
+    for algo in DRAFTERS:
+        assert figures[f"train_over_mem_limit_mb_seq64.{algo}"] == 8
+        assert f"train_positions_per_s_seq64.{algo}" not in figures
+        assert figures[f"train_positions_per_s_seq32.{algo}"] > 0
+
+
+def test_perf_cli_selects_the_seq_section():
+    assert "seq" in perf.BENCHES
+
+
+def gpu_check_args(argv: list[str]):
+    """The namespace main() builds, for calling the plan builders directly."""
+    args = argparse.Namespace(
+        seq_len=None, batch_size=None, warmup=None, steps=None, compile=False, peak_tflops=989.0
+    )
+    args.algos = gpu_check.ALGOS
+    for item in argv:
+        key, value = item.split("=")
+        setattr(args, key, int(value))
+    return args
+
+
+def test_gpu_check_uses_the_published_llama_drafter_sizes():
+    plan = gpu_check.gpu_plan(gpu_check_args([]))
+    assert plan.verifier["hidden_size"] == 4096 and plan.verifier["vocab_size"] == 128256
+    assert (plan.verifier["num_attention_heads"], plan.verifier["num_key_value_heads"]) == (32, 8)
+    assert len(plan.verifier["aux_layer_ids"]) == 3 and plan.dtype == torch.bfloat16
+    setups = {algo: gpu_check.drafter_setup(algo, plan) for algo in gpu_check.ALGOS}
+    assert setups["eagle3"][0]["num_layers"] == 1 and setups["eagle3"][1] == 32000
+    assert setups["peagle"][0]["num_layers"] == 4 and setups["peagle"][0]["num_depths"] == 4
+    assert setups["peagle"][1] == 32000
+    assert setups["dflash"][0]["num_layers"] == 5 and setups["dflash"][0]["block_size"] == 16
+    assert setups["dspark"][0]["block_size"] == 8 and setups["dspark"][0]["markov_rank"] == 256
+    assert {s[3] for s in setups.values()} == {128002}  # <|reserved_special_token_0|>
+    for algo, (fields, *_rest) in setups.items():
+        DRAFTERS[algo].config_cls(**fields)  # valid configs
+
+
+def test_gpu_check_out_of_memory_retries_shorter_and_one_failure_spares_the_others(monkeypatch):
+    plan = gpu_check.dry_plan(gpu_check_args(["seq_len=96"]))
+    calls: list[tuple[str, int]] = []
+
+    def fake_train_one(algo, plan, spec, weights, seq_len):
+        calls.append((algo, seq_len))
+        if algo == "dflash" and seq_len > 48:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+        if algo == "peagle":
+            raise ValueError("broken")
+        return {"status": "ok", "seq_len": seq_len}
+
+    monkeypatch.setattr(gpu_check, "train_one", fake_train_one)
+    rows = gpu_check.train_check(plan, log=lambda msg: None)
+    assert rows["dflash"]["status"] == "ok" and rows["dflash"]["seq_len"] == 48
+    assert rows["dflash"]["oom_seq_lens"] == [96]
+    assert rows["peagle"]["status"] == "error" and "broken" in rows["peagle"]["error"]
+    assert rows["eagle3"]["status"] == rows["dspark"]["status"] == "ok"
+    assert ("dspark", 96) in calls  # the algorithms after the failures still ran
+
+
+DRY_RUN = """
+import json, sys
+for name in ("pydantic", "datasets", "gguf"):  # import of a None entry raises ImportError
+    sys.modules[name] = None
+import specctl.gpu_check as g  # importable without any of them
+assert g.main(["--dry-run", "--output", sys.argv[1]]) == 2  # says pydantic is missing, exits
+del sys.modules["pydantic"]  # the drafters need it; datasets and gguf stay blocked
+assert g.main(["--dry-run", "--output", sys.argv[1]]) == 0
+assert sys.modules["datasets"] is None and sys.modules["gguf"] is None
+"""
+
+
+def test_gpu_check_dry_run_end_to_end_without_datasets_or_gguf(tmp_path):
+    out = tmp_path / "gpu-check.json"
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DRY_RUN), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "need pydantic" in result.stderr
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and "6 * trainable_params" in report["mfu_formula"]
+    for algo in gpu_check.ALGOS:
+        row = report["train"][algo]
+        assert row["status"] == "ok", row
+        assert row["positions_per_s"] > 0 and row["trainable_params"] > 0
+        assert row["counted_flops_per_step"] > 0
+        assert report["engine"][algo]["status"] == "ok", report["engine"][algo]
+        assert report["engine"][algo]["tokens"] == report["engine"]["verifier"]["max_new_tokens"]
+    assert report["engine"]["no_spec"]["tokens_per_s"] > 0
+    assert "gpu-check training" in result.stdout  # the rich table
