@@ -13,7 +13,8 @@ Layout of `<drafters>/<algo>/checkpoints/`:
 
 A checkpoint is written to a hidden temporary directory and renamed into place only when every
 file is on disk, then `latest` is replaced (temp file + rename): a crash mid-write leaves the
-previous checkpoint in charge, and a half-written directory is never picked up. State dicts go
+previous checkpoint in charge, and a half-written directory is never picked up; a full disk ends
+the save with one line naming the file and the checkpoint `--resume` continues from. State dicts go
 through `torch.distributed.checkpoint.state_dict`, so the same code saves a plain module, DDP or
 FSDP2 (gathered to rank 0) and loads into any of them (rank 0 reads, then broadcasts).
 

@@ -358,6 +358,16 @@ def validate(
     return {"val_loss": (sums[0] / sums[1]).item(), "val_acc_per_position": acc, "tau_hat": tau_hat(acc)}
 
 
+def _json_line(line: str) -> dict[str, Any] | None:
+    """One record of metrics.jsonl; None for a blank line or one cut off by a kill or a full disk
+    (only ever the last line: every record is appended whole)."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 @dataclass
 class MetricsLog:
     """metrics.jsonl (one JSON object per line) + TensorBoard when installed; rank 0 only.
@@ -377,9 +387,11 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_until is not None and self.path.is_file():
-            kept = [json.loads(x) for x in self.path.read_text().splitlines() if x.strip()]
-            kept = [r for r in kept if r["step"] <= keep_until]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            kept = [r for r in map(_json_line, self.path.read_text().splitlines()) if r is not None]
+            kept = [r for r in kept if r.get("step", keep_until + 1) <= keep_until]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")  # a kill mid-rewrite keeps the old log
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
         for r in kept:
             self.last.update(r)
         with contextlib.suppress(ImportError):

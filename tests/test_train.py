@@ -757,3 +757,19 @@ def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, offline, toy
     losses = {step: value for tag, value, step in written[1:] if tag == "loss"}
     assert losses == {r["step"]: r["loss"] for r in train_lines(read_metrics(recipe))}
     assert any(tag == "tau_hat" and step == 3 for tag, _, step in written[1:])
+
+
+@fault(
+    stage="train",
+    fault="metrics.jsonl whose last line was cut off (kill or full disk mid-append)",
+    result="resume keeps every whole record up to the checkpoint and drops the torn line",
+)
+def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
+    from specctl.train import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 3, "lo')
+    log = MetricsLog(path, True).open(keep_until=2)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+    assert log.last["loss"] == 2.5
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
