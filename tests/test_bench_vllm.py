@@ -196,6 +196,11 @@ FAKE_SERVER = textwrap.dedent(
     p.add_argument("--child", action="store_true")
     p.add_argument("--pidfile")
     p.add_argument("--requests")
+    # load faults: a request whose seed % N == 0 gets HTTP 500, one whose seed % N == N // 2 has
+    # its connection closed unanswered; neither generates (nor counts) a token
+    p.add_argument("--fault-every", type=int, default=0)
+    # answers of different lengths (as stop tokens make them): max_tokens - seed % 4 tokens
+    p.add_argument("--vary-tokens", action="store_true")
     a = p.parse_args()
     if a.pidfile:
         open(a.pidfile, "w").write(str(os.getpid()))
@@ -253,6 +258,14 @@ FAKE_SERVER = textwrap.dedent(
                 self._send(400, json.dumps({"error": {"message": "prompt must be token ids"}}))
                 return
             n = body["max_tokens"]
+            if a.fault_every and body["seed"] % a.fault_every == 0:
+                self._send(500, json.dumps({"error": {"message": "fake engine: request failed"}}))
+                return
+            if a.fault_every and body["seed"] % a.fault_every == a.fault_every // 2:
+                self.close_connection = True  # closed without a status line: a dropped connection
+                return
+            if a.vary_tokens:
+                n = max(1, n - body["seed"] % 4)
             # like vLLM, the last step's stats land a moment after the response
             threading.Timer(0.2, account, [n]).start()
             choice = {"text": "x"}
@@ -263,6 +276,7 @@ FAKE_SERVER = textwrap.dedent(
         def log_message(self, *args):
             pass
 
+    ThreadingHTTPServer.request_queue_size = 128  # a burst of 32 connects must not overflow listen()
     ThreadingHTTPServer(("127.0.0.1", a.port), H).serve_forever()
     """
 )
@@ -718,3 +732,127 @@ def _recipe(tmp_path: Path):
     from specctl.recipe import recipe_from_dict
 
     return recipe_from_dict({"name": "tiny", "output_dir": str(tmp_path / "runs")})
+
+
+# ---------------------------------------------------------------- load (issue 8, item 4)
+
+LOAD_PROMPTS, LOAD_CONCURRENCY, LOAD_FAULT_EVERY, LOAD_SEED, LOAD_MAX_NEW = 256, 32, 17, 1, 16
+
+
+@fault(
+    stage="bench",
+    fault="256 prompts at concurrency 32; every 17th request gets HTTP 500, another every 17th is dropped",
+    result="each prompt answered or listed with its reason in report.json; answered tokens = server counter",
+)
+def test_load_every_prompt_answered_or_failed_and_counters_add_up(
+    tmp_path, fake_server, tiny_verifier_dir, monkeypatch
+):
+    """Under load a request can fail while the others go on. Every prompt must come out either
+    answered (in outputs.jsonl) or failed with its reason (report.json), none lost or counted
+    twice, and the figures must rest on the answered ones only: their tokens add up to the
+    server's generation-token counter, and the spec-decode counters to what the server drafted
+    for them. The failures make the run not ok, so CI cannot pass on a partial measurement."""
+    import importlib.util
+
+    import specctl.bench.run
+    from specctl.bench.run import run_bench
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+
+    def fake_levels(method, groups, setup, levels, on_done=None, label=None):
+        argv = [
+            sys.executable,
+            str(fake_server),
+            "--k",
+            str(method.num_speculative_tokens),
+            "--fault-every",
+            str(LOAD_FAULT_EVERY),
+            "--vary-tokens",
+            "--requests",
+            str(tmp_path / f"{label}.jsonl"),
+        ]
+        return measure_server_levels(
+            method,
+            groups,
+            setup,
+            levels,
+            on_done,
+            cpu=True,
+            command=lambda port: [*argv, "--port", str(port)],
+            label=label,
+        )
+
+    monkeypatch.setattr(specctl.bench.run, "measure_server_levels", fake_levels)
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(LOAD_PROMPTS)))
+    out = tmp_path / "bench"
+    start = time.monotonic()
+    report = run_bench(
+        recipe=_recipe(tmp_path),
+        verifier=str(tiny_verifier_dir),
+        backend="vllm",
+        ngram=3,
+        dataset=str(dataset),
+        num_prompts=LOAD_PROMPTS,
+        max_new_tokens=LOAD_MAX_NEW,
+        concurrency=LOAD_CONCURRENCY,
+        seed=LOAD_SEED,
+        output=out,
+        progress=False,
+        ready_timeout_s=30.0,
+    )
+    print(f"load test on the fake server (2 x {LOAD_PROMPTS} prompts): {time.monotonic() - start:.1f} s")
+
+    # prompt i is sent with seed LOAD_SEED + i; the fake fails it by that seed
+    seeds = {i: LOAD_SEED + i for i in range(LOAD_PROMPTS)}
+    http500 = {i for i, s in seeds.items() if s % LOAD_FAULT_EVERY == 0}
+    dropped = {i for i, s in seeds.items() if s % LOAD_FAULT_EVERY == LOAD_FAULT_EVERY // 2}
+    answered = set(seeds) - http500 - dropped
+    assert len(http500) == 15 and len(dropped) == 15 and len(answered) == LOAD_PROMPTS - 30
+    lengths = {i: LOAD_MAX_NEW - seeds[i] % 4 for i in answered}
+
+    d = json.loads((out / "report.json").read_text())
+    assert d["num_prompts"] == LOAD_PROMPTS and d["concurrency"] == LOAD_CONCURRENCY
+    assert not report.ok and d["complete"] is False and d["failures"] == []
+    assert [e.split(":")[0] for e in d["errors"]] == ["no-spec", "ngram"]
+    for e in d["errors"]:
+        assert f"30 of {LOAD_PROMPTS} requests failed at concurrency {LOAD_CONCURRENCY}" in e
+        assert "prompt 7: " in e and "RemoteDisconnected" in e  # the first failed prompt (seed 8)
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    for entry in d["results"]:
+        name = entry["name"]
+        # answered + failed = every prompt, each in exactly one of them, none twice
+        got = [o["prompt_index"] for o in outputs if o["method"] == name]
+        assert len(got) == len(set(got)) == entry["num_prompts"] == len(answered)
+        assert set(got) == answered
+        failed = {int(i): why for i, why in entry["failed_requests"].items()}
+        assert entry["num_failed"] == len(failed) == 30 and failed.keys() == http500 | dropped
+        assert entry["num_prompts"] + entry["num_failed"] == LOAD_PROMPTS
+        for i in http500:
+            assert failed[i].endswith("/v1/completions: HTTP 500 (fake engine: request failed)")
+        for i in dropped:
+            assert failed[i] == "RemoteDisconnected: Remote end closed connection without response"
+        # each answer is the fake's [seed] * n, and the figures rest on exactly those tokens
+        assert {o["prompt_index"]: o["token_ids"] for o in outputs if o["method"] == name} == {
+            i: [seeds[i]] * n for i, n in lengths.items()
+        }
+        assert entry["output_tokens"] == sum(lengths.values()) == entry["server_generation_tokens"]
+        # the spec-decode counters are the server's for the answered requests: n // 3 drafts of
+        # K=3 tokens each, the first two accepted (no-spec drafts nothing)
+        drafts = sum(n // 3 for n in lengths.values()) if name == "ngram" else 0
+        assert (entry["num_drafts"], entry["num_draft_tokens"], entry["num_accepted_tokens"]) == (
+            drafts,
+            3 * drafts,
+            2 * drafts,
+        )
+        if name == "ngram":
+            assert entry["per_position_acceptance"] == [1.0, 1.0, 0.0]
+            assert entry["acceptance_length"] == 3.0
+        # every prompt went over the wire exactly once (after one warm-up request)
+        sent = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        measured = sorted(b["seed"] for b in sent[1:])
+        assert len(sent) == 1 + LOAD_PROMPTS and sent[0]["max_tokens"] == 4
+        assert measured == sorted(seeds.values())

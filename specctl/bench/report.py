@@ -53,6 +53,12 @@ class Measurement:
     # prompt index -> generated ids, the stop token included when one ended the answer, as every
     # backend counts it in output_tokens (the engine's tokens, vLLM's token_ids and usage)
     outputs: dict[int, list[int]] = field(default_factory=dict)
+    # prompt index -> why its request failed (vLLM server: an HTTP error, a dropped connection);
+    # num_prompts, output_tokens and outputs cover the answered prompts only
+    failed: dict[int, str] = field(default_factory=dict)
+    # vLLM's generation-token counter over the same requests (None where nothing counts them):
+    # equal to output_tokens when the server generated exactly what the answers returned
+    server_generation_tokens: int | None = None
 
     def __add__(self, other: Measurement) -> Measurement:
         width = max(len(self.accepted_per_position), len(other.accepted_per_position))
@@ -67,6 +73,8 @@ class Measurement:
             self.num_accepted_tokens + other.num_accepted_tokens,
             [x + y for x, y in zip(a, b, strict=True)],
             {**self.outputs, **other.outputs},
+            {**self.failed, **other.failed},
+            _add_counts(self.server_generation_tokens, other.server_generation_tokens),
         )
 
     @property
@@ -80,6 +88,11 @@ class Measurement:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _add_counts(a: int | None, b: int | None) -> int | None:
+    """A sum where None means "not counted" (an empty Measurement() is a sum's start)."""
+    return b if a is None else a if b is None else a + b
 
 
 @dataclass
@@ -157,6 +170,9 @@ def measurement_dict(m: Measurement, plain: Measurement | None, base: Measuremen
         "speedup": _ratio(tps, plain.output_tokens_per_s if plain else None),
         "ratio_vs_baseline": _ratio(tps, base.output_tokens_per_s if base else None),
         "acceptance_ratio_vs_baseline": _ratio(m.acceptance_length, base.acceptance_length if base else None),
+        "server_generation_tokens": m.server_generation_tokens,
+        "num_failed": len(m.failed),
+        "failed_requests": {str(i): why for i, why in sorted(m.failed.items())},
     }
 
 

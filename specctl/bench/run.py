@@ -624,6 +624,7 @@ def run_bench(
                     by_level = _measure_one(report, config, name, groups, measure, console.print)
                     if by_level is not None:
                         _record(report, config, by_level)
+                        report.errors += failed_request_lines(name, by_level)
                     done += 1
                     write_report(report, out_dir, figures=False)
         except KeyboardInterrupt:
@@ -692,6 +693,24 @@ def _measure_one(
         report.errors.append(f"{name}: {e}")
         say(f"[red]{name} failed:[/red] {e}", highlight=False, soft_wrap=True)
         return None
+
+
+def failed_request_lines(name: str, by_level: dict[int, dict[str, Measurement]]) -> list[str]:
+    """One report error per concurrency level at which requests failed: a measurement that
+    misses prompts is not a clean result (the run exits non-zero), and the line says where
+    to find every failed prompt's reason."""
+    lines = []
+    for level, categories in sorted(by_level.items()):
+        failed = {i: why for m in categories.values() for i, why in m.failed.items()}
+        if failed:
+            sent = sum(m.num_prompts + len(m.failed) for m in categories.values())
+            first = min(failed)
+            lines.append(
+                f"{name}: {len(failed)} of {sent} requests failed at concurrency {level} "
+                f"(each prompt's reason under failed_requests in report.json); "
+                f"prompt {first}: {failed[first]}"
+            )
+    return lines
 
 
 def _record(report: BenchReport, method: Method, by_level: dict[int, dict[str, Measurement]]) -> None:

@@ -20,6 +20,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}, vllm:generatio
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -319,12 +320,16 @@ def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, An
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
+            raw = r.read()
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         with suppress(ValueError, AttributeError):
             detail = json.loads(detail).get("error", {}).get("message", detail) or detail
         raise VllmError(f"{url}: HTTP {e.code} ({str(detail).strip().splitlines()[0][:200]})") from None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise VllmError(f"{url}: the answer is not JSON ({raw[:80]!r})") from None
 
 
 def completion_body(
@@ -374,14 +379,34 @@ def complete(base_url: str, body: dict[str, Any], timeout_s: float) -> tuple[int
     return parse_completion(_post_json(url, body, timeout_s), url)
 
 
+# What one request can fail with while the server goes on serving the others: an HTTP error
+# status or an unusable answer (VllmError), a refused or dropped connection or a timeout
+# (OSError), a broken HTTP reply (HTTPException).
+REQUEST_ERRORS = (VllmError, OSError, http.client.HTTPException)
+
+
+def request_failure(e: BaseException) -> str:
+    """One line saying why a request failed."""
+    if isinstance(e, VllmError):
+        return str(e)
+    text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def send_prompts(
     base_url: str,
     prompts: Sequence[tuple[int, BenchPrompt]],
     setup: VllmSetup,
     on_done: Callable[[int], None] | None = None,
-) -> tuple[int, float, dict[int, list[int]]]:
-    """All prompts with `setup.concurrency` requests in flight: (output tokens, wall seconds,
-    prompt index -> generated ids for the answers that carried them)."""
+) -> tuple[int, float, dict[int, list[int]], dict[int, str]]:
+    """All prompts with `setup.concurrency` requests in flight: (output tokens of the answered
+    ones, wall seconds, prompt index -> generated ids for the answers that carried them,
+    prompt index -> why its request failed).
+
+    A failed request is recorded and the others go on: under load one 500 or dropped
+    connection must not throw away the answers already counted, and every prompt must end
+    up either answered or failed with its reason.
+    """
     pool = ThreadPoolExecutor(max_workers=setup.concurrency, thread_name_prefix="specctl-bench")
     start = time.perf_counter()
     try:
@@ -391,14 +416,19 @@ def send_prompts(
         }
         total = 0
         outputs: dict[int, list[int]] = {}
+        failed: dict[int, str] = {}
         for f in as_completed(futures):
-            n, ids = f.result()
+            try:
+                n, ids = f.result()
+            except REQUEST_ERRORS as e:
+                failed[futures[f]] = request_failure(e)
+                n, ids = 0, None
             total += n
             if ids is not None:
                 outputs[futures[f]] = ids
             if on_done:
                 on_done(n)
-        return total, time.perf_counter() - start, outputs
+        return total, time.perf_counter() - start, outputs, failed
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -501,7 +531,11 @@ def to_measurement(
     wall_s: float,
     num_speculative_tokens: int,
     outputs: dict[int, list[int]] | None = None,
+    failed: dict[int, str] | None = None,
 ) -> Measurement:
+    """`num_prompts` answered prompts (the failed ones apart, in `failed`) and the counter delta
+    over them; the delta's generation tokens are kept, so a report shows whether the server
+    counted what the answers returned."""
     per_pos = list(delta.accepted_per_position)
     if num_speculative_tokens and len(per_pos) < num_speculative_tokens:
         per_pos += [0] * (num_speculative_tokens - len(per_pos))
@@ -514,6 +548,8 @@ def to_measurement(
         delta.num_accepted_tokens,
         per_pos,
         dict(outputs or {}),
+        dict(failed or {}),
+        delta.generation_tokens,
     )
 
 
@@ -593,15 +629,19 @@ def _measure_levels(
             at_level = replace(setup, concurrency=level)
             out[level] = {}
             for category, prompts in groups.items():
-                tokens, wall, outputs = send_prompts(server.base_url, prompts, at_level, on_done)
+                tokens, wall, outputs, failed = send_prompts(server.base_url, prompts, at_level, on_done)
+                if len(failed) == len(prompts):  # nothing measured: the method failed, not a request
+                    index = min(failed)
+                    raise VllmError(f"all {len(prompts)} requests failed; prompt {index}: {failed[index]}")
                 after = settled_metrics(server.base_url, before, tokens)
+                answered = len(prompts) - len(failed)
                 out[level][category] = to_measurement(
-                    after - before, len(prompts), tokens, wall, method.num_speculative_tokens, outputs
+                    after - before, answered, tokens, wall, method.num_speculative_tokens, outputs, failed
                 )
                 before = after
     except VllmError as e:
         raise server.failure(f"vLLM server for {method.name}: {e}") from None
-    except (urllib.error.URLError, ConnectionError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise server.failure(f"vLLM server for {method.name} stopped answering ({e})") from None
     return out
 
