@@ -12,15 +12,18 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
 from specctl.drafters.dflash import (
+    BlockRows,
     Config,
     DFlashDrafter,
     anchor_candidates,
-    block_attention_mask,
+    block_attention,
+    block_context_mask,
     block_queries,
     block_targets,
     position_weights,
     sample_anchors,
 )
+from specctl.drafters.layers import rope_cos_sin, shared_key_bias
 from specctl.drafters.targets import build_draft_vocab
 
 # ---------------------------------------------------------------- helpers (test_dspark imports them)
@@ -280,24 +283,155 @@ def brute_force_dense_mask(anchors, valid, T, L):
     return mask
 
 
-def test_block_attention_mask_matches_brute_force():
-    batch = random_batch(B=2, T=12)
-    anchors, valid = sample_anchors(
-        batch["loss_mask"], batch["attention_mask"], 4, torch.Generator().manual_seed(0)
-    )
-    valid[1, -1] = False  # an unused anchor slot
-    T, L = 12, 3
-    compact = block_attention_mask(anchors, valid, T, L)  # [B, A, L, T + L]
-    dense = brute_force_dense_mask(anchors, valid, T, L)  # [B, A*L, T + A*L]
+def test_block_context_mask_matches_brute_force():
+    """Context rows of the mask + each block seeing all of itself (block_attention's per-block
+    part) = the brute-force mask of the whole row as one sequence, key by key."""
+    batch = random_batch(B=3, T=12)
+    for max_anchors, L in ((4, 3), (20, 2), (1, 5)):
+        anchors, valid = sample_anchors(
+            batch["loss_mask"], batch["attention_mask"], max_anchors, torch.Generator().manual_seed(L)
+        )
+        valid[0, -1] = False  # an unused anchor slot
+        T, (B, A) = 12, anchors.shape
+        context = block_context_mask(anchors, valid, T, L)  # [B, A*L, T]
+        assert context.shape == (B, A * L, T) and context.dtype == torch.bool
+        own_blocks = torch.block_diag(*[torch.ones(L, L, dtype=torch.bool)] * A)  # [A*L, A*L]
+        combined = torch.cat([context, own_blocks.expand(B, -1, -1)], -1)
+        assert torch.equal(combined, brute_force_dense_mask(anchors, valid, T, L))
+
+
+def reference_block_mask(anchors, valid, T, L):
+    """The former per-anchor mask [B, A, L, T + L]: keys = the row's context, then the block."""
     B, A = anchors.shape
-    for b in range(B):
-        for i in range(A):
-            rows = dense[b, i * L : (i + 1) * L]
-            own = torch.cat([rows[:, :T], rows[:, T + i * L : T + (i + 1) * L]], 1)
-            assert torch.equal(compact[b, i], own)
-            # nothing outside context + own block is visible, so the compact form loses nothing
-            assert rows.sum() == own.sum()
-    assert compact.shape == (B, A, L, T + L)
+    context = (torch.arange(T) < anchors[..., None]) & valid[..., None]  # [B, A, T]
+    own = torch.ones(B, A, L, L, dtype=torch.bool)
+    return torch.cat([context[:, :, None, :].expand(B, A, L, T), own], -1)
+
+
+def reference_run_blocks(m: DFlashDrafter, ids, positions, context, mask) -> torch.Tensor:
+    """The former training pass: every block a batch row of its own, with its own copy of the
+    context K/V (repeat_interleave per anchor) and a [L, T + L] mask. Slow; the reference."""
+    B, A, L = ids.shape
+    x = F.embedding(ids.flatten(0, 1), m.embed_tokens)  # [B*A, L, H]
+    cos, sin = rope_cos_sin(positions.flatten(0, 1), m.inv_freq)
+    mask = None if mask is None else mask.flatten(0, 1)[:, None]  # [B*A, 1, L, T+L]
+    for layer, (k, v) in zip(m.layers, context, strict=True):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.project_q(h, cos, sin)
+        kb, vb = attn.project_kv(h, cos, sin)
+        k = torch.cat([k.repeat_interleave(A, dim=0), kb], 2)
+        v = torch.cat([v.repeat_interleave(A, dim=0), vb], 2)
+        x = x + attn.attend(q, k, v, mask)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return m.norm(x).view(B, A, L, -1)
+
+
+def reference_gather_rows(m: DFlashDrafter, batch) -> BlockRows:
+    """DFlashDrafter.gather_rows through the former per-anchor pass (same anchors: eval mode)."""
+    input_ids, loss_mask, attention_mask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+    anchors, valid = sample_anchors(
+        loss_mask, attention_mask, m.config.max_anchors, torch.Generator().manual_seed(0)
+    )
+    L, K, first = m.config.block_size, m.num_predictions, m.first_prediction
+    ids, positions = block_queries(input_ids, anchors, L, MASK_ID)
+    mask = reference_block_mask(anchors, valid, input_ids.shape[1], L)
+    hidden = reference_run_blocks(m, ids, positions, m.context_kv(batch["aux_hidden_states"]), mask)
+    hidden = hidden[:, :, first : first + K]
+    target_pos, counted = block_targets(anchors, valid, loss_mask, attention_mask, K)
+    b, a, k = counted.nonzero(as_tuple=True)
+    before = target_pos[b, a, k] - 1
+    return BlockRows(hidden[b, a, k], m.targets(batch).at(b, before), input_ids[b, before], k, K)
+
+
+def perturbed(m: DFlashDrafter) -> DFlashDrafter:
+    """Non-trivial norms and heads, so every piece of the pass shows in the comparison."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return m.eval()
+
+
+def assert_matches_reference(m: DFlashDrafter, batch) -> None:
+    """Loss, per-row logits and every parameter gradient equal the former formulation's."""
+    rows, ref_rows = m.gather_rows(batch), reference_gather_rows(m, batch)
+    assert torch.equal(rows.position, ref_rows.position) and rows.hidden.shape[0] > 0
+    torch.testing.assert_close(
+        m.draft_logits(rows.hidden), m.draft_logits(ref_rows.hidden), atol=1e-5, rtol=1e-5
+    )
+    params = [p for p in m.parameters() if p.requires_grad]
+    loss, _ = m.rows_loss(rows)
+    ref_loss, _ = m.rows_loss(ref_rows)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    ref_grads = torch.autograd.grad(ref_loss, params, allow_unused=True)
+    for (name, _), g, r in zip(
+        [(n, p) for n, p in m.named_parameters() if p.requires_grad], grads, ref_grads, strict=True
+    ):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("B", "T", "block_size", "max_anchors"),
+    [(3, 24, 4, 512), (3, 24, 3, 4), (2, 40, 6, 7), (4, 17, 2, 3)],
+)
+def test_training_pass_matches_per_anchor_reference(B, T, block_size, max_anchors):
+    """Shared context K/V + per-block attention = the per-anchor copies it replaced: padded
+    rows, rows with fewer candidates than anchor slots (invalid anchors), GQA."""
+    m = perturbed(build(block_size=block_size, max_anchors=max_anchors))
+    batch = random_batch(B=B, T=T, seed=B + T)
+    batch["loss_mask"][-1] = False
+    batch["loss_mask"][-1, 5:7] = True  # two candidates only: the other anchor slots are invalid
+    _, valid = sample_anchors(
+        batch["loss_mask"], batch["attention_mask"], max_anchors, torch.Generator().manual_seed(0)
+    )
+    assert (~valid).any() and not batch["attention_mask"].all()  # invalid anchors, padded rows
+    assert_matches_reference(m, batch)
+
+
+def test_bf16_autocast_training_step():
+    """Under autocast (how training runs on GPUs) the context mask is built in the attention
+    dtype once; the loss stays close to float32's and every gradient is finite."""
+    m = perturbed(build())
+    batch = random_batch()
+    full, _ = m(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = m(batch)
+    low.backward()
+    torch.testing.assert_close(low.float(), full, rtol=1e-2, atol=1e-2)
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_block_attention_equals_one_dense_masked_softmax():
+    """block_attention = SDPA over [context | all blocks] with the brute-force dense mask."""
+    g = torch.Generator().manual_seed(1)
+    batch = random_batch(B=2, T=11)
+    for heads, kv_heads, L, max_anchors in ((4, 2, 3, 5), (2, 2, 4, 30), (4, 1, 2, 2)):
+        anchors, valid = sample_anchors(batch["loss_mask"], batch["attention_mask"], max_anchors, g)
+        valid[1, 0] = False
+        (B, A), T, hd = anchors.shape, 11, 16
+        q = torch.randn(B, heads, A * L, hd, generator=g)
+        ck, cv = torch.randn(B, kv_heads, T, hd, generator=g), torch.randn(B, kv_heads, T, hd, generator=g)
+        bk, bv = (torch.randn(B, kv_heads, A * L, hd, generator=g) for _ in range(2))
+        bias = shared_key_bias(block_context_mask(anchors, valid, T, L), q.dtype)
+        got = block_attention(q, ck, cv, bias, bk, bv, L)
+        dense = brute_force_dense_mask(anchors, valid, T, L)[:, None]  # [B, 1, A*L, T + A*L]
+        want = F.scaled_dot_product_attention(
+            q, torch.cat([ck, bk], 2), torch.cat([cv, bv], 2), attn_mask=dense, enable_gqa=True
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        whole = block_attention(q, ck, cv, None, bk, bv, L)  # None: every block sees all context
+        want = F.scaled_dot_product_attention(
+            q,
+            torch.cat([ck, bk], 2),
+            torch.cat([cv, bv], 2),
+            attn_mask=dense | (torch.arange(T + A * L) < T),
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
 
 
 def test_block_queries_and_targets():
@@ -343,7 +477,7 @@ def test_training_blocks_equal_serving_blocks():
             ids,
             positions,
             m.context_kv(batch["aux_hidden_states"]),
-            block_attention_mask(anchors, valid, 16, L),
+            block_context_mask(anchors, valid, 16, L),
         )
         for b, i in valid.nonzero().tolist():
             n = int(anchors[b, i])

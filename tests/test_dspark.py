@@ -9,11 +9,13 @@ from test_dflash import (
     HIDDEN,
     MASK_ID,
     VOCAB,
+    assert_matches_reference,
     build,
     expected_vllm_names,
     greedy_dataset,
     mean_accepted,
     overfit,
+    perturbed,
     random_batch,
     tiny_weights,
     vllm_source,
@@ -113,6 +115,24 @@ def test_training_layout_is_anchor_as_first_prediction():
     hidden = m.propose_hidden(ids, aux, 4)
     k_rows = (rows.prev_ids == batch["input_ids"][0, N]) & first
     assert any(torch.allclose(hidden[0], h, atol=1e-5) for h in rows.hidden[k_rows])
+
+
+@pytest.mark.parametrize(
+    ("T", "block_size", "max_anchors", "config"),
+    [
+        (24, 4, 512, {}),
+        (30, 5, 6, {"confidence_head_with_markov": False}),
+        (17, 3, 3, {"sample_from_anchor": False}),
+    ],
+)
+def test_training_pass_matches_per_anchor_reference(T, block_size, max_anchors, config):
+    """DSpark's loss (token + L1 + confidence BCE) and gradients through the shared-context
+    block pass equal the former per-anchor pass (test_dflash's reference)."""
+    m = perturbed(dspark(block_size=block_size, max_anchors=max_anchors, **config))
+    batch = random_batch(B=3, T=T, seed=T)
+    batch["loss_mask"][-1] = False
+    batch["loss_mask"][-1, 5:7] = True  # two candidates only: the other anchor slots are invalid
+    assert_matches_reference(m, batch)
 
 
 def test_total_variation_brute_force():

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import socket
+from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
-from specctl.drafters.eagle3 import Config, build, from_export, ttt_attention_mask
+from specctl.drafters.eagle3 import Config, build, from_export, shift_left, ttt_attention
 from specctl.drafters.targets import build_draft_vocab, draft_to_target, verifier_logits
 
 VOCAB, HIDDEN, LAYERS, AUX = 256, 64, 4, (1, 2, 3)
@@ -339,6 +341,15 @@ def batch(verifier):
 # ---------------------------------------------------------------- mask
 
 
+def ttt_attention_mask(num_rows: int, step: int) -> torch.Tensor:
+    """The former TTT layout, the reference: [R, (step+1)*R] bool over the keys of steps
+    0..step, step-major (key k*R + j = row j of step k)."""
+    rows = torch.arange(num_rows)
+    causal = rows[None, :] <= rows[:, None]  # [R, R] step-0 context
+    own = torch.eye(num_rows, dtype=torch.bool)  # [R, R] same row, later steps
+    return torch.cat([causal] + [own] * step, dim=1)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7])
 @pytest.mark.parametrize("step", [0, 1, 3])
 def test_ttt_mask_matches_brute_force(rows, step):
@@ -350,6 +361,96 @@ def test_ttt_mask_matches_brute_force(rows, step):
                 # step 0 rows are the cached context (causal); later steps only the query's own chain
                 expected = j <= t if k == 0 else j == t
                 assert bool(mask[t, k * rows + j]) == expected, (t, k, j)
+
+
+@pytest.mark.parametrize(
+    ("rows", "step", "heads", "kv_heads"), [(1, 0, 4, 2), (7, 0, 2, 2), (7, 3, 4, 2), (5, 1, 4, 1)]
+)
+def test_ttt_attention_equals_dense_masked_attention(rows, step, heads, kv_heads):
+    """Causal context + each row's own steps = one softmax over every step behind the dense
+    reference mask; values and gradients. Also the propose form (newest row, all context)."""
+    g = torch.Generator().manual_seed(rows + step)
+    B, hd = 2, 16
+    q = torch.randn(B, heads, rows, hd, generator=g, requires_grad=True)
+    ks = [torch.randn(B, kv_heads, rows, hd, generator=g, requires_grad=True) for _ in range(step + 1)]
+    vs = [torch.randn(B, kv_heads, rows, hd, generator=g, requires_grad=True) for _ in range(step + 1)]
+    own = (torch.stack(ks[1:], 3), torch.stack(vs[1:], 3)) if step else None  # [B, kvh, R, s, hd]
+    got = ttt_attention(q, (ks[0], vs[0]), own, causal=True)
+    mask = ttt_attention_mask(rows, step)[None, None]
+    want = F.scaled_dot_product_attention(
+        q, torch.cat(ks, 2), torch.cat(vs, 2), attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(got.shape, generator=g)
+    inputs = [q, *ks, *vs]
+    got_grads = torch.autograd.grad((got * weights).sum(), inputs)
+    want_grads = torch.autograd.grad((want * weights).sum(), inputs)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # propose: one query (the newest row) after every context row, plus its own drafted steps
+    last = (own[0][:, :, -1:], own[1][:, :, -1:]) if step else None
+    got = ttt_attention(q[:, :, -1:], (ks[0], vs[0]), last, causal=False)
+    keys = [ks[0]] + [k[:, :, -1:] for k in ks[1:]]
+    values = [vs[0]] + [v[:, :, -1:] for v in vs[1:]]
+    want = F.scaled_dot_product_attention(
+        q[:, :, -1:], torch.cat(keys, 2), torch.cat(values, 2), enable_gqa=True
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def reference_ttt_outputs(drafter, input_ids, aux_hidden_states):
+    """Eagle3Drafter.ttt_outputs as it was: every step's queries over the K/V of all cached
+    steps behind the dense [R, (s+1)R] mask. Slow; the reference."""
+
+    def attend(cache, mask, i, attn, x, cos, sin):
+        q = attn.project_q(x, cos, sin)
+        cache[i].append(attn.project_kv(x, cos, sin))
+        k = torch.cat([kv[0] for kv in cache[i]], dim=2)
+        v = torch.cat([kv[1] for kv in cache[i]], dim=2)
+        return attn.attend(q, k, v, mask[:, None])
+
+    B, T = input_ids.shape
+    R = T - 1
+    hidden = drafter.combine(aux_hidden_states[:, :R])
+    positions = torch.arange(R).expand(B, R)
+    cache = [[] for _ in drafter.layers]
+    outs = []
+    for s in range(drafter.config.ttt_steps):
+        tokens = shift_left(input_ids, 1 + s)[:, :R]
+        mask = ttt_attention_mask(R, s)[None]
+        out, hidden = drafter.run_layers(tokens, hidden, positions + s, partial(attend, cache, mask))
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_layers=2, ttt_steps=3),
+        dict(num_layers=1, ttt_steps=1),
+        dict(num_layers=2, ttt_steps=4, norm_before_residual=True, norm_output=True, ttt_step_loss_decay=0.7),
+    ],
+)
+def test_training_pass_matches_dense_reference(verifier, batch, config, monkeypatch):
+    """Loss, per-step losses and every gradient equal the former dense-mask formulation's
+    (padded row included)."""
+    _, spec, weights = verifier
+    torch.manual_seed(0)
+    drafter = build(Config(**config), spec, weights, None, "kl")
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    loss, metrics = drafter(batch)
+    grads = torch.autograd.grad(loss, params)
+    monkeypatch.setattr(drafter, "ttt_outputs", partial(reference_ttt_outputs, drafter))
+    ref_loss, ref_metrics = drafter(batch)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(metrics["step_loss"], ref_metrics["step_loss"], rtol=1e-5, atol=1e-5)
+    names = [n for n, p in drafter.named_parameters() if p.requires_grad]
+    for name, g, r in zip(names, grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------- training forward

@@ -582,7 +582,8 @@ def test_export_is_atomic(verifier, tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("specctl.export.save_file", disk_full)
-    with pytest.raises(SpecctlError, match="disk full writing the export, the export already there is unchanged"):
+    unchanged = "disk full writing the export, the export already there is unchanged"
+    with pytest.raises(SpecctlError, match=unchanged):
         save_drafter(build_drafter(verifier, "dflash", seed=2), path, "float32")
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary directory left behind

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -12,7 +13,18 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from specctl.drafters.layers import MLP, Attention, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from specctl.drafters.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    apply_rope,
+    attend_with_own_keys,
+    attention_dtype,
+    own_key_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+    shared_key_bias,
+)
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -164,3 +176,143 @@ def test_llama_attention_matches_hf_with_llama3_rope():
     cos, sin = rope_cos_sin(positions, rope_inv_freq(16, 500000.0, LLAMA3_SCALING))
     got = ours.attend(ours.project_q(x, cos, sin), *ours.project_kv(x, cos, sin), _causal(T)[None, None])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- shared keys + own keys
+
+
+def brute_force_attention(q, shared_k, shared_v, visible, own_k, own_v, own_visible):
+    """One softmax per query over its visible shared keys and its visible own keys, query by
+    query and head by head (grouped-query heads read kv head h // (heads / kv_heads))."""
+    B, h, N, hd = q.shape
+    kvh = shared_k.shape[1]
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for head in range(h):
+            kv = head // (h // kvh)
+            for n in range(N):
+                keys = torch.cat([shared_k[b, kv][visible[b, n]], own_k[b, kv, n][own_visible[b, n]]])
+                values = torch.cat([shared_v[b, kv][visible[b, n]], own_v[b, kv, n][own_visible[b, n]]])
+                weights = torch.softmax(keys @ q[b, head, n] * hd**-0.5, 0)
+                out[b, head, n] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "N", "S", "J"), [(4, 2, 5, 7, 3), (2, 2, 6, 6, 1), (4, 1, 3, 9, 4)]
+)
+def test_attend_with_own_keys_is_one_softmax(heads, kv_heads, N, S, J):
+    """Shared keys behind a mask + per-query own keys (some masked, one query with none) =
+    one softmax over both, in float64 to rounding; gradients agree too."""
+    g = torch.Generator().manual_seed(N * S)
+    B, hd = 2, 16
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+
+    q, k, v = rand(B, heads, N, hd), rand(B, kv_heads, S, hd), rand(B, kv_heads, S, hd)
+    own_k, own_v = rand(B, kv_heads, N, J, hd), rand(B, kv_heads, N, J, hd)
+    visible = torch.rand(B, N, S, generator=g) < 0.5
+    visible[:, :, 0] = True
+    own_visible = torch.rand(B, N, J, generator=g) < 0.6
+    own_visible[0, 1] = False  # a query with no own key: the shared keys alone
+    own_visible[1, 0, 0] = True
+
+    def ours(q, k, v, own_k, own_v):
+        lse, out = own_key_attention(q[:, :, :, None], own_k, own_v, own_visible[:, :, None])
+        assert lse.shape == (B, heads, N, 1) and out.shape == (B, heads, N, 1, hd)
+        bias = shared_key_bias(visible, q.dtype)  # [B, 1, N, S + 1]
+        return attend_with_own_keys(q, k, v, lse[..., 0], out[..., 0, :], bias)
+
+    inputs = (q, k, v, own_k, own_v)
+    got = ours(*inputs)
+    want = brute_force_attention(q, k, v, visible, own_k, own_v, own_visible)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    weights = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), inputs),
+        torch.autograd.grad((want * weights).sum(), inputs),
+        strict=True,
+    ):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # no bias: every shared key visible
+    lse, out = own_key_attention(q[:, :, :, None], own_k, own_v, own_visible[:, :, None])
+    torch.testing.assert_close(
+        attend_with_own_keys(q, k, v, lse[..., 0], out[..., 0, :]),
+        brute_force_attention(q, k, v, torch.ones_like(visible), own_k, own_v, own_visible),
+    )
+
+
+def test_attend_with_own_keys_causal_and_grouped_queries():
+    """is_causal: query i sees shared keys 0..i with no mask tensor; P queries of a group
+    sharing J keys (DFlash's blocks) equal each query holding its own copy of them."""
+    g = torch.Generator().manual_seed(0)
+    B, h, kvh, N, hd, P, J = 2, 4, 2, 6, 16, 3, 3
+    q = torch.randn(B, h, N, hd, generator=g, dtype=torch.float64)
+    k, v = (
+        torch.randn(B, kvh, N, hd, generator=g, dtype=torch.float64),
+        torch.randn(B, kvh, N, hd, generator=g),
+    )
+    v = v.double()
+    group_k = torch.randn(B, kvh, N // P, J, hd, generator=g, dtype=torch.float64)
+    group_v = torch.randn(B, kvh, N // P, J, hd, generator=g, dtype=torch.float64)
+    lse, out = own_key_attention(q.view(B, h, N // P, P, hd), group_k, group_v, None)
+    got = attend_with_own_keys(q, k, v, lse.view(B, h, N), out.view(B, h, N, hd), is_causal=True)
+    per_query_k = group_k.repeat_interleave(P, dim=2)  # [B, kvh, N, J, hd]
+    per_query_v = group_v.repeat_interleave(P, dim=2)
+    causal = torch.ones(N, N, dtype=torch.bool).tril().expand(B, N, N)
+    want = brute_force_attention(
+        q, k, v, causal, per_query_k, per_query_v, torch.ones(B, N, J, dtype=torch.bool)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="is_causal"):
+        attend_with_own_keys(
+            q, k[:, :, :-1], v[:, :, :-1], lse.view(B, h, N), out.view(B, h, N, hd), is_causal=True
+        )
+
+
+def test_attend_with_own_keys_keeps_bf16_precision():
+    """In bf16 the merge is about as accurate as plain SDPA over the same keys: own-key scores
+    and their logsumexp stay float32, and the summary score rides in two bf16 channels (one
+    would round a logsumexp of ~60 by ~0.06, shifting the own keys' weight by ~6%)."""
+    g = torch.Generator().manual_seed(1)
+    B, h, N, S, J, hd = 1, 2, 64, 48, 8, 16
+    q = (torch.randn(B, h, N, hd, generator=g) * 4).bfloat16()  # sharp: logsumexp up to ~70
+    k = (torch.randn(B, h, S, hd, generator=g) * 4).bfloat16()
+    own_k = (torch.randn(B, h, N, J, hd, generator=g) * 4).bfloat16()
+    v = -torch.ones(B, h, S, hd, dtype=torch.bfloat16)  # output = own weight * 2 - 1
+    own_v = torch.ones(B, h, N, J, hd, dtype=torch.bfloat16)
+    everything, own_all = torch.ones(B, N, S, dtype=torch.bool), torch.ones(B, N, J, dtype=torch.bool)
+    exact = brute_force_attention(
+        q.double(), k.double(), v.double(), everything, own_k.double(), own_v.double(), own_all
+    )
+    lse, out = own_key_attention(q[:, :, :, None], own_k, own_v, None)
+    assert lse.dtype == out.dtype == torch.float32
+    ours = attend_with_own_keys(q, k, v, lse[..., 0], out[..., 0, :])
+    assert ours.dtype == torch.bfloat16
+    # plain bf16 SDPA with the own keys as extra keys of every query: the error to match
+    dense_k = torch.cat([k[:, :, None].expand(B, h, N, S, hd), own_k], 3)
+    dense_v = torch.cat([v[:, :, None].expand(B, h, N, S, hd), own_v], 3)
+    plain = F.scaled_dot_product_attention(q[:, :, :, None], dense_k, dense_v)[:, :, :, 0]
+    plain_error = (plain.double() - exact).abs().max()
+    assert (ours.double() - exact).abs().max() < 4 * plain_error
+
+
+def test_attention_dtype_follows_autocast():
+    x = torch.zeros(2, 3)
+    assert attention_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention_dtype(x) == torch.bfloat16
+    bias = shared_key_bias(torch.tensor([[[True, False]]]), torch.bfloat16)
+    assert bias.dtype == torch.bfloat16 and bias.shape == (1, 1, 1, 3)
+    assert bias.tolist() == [[[[0.0, float("-inf"), 0.0]]]]
+
+
+def test_attend_is_causal_equals_the_causal_mask():
+    torch.manual_seed(0)
+    attn = Attention(64, 4, 2, 16)
+    q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    torch.testing.assert_close(
+        attn.attend(q, k, v, None, is_causal=True), attn.attend(q, k, v, _causal(7)[None, None])
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from test_eagle3 import (
     vllm_acceptance,
 )
 
-from specctl.drafters.layers import Attention
+from specctl.drafters.layers import Attention, shared_key_bias
 from specctl.drafters.peagle import (
     Config,
     block_attention,
@@ -163,21 +164,124 @@ def test_block_attention_equals_dense_attention():
     torch.manual_seed(0)
     attn = Attention(HIDDEN, 4, 2, 16)
     g = torch.Generator().manual_seed(3)
-    K, R = 4, 12
-    valid = torch.rand(K, 2, R, generator=g) < 0.9
-    anchor, depth, present = rows_from_table(valid, g)
-    B, M = anchor.shape
-    ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, K)
-    q = torch.randn(B, 4, M, 16)
-    k, v = torch.randn(B, 2, R + M, 16), torch.randn(B, 2, R + M, 16)
+    for K, R in ((4, 12), (6, 9), (2, 15)):
+        valid = torch.rand(K, 2, R, generator=g) < 0.9
+        valid[:, 1, R // 2 :] = False  # a shorter sample: padding depth rows in the other
+        anchor, depth, present = rows_from_table(valid, g)
+        assert not present.all()
+        B, M = anchor.shape
+        ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, K)
+        q = torch.randn(B, 4, M, 16, requires_grad=True)
+        k = torch.randn(B, 2, R + M, 16, requires_grad=True)
+        v = torch.randn(B, 2, R + M, 16, requires_grad=True)
+        bidx = torch.arange(B)[:, None, None]
+        gather = blk_index.clamp(min=0)
+        bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
+        bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
+        bias = shared_key_bias(ctx_mask, q.dtype)
+        ours = block_attention(attn, q, k[:, :, :R], v[:, :, :R], bias, bk, bv, blk_mask)
+        dense = dense_from_layout(ctx_mask, blk_index, blk_mask, R)
+        reference = attn.attend(q, k, v, dense[:, None])
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+        weights = torch.randn(ours.shape, generator=g)
+        got = torch.autograd.grad((ours * weights).sum(), (q, k, v))
+        want = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_autocast_training_step(verifier, batch):
+    """Under autocast the depth rows' context mask is built in bf16 once; the loss stays close
+    to float32's and every gradient is finite."""
+    _, spec, weights = verifier
+    torch.manual_seed(0)
+    drafter = build(Config(num_layers=2, num_depths=4, num_speculative_tokens=4), spec, weights).eval()
+    full, _ = drafter(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = drafter(batch)
+    low.backward()
+    torch.testing.assert_close(low.float(), full, rtol=1e-2, atol=1e-2)
+    assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
+
+
+def reference_block_attention(attn, q, ctx_k, ctx_v, ctx_mask, blk_k, blk_v, blk_mask):
+    """The former depth-row attention: explicit [M, R + J] scores, masked, one softmax."""
+    B, h, M, hd = q.shape
+    kvh, R = ctx_k.shape[1], ctx_k.shape[2]
+    q = q.view(B, kvh, h // kvh, M, hd) * hd**-0.5
+    s_ctx = q @ ctx_k[:, :, None].transpose(-1, -2)  # [B, kvh, rep, M, R]
+    s_blk = (q[..., None, :] * blk_k[:, :, None]).sum(-1)  # [B, kvh, rep, M, J]
+    mask = torch.cat([ctx_mask, blk_mask], dim=-1)[:, None, None]
+    scores = torch.cat([s_ctx, s_blk], dim=-1).float().masked_fill(~mask, float("-inf"))
+    p = scores.softmax(-1).to(q.dtype)
+    out = p[..., :R] @ ctx_v[:, :, None] + (p[..., R:, None] * blk_v[:, :, None]).sum(-2)
+    return attn.o_proj(out.reshape(B, h, M, hd).transpose(1, 2).reshape(B, M, h * hd))
+
+
+def reference_rows_forward(drafter, input_ids, aux_hidden_states, anchor, depth, present):
+    """PEagleDrafter.rows_forward as it was: a dense [R, R] causal mask for the real rows and
+    explicit masked scores for the depth rows. Slow; the reference."""
+    B, R = aux_hidden_states.shape[:2]
+    M = anchor.shape[1]
+    ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, drafter.config.num_depths)
+    causal = torch.ones(R, R, dtype=torch.bool).tril()[None, None]
+    mask_id = drafter.verifier.mask_token_id
+    tokens = torch.cat([input_ids[:, 1 : R + 1], torch.full_like(anchor, mask_id)], 1)
+    mask_feature = drafter.combine(drafter.mask_hidden.view(1, *aux_hidden_states.shape[-2:]))
+    features = torch.cat([drafter.combine(aux_hidden_states), mask_feature.expand(B, M, -1)], 1)
+    positions = torch.cat([torch.arange(R).expand(B, R), anchor + depth], 1)
     bidx = torch.arange(B)[:, None, None]
     gather = blk_index.clamp(min=0)
-    bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
-    bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
-    ours = block_attention(attn, q, k[:, :, :R], v[:, :, :R], ctx_mask, bk, bv, blk_mask)
-    dense = dense_from_layout(ctx_mask, blk_index, blk_mask, R)
-    reference = attn.attend(q, k, v, dense[:, None])
-    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+    def attend(i, attn, x, cos, sin):
+        q = attn.project_q(x, cos, sin)
+        k, v = attn.project_kv(x, cos, sin)
+        real = attn.attend(q[:, :, :R], k[:, :, :R], v[:, :, :R], causal)
+        bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
+        bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
+        drafts = reference_block_attention(
+            attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_mask, bk, bv, blk_mask
+        )
+        return torch.cat([real, drafts], 1)
+
+    out, _ = drafter.run_layers(tokens, features, positions, attend)
+    return out[:, :R], out[:, R:]
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize(("num_depths", "max_anchors"), [(4, None), (6, 5), (2, 3)])
+def test_training_pass_matches_dense_reference(
+    verifier, batch, training, num_depths, max_anchors, monkeypatch
+):
+    """Loss, outputs and every gradient equal the former dense formulation's, with padded
+    samples, padding depth rows and sampled (training) or all (validation) depth rows."""
+    _, spec, weights = verifier
+    torch.manual_seed(0)
+    config = Config(num_layers=2, num_depths=num_depths, num_speculative_tokens=num_depths)
+    drafter = build(config.model_copy(update={"max_anchors": max_anchors}), spec, weights)
+    with torch.no_grad():
+        for p in drafter.parameters():  # non-trivial norms and mask_hidden
+            p.add_(0.1 * torch.randn_like(p))
+    drafter.train(training)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def loss_and_grads():
+        torch.manual_seed(11)  # the same sampled depth rows in both passes
+        loss, metrics = drafter(batch)
+        return loss, metrics, torch.autograd.grad(loss, params, allow_unused=True)
+
+    loss, metrics, grads = loss_and_grads()
+    monkeypatch.setattr(drafter, "rows_forward", partial(reference_rows_forward, drafter))
+    ref_loss, ref_metrics, ref_grads = loss_and_grads()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert torch.equal(metrics["count"], ref_metrics["count"]) and metrics["count"][1:].sum() > 0
+    torch.testing.assert_close(metrics["depth_loss"], ref_metrics["depth_loss"], rtol=1e-5, atol=1e-5)
+    for (name, _), g, r in zip(
+        [(n, p) for n, p in drafter.named_parameters() if p.requires_grad], grads, ref_grads, strict=True
+    ):
+        assert (g is None) == (r is None), name
+        if g is not None:
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------- training forward

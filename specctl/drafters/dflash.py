@@ -7,7 +7,9 @@ itself bidirectionally and to context strictly before the anchor: at serve time 
 is the token the verifier just produced, so its own hidden state does not exist yet
 (vLLM `_prepare_dflash_inputs_kernel`: context = verified tokens, query positions start at
 last context position + 1). Training runs many anchors of a sequence side by side, each
-block seeing only its own context (arXiv 2602.06036).
+block seeing only its own context (arXiv 2602.06036): the blocks of a row form one query
+sequence over the row's context keys, shared by every anchor, plus a per-block part for
+the bidirectional block (`block_attention`), so cost grows linearly with the anchors.
 
 Where a block's predictions sit, as vLLM samples them (the training layout must match, or
 acceptance collapses with no error):
@@ -33,7 +35,17 @@ from torch import nn
 
 from specctl.drafters import register
 from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
-from specctl.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from specctl.drafters.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    attend_with_own_keys,
+    attention_dtype,
+    own_key_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+    shared_key_bias,
+)
 from specctl.drafters.targets import Targets, TargetTable, batch_targets, draft_loss, draft_to_target
 
 # ---------------------------------------------------------------- configuration
@@ -162,18 +174,49 @@ def block_queries(
     return ids, positions
 
 
-def block_attention_mask(
+def block_context_mask(
     anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_len: int
 ) -> torch.Tensor:
-    """[B, A, L, T + L] bool (True = attend): keys are the row's T context positions, then the
-    block's own L slots. A block sees context strictly before its anchor and all of itself
-    (bidirectional); other blocks never. Invalid anchors see only their own block, so no row
-    is empty. Per-block keys keep the cost linear in the number of anchors."""
-    B, A = anchors.shape
-    context = torch.arange(seq_len, device=anchors.device) < anchors[..., None]  # [B, A, T]
-    context = context & anchor_valid[..., None]
-    own_block = torch.ones(B, A, block_len, block_len, dtype=torch.bool, device=anchors.device)
-    return torch.cat([context[:, :, None, :].expand(B, A, block_len, seq_len), own_block], dim=-1)
+    """[B, A*L, T] bool (True = attend): which context positions each block slot sees, slots
+    anchor-major (slot o of block i is row i*L + o). A block sees the context strictly before
+    its anchor; an invalid anchor sees none (its own block still keeps its softmax finite).
+
+    The block's own slots are not in this mask: they attend to each other through
+    `block_attention`'s per-block part, so no [A*L, A*L] mask over all blocks exists.
+    """
+    visible = torch.arange(seq_len, device=anchors.device) < anchors[..., None]  # [B, A, T]
+    visible = visible & anchor_valid[..., None]
+    return visible.repeat_interleave(block_len, dim=1)  # [B, A*L, T]
+
+
+def block_attention(
+    q: torch.Tensor,
+    context_k: torch.Tensor,
+    context_v: torch.Tensor,
+    context_bias: torch.Tensor | None,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    block_len: int,
+) -> torch.Tensor:
+    """Every block's slots attend, in one softmax, to the context keys `context_bias` shows
+    them and bidirectionally to all L slots of their own block -> [B, h, A*L, hd].
+
+    q [B, h, A*L, hd] and block_k/v [B, kvh, A*L, hd]: the A blocks of a row side by side;
+    context_k/v [B, kvh, T, hd] shared by all of them (never copied per anchor);
+    context_bias [B, 1, A*L, T + 1] = shared_key_bias(block_context_mask(...)), None = the
+    whole context. Cost: A*L x T for the context, A x L x L for the blocks.
+    """
+    B, h, N, hd = q.shape
+    A, kvh = N // block_len, block_k.shape[1]
+    own_lse, own_out = own_key_attention(
+        q.view(B, h, A, block_len, hd),
+        block_k.view(B, kvh, A, block_len, hd),
+        block_v.view(B, kvh, A, block_len, hd),
+        None,
+    )  # [B, h, A, L], [B, h, A, L, hd]
+    return attend_with_own_keys(
+        q, context_k, context_v, own_lse.view(B, h, N), own_out.view(B, h, N, hd), context_bias
+    )
 
 
 def block_targets(
@@ -232,15 +275,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         context_k: torch.Tensor,
         context_v: torch.Tensor,
-        mask: torch.Tensor | None,
+        context_bias: torch.Tensor | None,
+        block_len: int,
     ) -> torch.Tensor:
-        """x [N, L, H] block hidden; context_k/v [N, kvh, S, hd]; mask [N, 1, L, S + L] or None (all)."""
+        """x [B, A*L, H] the hidden of A blocks of L slots; context_k/v [B, kvh, T, hd];
+        context_bias [B, 1, A*L, T + 1] or None (whole context), see `block_attention`."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = attn.project_q(h, cos, sin)  # [N, heads, L, hd]
-        k, v = attn.project_kv(h, cos, sin)  # [N, kvh, L, hd]
-        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
-        x = x + attn.attend(q, k, v, mask)
+        q = attn.project_q(h, cos, sin)  # [B, heads, A*L, hd]
+        k, v = attn.project_kv(h, cos, sin)  # [B, kvh, A*L, hd]
+        out = block_attention(q, context_k, context_v, context_bias, k, v, block_len)
+        x = x + attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -326,13 +371,16 @@ class DFlashDrafter(nn.Module):
 
     # ---- pieces
 
-    def context_kv(self, aux_hidden_states: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """aux_hidden_states [B, T, n_aux, H] at positions 0..T-1 -> per layer (k, v) [B, kvh, T, hd]."""
+    def context_kv(
+        self, aux_hidden_states: torch.Tensor, start: int = 0
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """aux_hidden_states [B, T, n_aux, H] at positions start..start+T-1 -> per layer (k, v)
+        [B, kvh, T, hd]. Each position's K/V depends on that position alone (fc, norm, rope)."""
         B, T = aux_hidden_states.shape[:2]
         context = self.hidden_norm(
             self.fc(aux_hidden_states.flatten(2).to(self.fc.weight.dtype))
         )  # [B, T, H]
-        positions = torch.arange(T, device=context.device).expand(B, T)
+        positions = torch.arange(start, start + T, device=context.device).expand(B, T)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
 
@@ -341,16 +389,18 @@ class DFlashDrafter(nn.Module):
         ids: torch.Tensor,
         positions: torch.Tensor,
         context: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor | None,
+        context_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """ids/positions [B, A, L], context from `context_kv`, mask [B, A, L, T + L] (None = attend
-        everywhere) -> hidden [B, A, L, H] after the final norm."""
+        """ids/positions [B, A, L], context from `context_kv`, context_mask [B, A*L, T] from
+        `block_context_mask` (None = every block sees the whole context) -> hidden [B, A, L, H]
+        after the final norm. Each block also sees all of itself."""
         B, A, L = ids.shape
-        x = F.embedding(ids.flatten(0, 1), self.embed_tokens).to(self.fc.weight.dtype)  # [B*A, L, H]
-        cos, sin = rope_cos_sin(positions.flatten(0, 1), self.inv_freq)  # [B*A, L, hd]
-        mask = None if mask is None else mask.flatten(0, 1)[:, None]  # [B*A, 1, L, T+L]
+        x = F.embedding(ids.flatten(1), self.embed_tokens).to(self.fc.weight.dtype)  # [B, A*L, H]
+        cos, sin = rope_cos_sin(positions.flatten(1), self.inv_freq)  # [B, A*L, hd]
+        # one additive mask for all layers (a bool one would become a float copy per layer)
+        bias = None if context_mask is None else shared_key_bias(context_mask, attention_dtype(x))
         for layer, (k, v) in zip(self.layers, context, strict=True):
-            x = layer(x, cos, sin, k.repeat_interleave(A, dim=0), v.repeat_interleave(A, dim=0), mask)
+            x = layer(x, cos, sin, k, v, bias, L)
         return self.norm(x).view(B, A, L, -1)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -376,7 +426,7 @@ class DFlashDrafter(nn.Module):
         anchors, anchor_valid = sample_anchors(loss_mask, attention_mask, self.config.max_anchors, generator)
         L, K, first = self.config.block_size, self.num_predictions, self.first_prediction
         ids, positions = block_queries(input_ids, anchors, L, self.verifier.mask_token_id)
-        mask = block_attention_mask(anchors, anchor_valid, T, L)
+        mask = block_context_mask(anchors, anchor_valid, T, L)  # [B, A*L, T]
         hidden = self.run_blocks(ids, positions, self.context_kv(batch["aux_hidden_states"]), mask)
         hidden = hidden[:, :, first : first + K]  # [B, A, K, H]
         target_pos, counted = block_targets(anchors, anchor_valid, loss_mask, attention_mask, K)
@@ -413,8 +463,39 @@ class DFlashDrafter(nn.Module):
 
     # ---- proposing (what vLLM computes at serve time, recomputed from the full context)
 
+    def cached_context_kv(
+        self, aux_hidden_states: torch.Tensor, state: dict[str, Any] | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Context K/V [1, kvh, N, hd] per layer of the N verified positions [N, n_aux, H].
+
+        With `state` (one dict per request, kept by the caller between proposals) only the
+        positions not seen before are projected: a request's verified prefix only grows, so
+        the K/V of earlier positions never change -- vLLM keeps them in the drafter's KV cache.
+        """
+        if state is None:
+            return self.context_kv(aux_hidden_states[None])
+        N, done = aux_hidden_states.shape[0], state.get("context_rows", 0)
+        if done > N:
+            raise ValueError(
+                f"the verified prefix shrank from {done} to {N} positions: use a new state per request"
+            )
+        if done < N:
+            new = self.context_kv(aux_hidden_states[None, done:], start=done)
+            old = state.get("context_kv")
+            if old is not None:
+                new = [
+                    (torch.cat([k0, k], 2), torch.cat([v0, v], 2))
+                    for (k0, v0), (k, v) in zip(old, new, strict=True)
+                ]
+            state.update(context_rows=N, context_kv=new)
+        return state["context_kv"]
+
     def propose_hidden(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Hidden states [K, H] of the K predictions after input_ids[-1] (the anchor)."""
         N = aux_hidden_states.shape[0]
@@ -427,15 +508,20 @@ class DFlashDrafter(nn.Module):
         ids, positions = block_queries(
             input_ids[None], torch.tensor([[N]], device=input_ids.device), L, self.verifier.mask_token_id
         )
-        hidden = self.run_blocks(ids, positions, self.context_kv(aux_hidden_states[None]), None)[0, 0]
+        context = self.cached_context_kv(aux_hidden_states, state)
+        hidden = self.run_blocks(ids, positions, context, None)[0, 0]
         return hidden[first : first + num_tokens]
 
     @torch.no_grad()
     def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Greedy draft: [K] verifier token ids following input_ids[-1]."""
-        hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens)
+        hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens, state)
         return draft_to_target(self.draft_logits(hidden).argmax(-1), self.d2t)
 
     # ---- export (speculators format, as vLLM's qwen3_dflash.py loads it)

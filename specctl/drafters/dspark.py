@@ -190,11 +190,15 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.no_grad()
     def propose_with_confidence(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy draft [K] (verifier ids), sampled left to right with the Markov bias starting
         from the anchor, and per-position acceptance confidences [K] (None without the head)."""
-        hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens)  # [K, H]
+        hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens, state)  # [K, H]
         base = self.draft_logits(hidden)  # [K, Vd]
         prev = input_ids[-1:]
         tokens, embeds = [], []
@@ -211,9 +215,13 @@ class DSparkDrafter(DFlashDrafter):
 
     @torch.no_grad()
     def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        return self.propose_with_confidence(input_ids, aux_hidden_states, num_tokens)[0]
+        return self.propose_with_confidence(input_ids, aux_hidden_states, num_tokens, state)[0]
 
     def export_config(self) -> dict[str, Any]:
         out = super().export_config()

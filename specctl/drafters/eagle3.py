@@ -9,7 +9,8 @@ Alignment (vLLM `set_inputs_first_pass`): drafter row t holds token x_{t+1}, the
 feature at t and position t; it predicts x_{t+2}, whose verifier distribution is at t+1.
 Training-time test (TTT) unrolls steps s = 0..S-1: step s at row t is teacher-forced with
 x_{t+1+s}, takes step s-1's output at row t as its hidden, sits at position t+s, attends to
-the step-0 rows 0..t plus its own steps 1..s (`ttt_attention_mask`), and is scored against
+the step-0 rows 0..t plus its own steps 1..s (`ttt_attention`: causal attention over the
+step-0 rows merged with the row's own s keys, no mask over all steps), and is scored against
 the verifier's distribution at t+1+s. That is exactly the K/V cache vLLM holds when it drafts
 token s+1 after anchor t, so what training sees is what serving computes.
 
@@ -30,7 +31,15 @@ from torch import nn
 
 from specctl.drafters import register
 from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
-from specctl.drafters.layers import MLP, Attention, RMSNorm, rope_cos_sin, rope_inv_freq
+from specctl.drafters.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    attend_with_own_keys,
+    own_key_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from specctl.drafters.targets import Targets, TargetTable, batch_targets, draft_loss, draft_to_target
 
 
@@ -62,17 +71,28 @@ class Config(DrafterConfig):
 # ---------------------------------------------------------------- pure helpers
 
 
-def ttt_attention_mask(num_rows: int, step: int, device: torch.device | None = None) -> torch.Tensor:
-    """Which keys a TTT query attends to: [R, (step+1)*R] bool, True = attend.
+def ttt_attention(
+    q: torch.Tensor,
+    context: tuple[torch.Tensor, torch.Tensor],
+    own: tuple[torch.Tensor, torch.Tensor] | None,
+    causal: bool,
+) -> torch.Tensor:
+    """Attention of one TTT step's queries -> [B, h, n, hd].
 
-    Keys are the rows of steps 0..step, step-major (key k*R + j = row j of step k). A step-s
-    query at row t sees step-0 rows j <= t (the real context vLLM has cached) and its own
-    rows at steps 1..s (the tokens it drafted itself); never another row's drafts.
+    q [B, h, n, hd]; context (k, v) [B, kvh, R, hd]: the step-0 rows (what vLLM has cached);
+    own (k, v) [B, kvh, n, s, hd]: the query row's own steps 1..s (the tokens it drafted
+    itself, this step included), None at step 0. causal: query row t sees context rows 0..t
+    (training: the n = R step-s rows sit on the context rows); else every context row
+    (propose: the one query row comes after all of them). Never another row's drafts.
+
+    Step s thus costs R x R / 2 (causal SDPA, no mask tensor) + R x s, not the R x (s+1)R of
+    one softmax over every cached step behind a dense mask.
     """
-    rows = torch.arange(num_rows, device=device)
-    causal = rows[None, :] <= rows[:, None]  # [R, R] step-0 context
-    own = torch.eye(num_rows, dtype=torch.bool, device=device)  # [R, R] same row, later steps
-    return torch.cat([causal] + [own] * step, dim=1)
+    k, v = context
+    if own is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    own_lse, own_out = own_key_attention(q[:, :, :, None], *own, None)  # [B, h, n, 1], [B, h, n, 1, hd]
+    return attend_with_own_keys(q, k, v, own_lse[..., 0], own_out[..., 0, :], is_causal=causal)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.Tensor:
@@ -100,7 +120,7 @@ def check_d2t(d2t: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
     if d2t is None:
         return None
     d2t = d2t.long().flatten()
-    kept = torch.arange(d2t.numel()) + d2t.cpu()
+    kept = torch.arange(d2t.numel(), device="cpu") + d2t.cpu()  # on CPU also under a meta/cuda default device
     if d2t.numel() == 0 or kept.min() < 0 or kept.max() >= vocab_size or (kept.diff() <= 0).any():
         raise ValueError("d2t must map draft ids to strictly increasing target ids below the vocab size")
     if d2t.numel() == vocab_size:
@@ -394,24 +414,25 @@ class Eagle3Drafter(Eagle3Backbone):
     @staticmethod
     def _attend(
         cache: list[list[tuple[torch.Tensor, torch.Tensor]]],
-        mask: torch.Tensor,
+        causal: bool,
         i: int,
         attn: Attention,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> torch.Tensor:
-        """One draft step: append this step's K/V to layer i's cache, attend over all of it.
+        """One draft step: append this step's K/V to layer i's cache, attend as `ttt_attention`.
 
-        cache[i] holds (k, v) [B, kvh, M_k, hd] of steps 0..s-1 (step 0 = the context rows);
-        mask [B|1, M, sum M_k]: `ttt_attention_mask` in training; in `propose` causal for the
-        context pass, then all-True for the one drafted row.
+        cache[i] holds (k, v) [B, kvh, n_k, hd] of steps 0..s-1: step 0 = the context rows,
+        later steps the rows being drafted (all R rows in training, the newest row in propose).
         """
         q = attn.project_q(x, cos, sin)
         cache[i].append(attn.project_kv(x, cos, sin))
-        k = torch.cat([kv[0] for kv in cache[i]], dim=2)
-        v = torch.cat([kv[1] for kv in cache[i]], dim=2)
-        return attn.attend(q, k, v, mask[:, None])
+        steps = cache[i][1:]
+        own = None
+        if steps:  # [B, kvh, n, s, hd]: row t's own steps 1..s side by side
+            own = torch.stack([k for k, _ in steps], 3), torch.stack([v for _, v in steps], 3)
+        return attn.output(ttt_attention(q, cache[i][0], own, causal))
 
     def ttt_outputs(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor) -> list[torch.Tensor]:
         """Normed outputs [B, T-1, H] of TTT steps 0..S-1 (row t of step s predicts x_{t+2+s})."""
@@ -420,11 +441,11 @@ class Eagle3Drafter(Eagle3Backbone):
         hidden = self.combine(aux_hidden_states[:, :R])  # [B, R, H]
         positions = torch.arange(R, device=input_ids.device).expand(B, R)
         cache: list[list] = [[] for _ in self.layers]
+        attend = partial(self._attend, cache, True)
         outs = []
         for s in range(self.config.ttt_steps):
             tokens = shift_left(input_ids, 1 + s)[:, :R]  # x_{t+1+s}; padding past the end
-            mask = ttt_attention_mask(R, s, input_ids.device)[None]  # [1, R, (s+1)R]
-            out, hidden = self.run_layers(tokens, hidden, positions + s, partial(self._attend, cache, mask))
+            out, hidden = self.run_layers(tokens, hidden, positions + s, attend)
             outs.append(out)
         return outs
 
@@ -447,28 +468,74 @@ class Eagle3Drafter(Eagle3Backbone):
             step_loss[s], correct[s], count[s] = mean.detach(), ok.sum(), b.numel()
         return loss, {"loss": loss.detach(), "correct": correct, "count": count, "step_loss": step_loss}
 
+    @staticmethod
+    def _attend_new_context(
+        cache: list[list[tuple[torch.Tensor, torch.Tensor]]],
+        old: list[tuple[torch.Tensor, torch.Tensor]],
+        i: int,
+        attn: Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Step 0 over the context rows not seen before: x [1, n, H] are rows done..N-1, old[i]
+        the K/V [1, kvh, done, hd] of rows 0..done-1 from earlier proposals. Row done+j sees
+        rows 0..done+j; cache[i] gets the K/V of all N rows."""
+        q = attn.project_q(x, cos, sin)
+        k, v = attn.project_kv(x, cos, sin)
+        k, v = torch.cat([old[i][0], k], 2), torch.cat([old[i][1], v], 2)  # [1, kvh, N, hd]
+        cache[i].append((k, v))
+        n, N = q.shape[2], k.shape[2]
+        visible = (
+            torch.arange(N, device=q.device) <= torch.arange(N - n, N, device=q.device)[:, None]
+        )  # [n, N]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+        return attn.output(out)
+
     @torch.no_grad()
     def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """K greedy drafts after input_ids[-1], as vLLM's EAGLE-3 proposer computes them."""
+        """K greedy drafts after input_ids[-1], as vLLM's EAGLE-3 proposer computes them.
+
+        With `state` (one dict per request, kept by the caller between proposals) the context
+        rows' K/V are kept, as in vLLM's drafter KV cache, and only rows not seen before are
+        run: a request's verified prefix only grows, so those K/V never change.
+        """
         N = aux_hidden_states.shape[0]
         if input_ids.shape[0] != N + 1:
             raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
+        done = 0 if state is None else state.get("context_rows", 0)
+        if done > N:
+            raise ValueError(
+                f"the verified prefix shrank from {done} to {N} rows: use a new state per request"
+            )
+        done = min(done, N - 1)  # the newest row is always run: its output makes the first draft
         device = input_ids.device
-        tokens = input_ids[1:][None]  # [1, N]
-        hidden = self.combine(aux_hidden_states[None])  # [1, N, H]
-        positions = torch.arange(N, device=device)[None]
+        tokens = input_ids[1 + done :][None]  # [1, N - done]
+        hidden = self.combine(aux_hidden_states[None, done:])  # [1, N - done, H]
+        positions = torch.arange(done, N, device=device)[None]
         cache: list[list] = [[] for _ in self.layers]
-        mask = ttt_attention_mask(N, 0, device)[None]
+        if done:
+            old = [(k[:, :, :done], v[:, :, :done]) for k, v in state["context_kv"]]
+            first_step = partial(self._attend_new_context, cache, old)
+        else:
+            first_step = partial(self._attend, cache, True)
         drafts = []
         for s in range(num_tokens):
-            out, hidden = self.run_layers(tokens, hidden, positions, partial(self._attend, cache, mask))
+            # step 0: the context pass (causal); later: the newest row, after all the context
+            attend = first_step if s == 0 else partial(self._attend, cache, False)
+            out, hidden = self.run_layers(tokens, hidden, positions, attend)
+            if s == 0 and state is not None:
+                state.update(context_rows=N, context_kv=[layer_cache[0] for layer_cache in cache])
             out, hidden = out[:, -1:], hidden[:, -1:]
             drafts.append(self.to_target_ids(self.lm_head(out)[0, 0].argmax()))
             tokens = drafts[-1].view(1, 1)
             positions = torch.full((1, 1), N + s, device=device)
-            mask = torch.ones(1, 1, N + s + 1, dtype=torch.bool, device=device)
         return torch.stack(drafts)
 
     def export_config(self) -> dict[str, Any]:

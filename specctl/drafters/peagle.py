@@ -12,7 +12,9 @@ depth d >= 1, a sampled subset of anchors whose depth-d row is kept (draft-block
 sparsification, "COD": nested, count floor(n * max(r^d, r_min))). Depth rows attend to the
 real rows up to their anchor and to their own block's rows 1..d; the attention gathers those
 few block keys per row (`block_layout`) instead of materialising a mask over every pair of
-rows, so its cost is (real rows + kept rows) x real rows, linear in the rows kept.
+rows, and runs SDPA over the real rows shared by all depth rows (the real rows themselves are
+plain causal: no mask), so its cost is (real rows + kept rows) x real rows, linear in the
+rows kept.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from specctl.drafters.eagle3 import (
     specctl_block,
     verifier_from_export,
 )
-from specctl.drafters.layers import Attention
+from specctl.drafters.layers import (
+    Attention,
+    attend_with_own_keys,
+    attention_dtype,
+    own_key_attention,
+    shared_key_bias,
+)
 
 
 class Config(DrafterConfig):
@@ -146,26 +154,22 @@ def block_attention(
     q: torch.Tensor,
     ctx_k: torch.Tensor,
     ctx_v: torch.Tensor,
-    ctx_mask: torch.Tensor,
+    ctx_bias: torch.Tensor,
     blk_k: torch.Tensor,
     blk_v: torch.Tensor,
     blk_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention of M queries over shared context keys plus J gathered keys of their own.
+    """Attention of M depth rows over the shared real rows plus J gathered keys of their own.
 
-    q [B, h, M, hd]; ctx_k/v [B, kvh, R, hd], ctx_mask [B, M, R]; blk_k/v [B, kvh, M, J, hd],
-    blk_mask [B, M, J]. One softmax over both key sets -> [B, M, H] (after o_proj).
+    q [B, h, M, hd]; ctx_k/v [B, kvh, R, hd] the real rows, ctx_bias [B, 1, M, R + 1] =
+    shared_key_bias(ctx_mask) built once per forward; blk_k/v [B, kvh, M, J, hd], blk_mask
+    [B, M, J] the row's own block. One softmax over both key sets -> [B, M, H] (after o_proj).
+    SDPA runs over the real rows (no score matrix kept), the J block keys are explicit.
     """
     B, h, M, hd = q.shape
-    kvh, R = ctx_k.shape[1], ctx_k.shape[2]
-    q = q.view(B, kvh, h // kvh, M, hd) * hd**-0.5  # grouped-query heads share a kv head
-    s_ctx = q @ ctx_k[:, :, None].transpose(-1, -2)  # [B, kvh, rep, M, R]
-    s_blk = (q[..., None, :] * blk_k[:, :, None]).sum(-1)  # [B, kvh, rep, M, J]
-    mask = torch.cat([ctx_mask, blk_mask], dim=-1)[:, None, None]  # [B, 1, 1, M, R+J]
-    scores = torch.cat([s_ctx, s_blk], dim=-1).float().masked_fill(~mask, float("-inf"))
-    p = scores.softmax(-1).to(q.dtype)
-    out = p[..., :R] @ ctx_v[:, :, None] + (p[..., R:, None] * blk_v[:, :, None]).sum(-2)  # [.., M, hd]
-    return attn.o_proj(out.reshape(B, h, M, hd).transpose(1, 2).reshape(B, M, h * hd))
+    own_lse, own_out = own_key_attention(q.view(B, h, M, 1, hd), blk_k, blk_v, blk_mask[:, :, None, :])
+    out = attend_with_own_keys(q, ctx_k, ctx_v, own_lse.view(B, h, M), own_out.view(B, h, M, hd), ctx_bias)
+    return attn.output(out)
 
 
 # ---------------------------------------------------------------- module
@@ -219,10 +223,10 @@ class PEagleDrafter(Eagle3Backbone):
         M = anchor.shape[1]
         device = input_ids.device
         ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, self.config.num_depths)
-        causal = torch.ones(R, R, dtype=torch.bool, device=device).tril()[None, None]  # [1, 1, R, R]
         tokens = torch.cat([input_ids[:, 1 : R + 1], torch.full_like(anchor, self.verifier.mask_token_id)], 1)
         mask_feature = self.combine(self.mask_hidden.view(1, *aux_hidden_states.shape[-2:]))  # [1, H]
         features = torch.cat([self.combine(aux_hidden_states), mask_feature.expand(B, M, -1)], 1)
+        ctx_bias = shared_key_bias(ctx_mask, attention_dtype(features))  # [B, 1, M, R + 1], all layers
         positions = torch.cat([torch.arange(R, device=device).expand(B, R), anchor + depth], 1)
         bidx = torch.arange(B, device=device)[:, None, None]
         gather = blk_index.clamp(min=0)  # [B, M, J]
@@ -230,13 +234,13 @@ class PEagleDrafter(Eagle3Backbone):
         def attend(i: int, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
             q = attn.project_q(x, cos, sin)  # [B, h, R+M, hd]
             k, v = attn.project_kv(x, cos, sin)
-            real = attn.attend(q[:, :, :R], k[:, :, :R], v[:, :, :R], causal)
+            real = attn.attend(q[:, :, :R], k[:, :, :R], v[:, :, :R], None, is_causal=True)
             if M == 0:
                 return real
             # block keys of each depth row: [B, kvh, M, J, hd], gathered from the depth rows
             bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
             bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
-            drafts = block_attention(attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_mask, bk, bv, blk_mask)
+            drafts = block_attention(attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_bias, bk, bv, blk_mask)
             return torch.cat([real, drafts], 1)
 
         out, _ = self.run_layers(tokens, features, positions, attend)
@@ -293,9 +297,18 @@ class PEagleDrafter(Eagle3Backbone):
 
     @torch.no_grad()
     def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """K greedy drafts in one pass: anchor row N-1 plus mask slots 1..K-1 (vLLM parallel drafting)."""
+        """K greedy drafts in one pass: anchor row N-1 plus mask slots 1..K-1 (vLLM parallel drafting).
+
+        `state` is accepted for the common contract but unused: the real rows and the depth rows
+        run in one pass here, so the whole context is recomputed on every proposal (caching the
+        real rows' K/V, as EAGLE-3's propose does, is open work).
+        """
         N = aux_hidden_states.shape[0]
         if input_ids.shape[0] != N + 1:
             raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
