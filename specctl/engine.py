@@ -10,7 +10,10 @@ One request at a time (batch 1), pure PyTorch + transformers, CPU or GPU. A step
 so every step emits 1..K+1 tokens and the output is the verifier's (greedy: token for token;
 sampling: in distribution). The forward that verifies also records the aux hidden states the
 drafter reads (forward hooks, as in `verifier.capture_hidden_states`); those of accepted
-positions are appended to a buffer, so the verified prefix is never recomputed. With no
+positions are appended to a buffer, so the verified prefix is never recomputed. The drafter
+gets one `state` dict per request to keep its own work on that prefix between proposals
+(DFlash/DSpark: the context K/V; EAGLE-3: its context rows' K/V), as vLLM keeps a drafter KV
+cache. With no
 drafter the same loop feeds one token per step: plain decoding, the baseline of every speedup.
 
 Counters mean what vLLM's spec-decode metrics mean: a draft is one proposal that was
@@ -162,6 +165,7 @@ def generate(
     ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=device)  # [P + max_new] sequence so far
     ids[:P] = prompt
     aux_buffer: torch.Tensor | None = None  # [P + max_new, n_aux, H] verified positions' features
+    draft_state: dict[str, Any] = {}  # the drafter's own cache of its work on the verified prefix
     out: list[int] = []
 
     _sync(device)
@@ -173,7 +177,7 @@ def generate(
             k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
             drafts = ids[:0]
             if k > 0:
-                proposal = propose(ids[:n], aux_buffer[: n - 1], k)
+                proposal = propose(ids[:n], aux_buffer[: n - 1], k, state=draft_state)
                 if confidence_threshold is not None:
                     proposal, confidence = proposal
                     if confidence is None:

@@ -422,10 +422,74 @@ def _bench_seq(
     return figures
 
 
+def bench_engine(
+    workdir: Path, run_dir: Path = Path("runs/quickstart"), num_prompts: int = 3, max_new_tokens: int = 64
+) -> dict[str, float]:
+    """The embedded engine on SmolLM2, batch 1, greedy, the built-in prompts.
+
+    Baseline in the same run: HF `generate` (greedy, KV cache) on the same prompts, so
+    `engine_nospec_ratio_vs_hf_generate` says whether speedups are measured against a fair plain
+    decoder. `engine_speedup.<algo>` (and `engine_speedup_best` over the parallel drafters) uses
+    the drafters exported under `run_dir` (the quickstart's), and is left out when there are none:
+    an untrained drafter's speedup means nothing.
+    """
+    from specctl.bench.prompts import load_prompts
+    from specctl.engine import generate
+    from specctl.export import load_drafter
+    from specctl.recipe import load_recipe, resolve_recipe_path
+    from specctl.verifier import load_verifier
+
+    verifier = load_verifier(load_recipe(resolve_recipe_path("quickstart.yaml")).verifier)
+    prompts, _ = load_prompts("builtin", verifier.tokenizer, num_prompts)
+    model = verifier.model
+
+    def tokens_per_s(decode: Callable[[list[int]], int]) -> float:
+        decode(list(prompts[0].prompt_ids)[:8])  # warm-up
+        tokens, start = 0, time.perf_counter()
+        for p in prompts:
+            tokens += decode(list(p.prompt_ids))
+        return tokens / (time.perf_counter() - start)
+
+    def hf(ids: list[int]) -> int:
+        x = torch.tensor([ids])
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+        return out.shape[1] - len(ids)
+
+    def engine(drafter: object | None) -> Callable[[list[int]], int]:
+        return lambda ids: len(generate(verifier, drafter, ids, max_new_tokens).tokens)
+
+    hf_tps = tokens_per_s(hf)
+    plain_tps = tokens_per_s(engine(None))
+    figures = {
+        "engine_hf_generate_tokens_per_s": round(hf_tps, 2),
+        "engine_nospec_tokens_per_s": round(plain_tps, 2),
+        "engine_nospec_ratio_vs_hf_generate": round(plain_tps / hf_tps, 3),
+    }
+    parallel = []
+    for export in sorted(run_dir.glob("drafters/*/export")):
+        drafter, _ = load_drafter(export, verifier=verifier)
+        speedup = tokens_per_s(engine(drafter)) / plain_tps
+        figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)
+        if drafter.algo != "eagle3":
+            parallel.append(speedup)
+    if parallel:
+        figures["engine_speedup_best"] = round(max(parallel), 3)
+    else:
+        print(f"engine: no exported drafters under {run_dir}; run `make demo` for engine_speedup.<algo>")
+    return figures
+
+
 BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "collect": bench_collect,
     "train": bench_train,
     "seq": bench_seq,
+    "engine": bench_engine,
 }
 
 

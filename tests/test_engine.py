@@ -96,7 +96,7 @@ class ScriptedDrafter:
         self.first_wrong: list[int] = []  # per call: index of the first wrong draft (= K when none)
 
     def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int, state=None
     ) -> torch.Tensor:
         N = aux_hidden_states.shape[0]
         assert input_ids.tolist() == self.sequence[: N + 1]
@@ -110,7 +110,7 @@ class ScriptedDrafter:
             [(t + 1) % self.vocab_size if w else t for t, w in zip(truth, wrong, strict=True)]
         )
 
-    def propose_with_confidence(self, input_ids, aux_hidden_states, num_tokens):
+    def propose_with_confidence(self, input_ids, aux_hidden_states, num_tokens, state=None):
         drafts = self.propose(input_ids, aux_hidden_states, num_tokens)
         return drafts, None if self.confidence is None else torch.tensor(self.confidence[:num_tokens])
 
@@ -273,7 +273,7 @@ def fixed_drafter(tokens: list[int], aux_layer_ids: tuple[int, ...] = AUX_IDS) -
     """Test double that always proposes the same tokens (a one-hot q)."""
     return SimpleNamespace(
         verifier=SimpleNamespace(aux_layer_ids=aux_layer_ids),
-        propose=lambda ids, aux, k: torch.tensor(tokens[:k]),
+        propose=lambda ids, aux, k, state=None: torch.tensor(tokens[:k]),
     )
 
 
@@ -415,3 +415,42 @@ def test_counters_merge_and_report():
         4,
         [2, 1, 1, 0],
     )
+
+
+# ---------------------------------------------------------------- drafter state between proposals
+
+
+@pytest.mark.parametrize("algo", sorted(DRAFTERS))
+def test_propose_with_state_equals_recomputing_the_context(verifier, algo):
+    """The per-request `state` lets a drafter keep its work on the verified prefix (DFlash/DSpark:
+    context K/V, EAGLE-3: its context rows' K/V); drafts must be what a from-scratch proposal
+    gives at every step, as the prefix grows by 1..4 tokens (accepted drafts + bonus)."""
+    drafter = build_drafter(algo, verifier, num_layers=2)
+    with torch.no_grad():  # untrained drafters propose varied tokens once their weights are scaled
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (64,), generator=g)
+    aux = torch.randn(64, len(AUX_IDS), 64, generator=g)
+    K = min(3, default_num_speculative_tokens(drafter))
+    state: dict = {}
+    N, drafts = 5, []
+    while N < 60:
+        cached = drafter.propose(ids[: N + 1], aux[:N], K, state=state)
+        fresh = drafter.propose(ids[: N + 1], aux[:N], K)
+        assert cached.tolist() == fresh.tolist(), (algo, N)
+        drafts.append(cached.tolist())
+        N += int(torch.randint(1, 5, (1,), generator=g))
+    assert len({tuple(d) for d in drafts}) > 3  # the check saw varied drafts, not one repeated block
+    if algo != "peagle":  # P-EAGLE recomputes its context (documented)
+        assert state["context_rows"] > 50  # the cache followed the prefix
+
+
+def test_a_state_from_a_longer_prefix_is_refused(verifier):
+    drafter = build_drafter("dflash", verifier)
+    ids, aux = torch.randint(0, 300, (20,)), torch.randn(19, len(AUX_IDS), 64)
+    state: dict = {}
+    drafter.propose(ids, aux, 2, state=state)
+    with pytest.raises(ValueError, match="new state per request"):
+        drafter.propose(ids[:10], aux[:9], 2, state=state)

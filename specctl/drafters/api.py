@@ -73,11 +73,13 @@ class Drafter(Protocol):
     metrics holds at least `correct` [K] and `count` [K] (per draft position, summed over
     the batch, computed against the verifier's argmax) so validation can form tau_hat.
 
-    propose(input_ids [N+1], aux_hidden_states [N, n_aux, H], num_tokens K) -> [K] int64
-    drafts the K tokens that follow input_ids[-1] given the verifier's features of the
-    first N tokens. Optional: propose_with_confidence(same) -> ([K] drafts, [K] per-position
-    acceptance confidences or None); the engine then cuts the block where the product of
-    confidences drops below its threshold (DSpark's dynamic draft length).
+    propose(input_ids [N+1], aux_hidden_states [N, n_aux, H], num_tokens K, state=None) -> [K]
+    int64 drafts the K tokens that follow input_ids[-1] given the verifier's features of the
+    first N tokens. `state` is a dict the caller keeps per request (the verified prefix only
+    grows between calls); a drafter may cache its work on that prefix there, and must give
+    the same drafts with or without it. Optional: propose_with_confidence(same) -> ([K] drafts,
+    [K] per-position acceptance confidences or None); the engine then cuts the block where the
+    product of confidences drops below its threshold (DSpark's dynamic draft length).
     """
 
     algo: str
@@ -86,7 +88,11 @@ class Drafter(Protocol):
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
     ) -> torch.Tensor: ...
 
     def export_state(self) -> dict[str, torch.Tensor]: ...
