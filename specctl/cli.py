@@ -289,6 +289,9 @@ def bench(
         if sweep is not None:
             out.print(sweep)
         out.print(f"report: {report.output_dir}/report.md")
+        for figure in ("acceptance.png", "sweep.png"):
+            if report.output_dir is not None and (report.output_dir / figure).is_file():
+                out.print(f"figure: {report.output_dir / figure}")
     for e in report.errors:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
     for f in report.failures:
