@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -312,10 +311,13 @@ def main() -> None:
             raise
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except OSError as e:
-        if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    except Exception as e:  # a full disk, however the writing library reports it (torch, safetensors)
+        from specctl.checkpoint import disk_full
+
+        if debug or not disk_full(e):
             raise
-        where = f" writing {e.filename}" if e.filename else ""
+        filename = getattr(e, "filename", None)
+        where = f" writing {filename}" if filename else ""
         err.print(
             f"[red]error:[/red] disk full{where}; free space and rerun (finished work is kept)",
             highlight=False,
