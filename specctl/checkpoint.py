@@ -27,7 +27,6 @@ hand-editable text.
 from __future__ import annotations
 
 import errno
-import hashlib
 import io
 import json
 import os
@@ -51,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specctl.distributed import DistContext, barrier, broadcast_object
+from specctl.durable import fsync_dir, sha256_file
 from specctl.errors import CheckpointError, SpecctlError
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -145,16 +145,8 @@ def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------- checksums
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_checksums(path: Path) -> None:
-    sums = {name: _sha256_file(path / name) for name in CHECKSUMMED}
+    sums = {name: sha256_file(path / name) for name in CHECKSUMMED}
     (path / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1) + "\n")
 
 
@@ -167,7 +159,7 @@ def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path / CHECKSUM_FILE}: missing or unreadable; {advice}") from None
     for name in names:
-        if _sha256_file(path / name) != expected[name]:
+        if sha256_file(path / name) != expected[name]:
             raise CheckpointError(f"{path / name}: checksum mismatch (corrupted); {advice}")
 
 
@@ -195,15 +187,6 @@ def disk_full(error: BaseException | None) -> bool:
     return False
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in `path` durable: a rename is on disk once its directory is synced."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}.tmp-{os.getpid()}"
     try:
@@ -214,7 +197,7 @@ def _write_latest(root: Path, name: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -294,7 +277,7 @@ def save_checkpoint(
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 os.rename(tmp, path)
-            _fsync_dir(root)
+            fsync_dir(root)
             writing = root / LATEST
             _write_latest(root, path.name)
         except Exception as e:

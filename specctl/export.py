@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specctl.drafters import DRAFTERS, DrafterSpec, VerifierSpec, VerifierWeights
+from specctl.durable import fsync_dir
 from specctl.errors import SpecctlError
 from specctl.recipe import Recipe, VerifierSection, recipe_from_dict
 from specctl.verifier import BUILTIN_VERIFIERS, Verifier, builtin_alias, load_verifier, verifier_weights
@@ -664,19 +665,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_files(path: Path) -> None:
+    """Flush every file written into `path` before the directory is renamed into place."""
     for f in path.iterdir():
         with open(f, "rb+") as handle:
             os.fsync(handle.fileno())
-
-
-def _fsync_renames(directory: Path) -> None:
-    """Make the renames in `directory` durable: a rename is on disk once its directory is synced."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
@@ -698,7 +691,7 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
     existed = output.exists()
     try:
         write(tmp)
-        _fsync_dir(tmp)
+        _fsync_files(tmp)
         if existed:
             os.rename(output, old)
             try:
@@ -718,7 +711,7 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
         raise SpecctlError(f"{output}: disk full writing the export, {kept}; free space and rerun") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_renames(output.parent)
+    fsync_dir(output.parent)
 
 
 def save_drafter(drafter: nn.Module, output: str | Path, dtype: str = "bfloat16") -> Path:

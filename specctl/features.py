@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
+from specctl.durable import fsync_dir, sha256_file
 from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
@@ -202,26 +203,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    fsync_dir(path.parent)
 
 
 # ---------------------------------------------------------------- writer
@@ -357,7 +339,7 @@ class FeatureStore:
             file = self.path / info["file"]
             if not file.is_file():
                 raise FeatureStoreError(f"{file}: shard missing; rerun collect-hidden-states to rebuild it")
-            if self.verify and _sha256_file(file) != info["sha256"]:
+            if self.verify and sha256_file(file) != info["sha256"]:
                 raise FeatureStoreError(
                     f"{file}: checksum mismatch (corrupted); delete it and its .json, then rerun "
                     f"collect-hidden-states to rewrite it"
