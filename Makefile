@@ -29,9 +29,14 @@ endif
 
 # Two workers: the SmolLM2 serving chain runs on one while the rest of the suite runs on the other
 # (a module's tests stay on one worker; `make test WORKERS=0` runs them all in one process).
+# --no-loadscope-reorder keeps conftest's order: by default xdist hands out modules with the most
+# tests first, which started the 4-test SmolLM2 chain last and left one worker idle for 10 minutes.
+# One torch thread per worker (OMP_NUM_THREADS=1, inherited by the CLI subprocesses): two workers
+# with two threads each on two cores oversubscribe, and spinning OpenMP threads then more than
+# doubled the SmolLM2 training fixture (381 s alone, 858 s beside the other worker).
 WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --timeout=900 --durations=15 -n $(WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout=900 --durations=15 -n $(WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests

@@ -49,8 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from specctl.distributed import DistContext, barrier, broadcast_object
-from specctl.durable import fsync_dir, sha256_file
+from specctl.distributed import DistContext, broadcast_object
+from specctl.durable import fsync_dir, recover_dirs, replace_dir, sha256_file
 from specctl.errors import CheckpointError, SpecctlError
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -200,12 +200,6 @@ def _write_latest(root: Path, name: str) -> None:
     fsync_dir(root)
 
 
-def _fsync_tree(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb+") as handle:
-            os.fsync(handle.fileno())
-
-
 def _torch_save(obj: Any, path: Path) -> None:
     # through a Python file: a refused write then surfaces as an OSError with its errno
     with open(path, "wb") as f:
@@ -215,8 +209,7 @@ def _torch_save(obj: Any, path: Path) -> None:
 def prune(root: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (and whatever `latest` names); drop leftovers
     of interrupted writes."""
-    for tmp in root.glob(".step-*.tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    recover_dirs(root)  # step dirs a kill caught mid-write or mid-swap
     for tmp in root.glob(f".{LATEST}.tmp-*"):
         tmp.unlink(missing_ok=True)
     steps = sorted((p for p in root.glob("step-*") if step_of(p) is not None), key=lambda p: step_of(p) or 0)
@@ -248,53 +241,67 @@ def save_checkpoint(
     model_state = get_model_state_dict(model, options=options)
     optim_state = get_optimizer_state_dict(model, optimizer, options=options)
     path = root / f"step-{step}"
+    error: Exception | None = None
     if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".step-{step}.tmp-{os.getpid()}"
-        # clone: safetensors refuses tensors that share storage (tied weights)
-        drafter_state = {k: v.detach().clone().contiguous() for k, v in model_state.items()}
-        files = (
-            (DRAFTER_FILE, lambda f: save_file(drafter_state, str(f))),
-            (OPTIMIZER_FILE, lambda f: _torch_save(optim_state, f)),
-            (TRAINER_FILE, lambda f: _torch_save({**trainer_state, "rng": rng_state()}, f)),
-            (RECIPE_FILE, lambda f: f.write_text(recipe_yaml)),
-            (META_FILE, lambda f: f.write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")),
-            (CHECKSUM_FILE, lambda f: write_checksums(f.parent)),
-        )
-        writing = path
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            for name, write in files:
-                writing = path / name
-                write(tmp / name)
-            writing = path
-            _fsync_tree(tmp)
-            if path.exists():  # re-saving a step (e.g. after resuming from it): swap, then drop the old one
-                stale = root / f".step-{step}.tmp-old-{os.getpid()}"
-                os.rename(path, stale)
-                os.rename(tmp, path)
-                shutil.rmtree(stale, ignore_errors=True)
-            else:
-                os.rename(tmp, path)
-            fsync_dir(root)
-            writing = root / LATEST
-            _write_latest(root, path.name)
+            _write_checkpoint(root, step, model_state, optim_state, trainer_state, recipe_yaml, meta)
+            prune(root, keep)
         except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not disk_full(e):
-                raise
-            previous = latest_checkpoint(root)
-            resume = (
-                f"it continues from {previous.name}" if previous else "none was saved yet: rerun without it"
-            )
-            raise CheckpointError(
-                f"{writing}: disk full, checkpoint {path.name} not saved; free space and rerun with "
-                f"--resume ({resume})"
-            ) from None
-        prune(root, keep)
-    barrier(ctx)
+            error = e
+    # Every rank learns whether rank 0 saved: raising on rank 0 alone would leave the others
+    # waiting in the next collective until the process group's timeout (30 min by default).
+    failed = broadcast_object(None if error is None else str(error) or type(error).__name__, ctx)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CheckpointError(f"{path.name}: rank 0 could not save the checkpoint: {failed}")
     return path
+
+
+def _write_checkpoint(
+    root: Path,
+    step: int,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    recipe_yaml: str,
+    meta: dict[str, Any],
+) -> None:
+    """Rank 0: every file of step-N through `replace_dir`, then `latest`."""
+    path = root / f"step-{step}"
+    root.mkdir(parents=True, exist_ok=True)
+    # clone: safetensors refuses tensors that share storage (tied weights)
+    drafter_state = {k: v.detach().clone().contiguous() for k, v in model_state.items()}
+    files = (
+        (DRAFTER_FILE, lambda f: save_file(drafter_state, str(f))),
+        (OPTIMIZER_FILE, lambda f: _torch_save(optim_state, f)),
+        (TRAINER_FILE, lambda f: _torch_save({**trainer_state, "rng": rng_state()}, f)),
+        (RECIPE_FILE, lambda f: f.write_text(recipe_yaml)),
+        (META_FILE, lambda f: f.write_text(json.dumps({**meta, "step": step}, indent=2) + "\n")),
+        (CHECKSUM_FILE, lambda f: write_checksums(f.parent)),
+    )
+    writing = path
+
+    def write(tmp: Path) -> None:
+        nonlocal writing
+        for name, write_file in files:
+            writing = path / name
+            write_file(tmp / name)
+        writing = path
+
+    try:
+        replace_dir(path, write)  # re-saving a step (after resuming from it) swaps it whole
+        writing = root / LATEST
+        _write_latest(root, path.name)
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        previous = latest_checkpoint(root)
+        resume = f"it continues from {previous.name}" if previous else "none was saved yet: rerun without it"
+        raise CheckpointError(
+            f"{writing}: disk full, checkpoint {path.name} not saved; free space and rerun with "
+            f"--resume ({resume})"
+        ) from None
 
 
 # ---------------------------------------------------------------- load

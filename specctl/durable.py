@@ -1,9 +1,13 @@
-"""Small file helpers the stores share: content hashes and durable renames."""
+"""Small file helpers the stores share: content hashes, durable renames, and directories
+replaced whole (checkpoints, exports) so that a kill at any instant loses nothing."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -26,3 +30,80 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_files(path: Path) -> None:
+    """Flush every file directly inside `path` (before the directory is renamed into place)."""
+    for f in path.iterdir():
+        with open(f, "rb+") as handle:
+            os.fsync(handle.fileno())
+
+
+# .NAME.tmp-PID: being written; .NAME.old-PID: the previous NAME, between the two renames of a swap
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+def replace_dir(path: Path, write: Callable[[Path], None]) -> None:
+    """Write a directory through `write(tmp)` into a hidden sibling, flush it, then swap it in.
+
+    Whatever instant the process dies at (kill -9, power loss), `path` afterwards holds the old
+    directory or the new one, whole; the one window where it holds neither (between the two
+    renames) leaves the old one as .NAME.old-PID, which `recover_dir` -- called on every write --
+    puts back. An exception from `write` (a full disk) leaves `path` untouched and no temp dir.
+    """
+    recover_dir(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        fsync_files(tmp)
+        if path.exists():
+            os.rename(path, old)
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                os.rename(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def recover_dir(path: Path) -> None:
+    """Undo what a killed `replace_dir(path, ...)` left beside `path`: put a previous directory
+    caught between the two renames back (or drop it once the new one is in place), and remove
+    half-written temp dirs. Leftovers of a live process (another writer) are not touched."""
+    for leftover in sorted(path.parent.glob(f".{path.name}.*-*")):
+        match = _LEFTOVER.match(leftover.name)
+        if not match or match["name"] != path.name or _alive(int(match["pid"])):
+            continue
+        if match["kind"] == "old" and not path.exists():
+            os.rename(leftover, path)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+    fsync_dir(path.parent)
+
+
+def recover_dirs(parent: Path) -> None:
+    """`recover_dir` for every name in `parent` that has leftovers of a killed `replace_dir`."""
+    names = {m["name"] for p in parent.glob(".*") if (m := _LEFTOVER.match(p.name))}
+    for name in sorted(names):
+        recover_dir(parent / name)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():  # our own leftovers are from an earlier, finished call
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

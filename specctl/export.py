@@ -18,9 +18,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specctl.drafters import DRAFTERS, DrafterSpec, VerifierSpec, VerifierWeights
-from specctl.durable import fsync_dir
+from specctl.durable import recover_dir, replace_dir
 from specctl.errors import SpecctlError
 from specctl.recipe import Recipe, VerifierSection, recipe_from_dict
 from specctl.verifier import BUILTIN_VERIFIERS, Verifier, builtin_alias, load_verifier, verifier_weights
@@ -665,19 +662,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _fsync_files(path: Path) -> None:
-    """Flush every file written into `path` before the directory is renamed into place."""
-    for f in path.iterdir():
-        with open(f, "rb+") as handle:
-            os.fsync(handle.fileno())
-
-
 def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
-    """Write into a temporary sibling directory, then swap it in: a failure leaves `output` as it was.
-
-    A full disk (or file size limit) raises one line naming `output`; the temporary directory is
-    removed.
-    """
+    """Write the export through `durable.replace_dir`: a failure or a kill leaves `output` as it
+    was (or wholly new). A full disk (or file size limit) raises one line naming `output`."""
+    recover_dir(output)  # an export killed mid-swap: its previous directory back first
     if output.exists() and not output.is_dir():
         raise SpecctlError(f"{output}: exists and is not a directory; choose another --output")
     if output.is_dir() and any(output.iterdir()) and not is_export_dir(output):
@@ -685,23 +673,9 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
             f"{output}: exists and is not a speculators export; refusing to replace it "
             "(choose another --output)"
         )
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    old = tmp.with_name(tmp.name.replace(".tmp-", ".old-"))  # unique like tmp
     existed = output.exists()
     try:
-        write(tmp)
-        _fsync_files(tmp)
-        if existed:
-            os.rename(output, old)
-            try:
-                os.rename(tmp, output)
-            except OSError:
-                os.rename(old, output)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, output)
+        replace_dir(output, write)
     except Exception as e:
         from specctl.checkpoint import disk_full  # torch.distributed.checkpoint: slow import
 
@@ -709,9 +683,6 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
             raise
         kept = "the export already there is unchanged" if existed else "nothing was written"
         raise SpecctlError(f"{output}: disk full writing the export, {kept}; free space and rerun") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    fsync_dir(output.parent)
 
 
 def save_drafter(drafter: nn.Module, output: str | Path, dtype: str = "bfloat16") -> Path:

@@ -62,7 +62,33 @@ def worker(out: Path) -> None:
     train(recipe(out, "fsdp", grad_accum=1, optimizer="muon", parallelism="fsdp"), ctx, False, False)
     # a 1-rank run's checkpoint, resumed on 2 ranks (sharded, with Muon state)
     train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon", parallelism="fsdp"), ctx, True, False)
+    rank0_disk_full(out, ctx)
     distributed.teardown(ctx)
+
+
+def rank0_disk_full(out: Path, ctx) -> None:
+    """Rank 0's disk fills up while it writes a checkpoint: each rank writes the error it stopped
+    with to out/disk-full-rank<R>.txt. A rank that hangs instead fails the launch by its timeout."""
+    import errno
+
+    from specctl import checkpoint
+    from specctl.errors import CheckpointError
+    from specctl.train import train
+
+    def full_disk(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    real = checkpoint._torch_save
+    if ctx.rank == 0:
+        checkpoint._torch_save = full_disk
+    try:
+        train(recipe(out, "disk-full", grad_accum=1), ctx, resume=False, progress=False)
+        message = "no error"
+    except CheckpointError as e:
+        message = str(e)
+    finally:
+        checkpoint._torch_save = real
+    (out / f"disk-full-rank{ctx.rank}.txt").write_text(message)
 
 
 # ---------------------------------------------------------------- the tests (pytest side)
@@ -73,10 +99,9 @@ RUNS = ("ref-adamw", "ref-muon", "ddp", "fsdp", "muon-resumed", "ddp-resumed")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def dist_out(tmp_path_factory) -> Path:
     """All runs, 1-rank references first (the torchrun jobs resume from one of them)."""
     import torch
-    from test_train import read_metrics
 
     from specctl import train as train_mod
     from specctl.distributed import DistContext
@@ -103,7 +128,14 @@ def runs(tmp_path_factory):
         train_mod.train(recipe(out, "ddp-resumed", grad_accum=2), one, True, False)
     finally:
         train_mod.open_source = real_open_source
-    return {name: read_metrics(recipe(out, name, 1)) for name in RUNS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(dist_out: Path) -> dict[str, list[dict]]:
+    from test_train import read_metrics
+
+    return {name: read_metrics(recipe(dist_out, name, 1)) for name in RUNS}
 
 
 def losses(records):
@@ -138,6 +170,20 @@ def test_resume_on_a_different_world_size(runs):
         assert [r["step"] for r in runs[resumed] if "loss" in r] == [1, 2, 3, 4]
         assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=1e-5)
         assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=1e-5)
+
+
+@fault(
+    stage="train",
+    fault="torchrun, 2 ranks: rank 0's disk fills up while it writes a checkpoint",
+    result="both ranks stop with a CheckpointError at once (rank 0: the disk-full line; rank 1: "
+    "`step-N: rank 0 could not save the checkpoint: ...`); no rank waits for the collective timeout",
+)
+def test_rank0_checkpoint_failure_stops_every_rank(dist_out):
+    rank0 = (dist_out / "disk-full-rank0.txt").read_text()
+    rank1 = (dist_out / "disk-full-rank1.txt").read_text()
+    assert "optimizer.pt: disk full, checkpoint step-2 not saved" in rank0, rank0
+    assert rank1.startswith("step-2: rank 0 could not save the checkpoint: "), rank1
+    assert "disk full" in rank1
 
 
 if __name__ == "__main__":

@@ -686,3 +686,86 @@ def test_disk_full_during_export_leaves_no_partial_export(monkeypatch, capfd, tm
     assert code == 0, err
     headers = validate_export(output).headers
     assert {dtype for _, dtype in headers.values() if dtype.is_floating_point} == {torch.float32}
+
+
+# `python -m specctl ARGS` that SIGKILLs itself at one instant of the export's directory swap.
+# kill -9 runs no cleanup, so neither can this: os.kill, not an exception.
+KILL_EXPORT_AT = """
+import os, runpy, shutil, signal, sys
+import specctl.durable as durable, specctl.export as export
+where, sys.argv = sys.argv[1], ["specctl", *sys.argv[2:]]
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+real_save, real_fsync, real_rename, real_rmtree = (
+    export.save_file, durable.fsync_files, os.rename, shutil.rmtree)
+renames = []
+
+def save_file(state, filename, metadata=None):  # half of model.safetensors on disk
+    real_save(state, filename, metadata=metadata)
+    if where == "mid-write":
+        os.truncate(filename, os.path.getsize(filename) // 2)
+        die()
+
+def fsync_files(path):
+    real_fsync(path)
+    if where == "written":
+        die()
+
+def rename(src, dst):
+    renames.append(src)
+    if where == "between-renames" and len(renames) == 2:
+        die()
+    real_rename(src, dst)
+
+def rmtree(path, *args, **kwargs):
+    if where == "after-swap" and ".old-" in str(path):
+        die()
+    real_rmtree(path, *args, **kwargs)
+
+export.save_file, durable.fsync_files, os.rename, shutil.rmtree = save_file, fsync_files, rename, rmtree
+runpy.run_module("specctl", run_name="__main__")
+"""
+
+
+@fault(
+    stage="export",
+    fault="kill -9 of `specctl export` over a previous good export: mid-write of model.safetensors, "
+    "once the new directory is written, between the two renames of the swap, after the swap",
+    result="OUTPUT always holds one whole export (the previous one; the new one after the swap); "
+    "the rerun's export is byte-identical to an uninterrupted one and leaves no .export.tmp/.old dirs",
+)
+@pytest.mark.parametrize("where", ["mid-write", "written", "between-renames", "after-swap"])
+def test_kill_9_during_export_then_rerun_matches_uninterrupted(
+    monkeypatch, capfd, tmp_path, fault_run, where
+):
+    """A killed export must never leave vLLM a directory that looks like an export and is not one,
+    nor lose the export that was there: at every instant of the swap OUTPUT is old or new, whole,
+    and the one gap between the renames is repaired by the next export."""
+    checkpoint = fault_run.reference / "checkpoints" / f"step-{LAST}"
+    output, reference = tmp_path / "export", tmp_path / "reference"
+
+    def export(out: Path, *args: str) -> dict[str, bytes]:
+        code, _, err = run_main(monkeypatch, capfd, "export", str(checkpoint), "--output", str(out), *args)
+        assert code == 0, err
+        return {p.name: p.read_bytes() for p in out.iterdir()}
+
+    old = export(output)  # bfloat16
+    new = export(reference, "--dtype", "float32")
+    assert old != new
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        code = subprocess.run(
+            [sys.executable, "-c", KILL_EXPORT_AT, where, "export", str(checkpoint), "--output", str(output)]
+            + ["--dtype", "float32"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=CHILD_ENV,
+            timeout=240,
+        ).returncode
+    assert code == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
+    if where == "between-renames":  # the one instant OUTPUT is missing: the old export waits beside it
+        assert not output.exists() and [p.name for p in tmp_path.glob(".export.old-*")]
+    else:
+        assert {p.name: p.read_bytes() for p in output.iterdir()} == (new if where == "after-swap" else old)
+        validate_export(output)
+
+    assert export(output, "--dtype", "float32") == new
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

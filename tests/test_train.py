@@ -281,7 +281,7 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
     root = tmp_path / "checkpoints"
     good = ckpt.save_checkpoint(root, 5, model, opt, {"step": 5, "cursor": 0}, "", {}, CPU, keep=3)
     # a crash mid-write: a temp dir and a step dir with a file missing, and `latest` pointing at it
-    (root / ".step-10.tmp-999").mkdir()
+    (root / ".step-10.tmp-1073741823").mkdir()
     broken = root / "step-10"
     broken.mkdir()
     (broken / ckpt.DRAFTER_FILE).write_bytes(b"")
@@ -289,7 +289,7 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
     assert ckpt.latest_checkpoint(root) == good
     assert ckpt.find_checkpoint(tmp_path) == good  # from the parent (drafters/<algo>) dir too
     ckpt.prune(root, keep=3)
-    assert not (root / ".step-10.tmp-999").exists()
+    assert not (root / ".step-10.tmp-1073741823").exists()
 
 
 # ---------------------------------------------------------------- the loop: shared helpers
