@@ -26,7 +26,6 @@ hand-editable text.
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import os
@@ -38,7 +37,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -50,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specctl.distributed import DistContext, broadcast_object
-from specctl.durable import fsync_dir, recover_dirs, replace_dir, sha256_file
+from specctl.durable import disk_full, fsync_dir, recover_dirs, replace_dir, sha256_file
 from specctl.errors import CheckpointError, SpecctlError
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -164,27 +162,6 @@ def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
 
 
 # ---------------------------------------------------------------- save
-
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def disk_full(error: BaseException | None) -> bool:
-    """Whether `error`, or an exception it was raised from or while handling, is a write refused
-    for lack of space (ENOSPC, EDQUOT, or EFBIG from RLIMIT_FSIZE). torch.save reports one as a
-    RuntimeError raised while handling its file's OSError; safetensors as a SafetensorError
-    ending `(os error N)`."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in DISK_FULL:
-            return True
-        if isinstance(error, SafetensorError):
-            code = re.search(r"\(os error (\d+)\)", str(error))
-            if code and int(code.group(1)) in DISK_FULL:
-                return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def _write_latest(root: Path, name: str) -> None:

@@ -312,7 +312,7 @@ def main() -> None:
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # a full disk, however the writing library reports it (torch, safetensors)
-        from specctl.checkpoint import disk_full
+        from specctl.durable import disk_full
 
         if debug or not disk_full(e):
             raise

@@ -3,12 +3,15 @@ replaced whole (checkpoints, exports) so that a kill at any instant loses nothin
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 
 def sha256_file(path: Path) -> str:
@@ -107,3 +110,24 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's live process
         return True
     return True
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, or an exception it was raised from or while handling, is a write refused
+    for lack of space (ENOSPC, EDQUOT, or EFBIG from RLIMIT_FSIZE). torch.save reports one as a
+    RuntimeError raised while handling its file's OSError; safetensors as a SafetensorError
+    ending `(os error N)`."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in DISK_FULL:
+            return True
+        if isinstance(error, SafetensorError):
+            code = re.search(r"\(os error (\d+)\)", str(error))
+            if code and int(code.group(1)) in DISK_FULL:
+                return True
+        error = error.__cause__ or error.__context__
+    return False

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specctl.drafters import DRAFTERS, DrafterSpec, VerifierSpec, VerifierWeights
-from specctl.durable import recover_dir, replace_dir
+from specctl.durable import disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError
 from specctl.recipe import Recipe, VerifierSection, recipe_from_dict
 from specctl.verifier import BUILTIN_VERIFIERS, Verifier, builtin_alias, load_verifier, verifier_weights
@@ -677,8 +677,6 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
     try:
         replace_dir(output, write)
     except Exception as e:
-        from specctl.checkpoint import disk_full  # torch.distributed.checkpoint: slow import
-
         if not disk_full(e):
             raise
         kept = "the export already there is unchanged" if existed else "nothing was written"
