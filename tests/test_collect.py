@@ -274,6 +274,34 @@ def test_disk_full_keeps_finished_shards(tmp_path, tiny_verifier_dir):
     assert len(open_features(features)) == 24
 
 
+@fault(
+    stage="collect",
+    fault="disk full (RLIMIT_FSIZE) while the data stage writes tokens.safetensors",
+    result="exit 1 with one line naming the disk; no data/ dir and no temporary dir left; the rerun "
+    "completes",
+)
+def test_disk_full_in_the_data_stage_leaves_nothing_half_written(tmp_path, tiny_verifier_dir):
+    """data/ is what every later stage trusts by its manifest: a refused write must leave none of it."""
+    import resource
+
+    path = make_recipe(tmp_path, tiny_verifier_dir)
+    recipe = load_recipe(path)
+
+    def cap():  # below tokens.safetensors (24 tokenized conversations), above the empty lock file
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+    result = run_cli("collect-hidden-states", str(path), preexec=cap)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "disk full" in result.stderr
+    data = recipe.run_dir / "data"
+    assert not data.exists()
+    assert not [p.name for p in recipe.run_dir.iterdir() if p.name.startswith(".data.")]
+    result = run_cli("collect-hidden-states", str(path))
+    assert result.returncode == 0, result.stderr
+    assert (data / "manifest.json").is_file() and len(open_features(recipe.run_dir / "features")) == 24
+
+
 @fault(stage="collect", fault="verifier directory missing", result="exit 1 and one line `no such directory`")
 def test_missing_verifier_dir_is_one_line(tmp_path):
     path = make_recipe(tmp_path, tmp_path / "no-such-model")
