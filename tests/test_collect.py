@@ -245,6 +245,16 @@ def test_kill_9_then_rerun_gives_identical_store(tmp_path, tiny_verifier_dir):
     assert not [p for p in features.iterdir() if ".tmp-" in p.name]
 
 
+def collect_with_file_limit(recipe: Path, limit: int) -> subprocess.CompletedProcess:
+    """`specctl collect-hidden-states RECIPE` with RLIMIT_FSIZE at `limit` bytes: a full disk."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return run_cli("collect-hidden-states", str(recipe), preexec=cap)
+
+
 @fault(
     stage="collect",
     fault="disk full (RLIMIT_FSIZE) mid-collect",
@@ -252,17 +262,10 @@ def test_kill_9_then_rerun_gives_identical_store(tmp_path, tiny_verifier_dir):
     "rerun completes",
 )
 def test_disk_full_keeps_finished_shards(tmp_path, tiny_verifier_dir):
-    import resource
-
     path = make_recipe(tmp_path, tiny_verifier_dir)
     recipe = load_recipe(path)
-    # first, the data stage alone (small files), then cap file size below one shard's size
-    collect_limit = 150_000
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (collect_limit, collect_limit))
-
-    result = run_cli("collect-hidden-states", str(path), preexec=cap)
+    # the data stage's files fit (small), one shard does not
+    result = collect_with_file_limit(path, 150_000)
     assert result.returncode == 1
     line = result.stderr.strip().splitlines()[-1]
     assert "disk full" in line and "rerun" in line
@@ -282,15 +285,10 @@ def test_disk_full_keeps_finished_shards(tmp_path, tiny_verifier_dir):
 )
 def test_disk_full_in_the_data_stage_leaves_nothing_half_written(tmp_path, tiny_verifier_dir):
     """data/ is what every later stage trusts by its manifest: a refused write must leave none of it."""
-    import resource
-
     path = make_recipe(tmp_path, tiny_verifier_dir)
     recipe = load_recipe(path)
-
-    def cap():  # below tokens.safetensors (24 tokenized conversations), above the empty lock file
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
-
-    result = run_cli("collect-hidden-states", str(path), preexec=cap)
+    # below tokens.safetensors (24 tokenized conversations), above the empty lock file
+    result = collect_with_file_limit(path, 1000)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
     assert "disk full" in result.stderr
