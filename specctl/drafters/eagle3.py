@@ -35,6 +35,7 @@ from specctl.drafters.layers import (
     MLP,
     Attention,
     RMSNorm,
+    attend_after_prefix,
     attend_with_own_keys,
     own_key_attention,
     rope_cos_sin,
@@ -485,12 +486,7 @@ class Eagle3Drafter(Eagle3Backbone):
         k, v = attn.project_kv(x, cos, sin)
         k, v = torch.cat([old[i][0], k], 2), torch.cat([old[i][1], v], 2)  # [1, kvh, N, hd]
         cache[i].append((k, v))
-        n, N = q.shape[2], k.shape[2]
-        visible = (
-            torch.arange(N, device=q.device) <= torch.arange(N - n, N, device=q.device)[:, None]
-        )  # [n, N]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
-        return attn.output(out)
+        return attend_after_prefix(attn, q, k, v)
 
     @torch.no_grad()
     def propose(

@@ -152,6 +152,18 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def attend_after_prefix(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last n of S rows: q [B, h, n, hd], k/v [B, kvh, S, hd] of all S
+    rows (a cached prefix + the new ones) -> [B, n, H]. Row S-n+j sees rows 0..S-n+j.
+
+    A proposal with a cached prefix runs only the rows the cache lacks, so its queries are the
+    tail of the key sequence: SDPA's own `is_causal` would align them with its head instead.
+    """
+    n, S = q.shape[2], k.shape[2]
+    visible = torch.arange(S, device=q.device) <= torch.arange(S - n, S, device=q.device)[:, None]  # [n, S]
+    return attn.attend(q, k, v, visible)
+
+
 # ---------------------------------------------------------------- shared keys + own keys
 
 # The own-key summary key's score is floored here (natural-log units): a query with no own

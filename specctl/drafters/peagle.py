@@ -36,6 +36,7 @@ from specctl.drafters.eagle3 import (
 )
 from specctl.drafters.layers import (
     Attention,
+    attend_after_prefix,
     attend_with_own_keys,
     attention_dtype,
     own_key_attention,
@@ -305,22 +306,44 @@ class PEagleDrafter(Eagle3Backbone):
     ) -> torch.Tensor:
         """K greedy drafts in one pass: anchor row N-1 plus mask slots 1..K-1 (vLLM parallel drafting).
 
-        `state` is accepted for the common contract but unused: the real rows and the depth rows
-        run in one pass here, so the whole context is recomputed on every proposal (caching the
-        real rows' K/V, as EAGLE-3's propose does, is open work).
+        At the anchor N-1 the P-EAGLE layout is plain causal attention over [real rows 0..N-1,
+        depth rows 1..K-1]: every real row is visible, depth row d sees depth rows 1..d. So with
+        `state` (one dict per request) the real rows' K/V are kept, as vLLM keeps a drafter KV
+        cache, and each proposal runs only the real rows not seen before plus the K-1 depth rows.
         """
         N = aux_hidden_states.shape[0]
         if input_ids.shape[0] != N + 1:
             raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
         if num_tokens > self.config.num_depths:
             raise ValueError(f"this drafter was trained for at most {self.config.num_depths} tokens")
+        done = 0 if state is None else state.get("context_rows", 0)
+        if done > N:
+            raise ValueError(
+                f"the verified prefix shrank from {done} to {N} rows: use a new state per request"
+            )
+        done = min(done, N - 1)  # the newest real row is always run: its output makes the first draft
         device = input_ids.device
-        depth = torch.arange(1, num_tokens, device=device)[None]  # [1, K-1]
-        anchor = torch.full_like(depth, N - 1)
-        out_real, out_depth = self.rows_forward(
-            input_ids[None], aux_hidden_states[None], anchor, depth, torch.ones_like(depth, dtype=torch.bool)
-        )
-        logits = self.lm_head(torch.cat([out_real[:, -1:], out_depth], 1))[0]  # [K, Vd]
+        n, M = N - done, num_tokens - 1  # new real rows, depth rows
+        tokens = torch.cat([input_ids[1 + done :], input_ids.new_full((M,), self.verifier.mask_token_id)])
+        mask_feature = self.combine(self.mask_hidden.view(1, *aux_hidden_states.shape[-2:]))  # [1, H]
+        features = torch.cat([self.combine(aux_hidden_states[done:]), mask_feature.expand(M, -1)])  # [n+M, H]
+        positions = torch.arange(done, N + M, device=device)  # depth row d sits at anchor + d = N - 1 + d
+        old = state["context_kv"] if done else None
+        real_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def attend(i: int, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+            q = attn.project_q(x, cos, sin)  # [1, h, n+M, hd]
+            k, v = attn.project_kv(x, cos, sin)  # [1, kvh, n+M, hd]
+            if old is not None:
+                k = torch.cat([old[i][0][:, :, :done], k], 2)  # [1, kvh, N+M, hd]
+                v = torch.cat([old[i][1][:, :, :done], v], 2)
+            real_kv.append((k[:, :, :N], v[:, :, :N]))
+            return attend_after_prefix(attn, q, k, v)
+
+        out, _ = self.run_layers(tokens[None], features[None], positions[None], attend)  # [1, n+M, H]
+        if state is not None:
+            state.update(context_rows=N, context_kv=real_kv)
+        logits = self.lm_head(out[0, n - 1 :])  # [K, Vd]: the anchor row, then depth rows 1..K-1
         return self.to_target_ids(logits.argmax(-1))
 
     def export_config(self) -> dict[str, Any]:
