@@ -14,6 +14,7 @@ import gc
 import json
 import random
 import resource
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -485,11 +486,65 @@ def bench_engine(
     return figures
 
 
+def bench_features(
+    workdir: Path,
+    run_dir: Path = Path("runs/quickstart"),
+    algos: tuple[str, ...] = ("dflash", "eagle3"),
+    overrides: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """The compact feature layout (fp8 aux states + top-16 targets) against bf16, on quickstart data.
+
+    Both stores are collected from the same prepared conversations (`run_dir/data`, which `make
+    demo` writes), and each drafter is trained on each with the quickstart recipe and the same
+    seed: `tau_hat_ratio_compact_vs_bf16` is what the smaller store costs in held-out acceptance.
+    Left out when there is no quickstart data: self-generating it here would take minutes more.
+    `overrides` (`--set` assignments on both recipes) must match how `run_dir/data` was made.
+    """
+    from specctl.collect import collect
+    from specctl.recipe import load_recipe, resolve_recipe_path
+    from specctl.train import run_training
+    from specctl.verifier import load_verifier
+
+    if not (run_dir / "data" / "manifest.json").is_file():
+        print(
+            f"features: no prepared data under {run_dir}; run `make demo` for tau_hat_ratio_compact_vs_bf16"
+        )
+        return {}
+    layouts = {"bf16": [], "compact": ["features.aux_dtype=fp8", "features.target=topk", "features.topk=16"]}
+    figures: dict[str, float] = {}
+    tau: dict[str, dict[str, float]] = {}
+    verifier = None
+    for name, settings in layouts.items():
+        shutil.copytree(run_dir / "data", workdir / name / "data")  # same samples, no regeneration
+        base = [*overrides, f"output_dir={workdir}", f"name={name}", *settings]
+        recipe = load_recipe(resolve_recipe_path("quickstart.yaml"), base)
+        verifier = verifier or load_verifier(recipe.verifier)
+        summary = collect(recipe, verifier=verifier, progress=False)
+        figures[f"feature_bytes_per_token.{name}"] = round(summary.bytes_per_token or 0.0, 1)
+        for algo in algos:
+            trained = run_training(
+                load_recipe(resolve_recipe_path("quickstart.yaml"), [*base, f"drafter.algo={algo}"]),
+                progress=False,
+            )
+            if trained is None or trained.tau_hat is None:
+                raise RuntimeError(f"features: training {algo} on the {name} store gave no validation")
+            tau.setdefault(algo, {})[name] = trained.tau_hat
+            figures[f"tau_hat_{name}.{algo}"] = round(trained.tau_hat, 4)
+    figures["feature_bytes_ratio_compact_vs_bf16"] = round(
+        figures["feature_bytes_per_token.compact"] / figures["feature_bytes_per_token.bf16"], 3
+    )
+    for algo, pair in tau.items():
+        figures[f"tau_hat_ratio_compact_vs_bf16.{algo}"] = round(pair["compact"] / pair["bf16"], 4)
+    figures["tau_hat_ratio_compact_vs_bf16"] = round(min(p["compact"] / p["bf16"] for p in tau.values()), 4)
+    return figures
+
+
 BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "collect": bench_collect,
     "train": bench_train,
     "seq": bench_seq,
     "engine": bench_engine,
+    "features": bench_features,
 }
 
 

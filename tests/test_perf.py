@@ -161,3 +161,48 @@ def test_gpu_check_dry_run_end_to_end_without_datasets_or_gguf(tmp_path):
         assert report["engine"][algo]["tokens"] == report["engine"]["verifier"]["max_new_tokens"]
     assert report["engine"]["no_spec"]["tokens_per_s"] > 0
     assert "gpu-check training" in result.stdout  # the rich table
+
+
+def test_bench_features_compares_both_layouts_of_the_same_data(tmp_path, tiny_verifier_dir):
+    """The `features` section collects the same prepared samples twice (bf16, fp8 + top-16) and
+    trains each drafter on each store: byte and tau_hat ratios come from those four runs."""
+    from test_collect import write_conversations
+
+    from specctl.collect import collect
+    from specctl.features import Layout, layout_bytes_per_token
+    from specctl.recipe import load_recipe
+
+    chats = write_conversations(tmp_path / "chats.jsonl", n=16)
+    overrides = (
+        f"verifier.name_or_path={tiny_verifier_dir}",
+        f"data.source={chats}",
+        "data.max_length=256",
+        "features.aux_layer_ids=[1,2,3]",
+        "drafter.draft_vocab_size=null",
+        "train.max_steps=2",
+        "train.warmup_steps=0",
+        "train.eval_every=2",
+        "train.save_every=2",
+        "train.batch_tokens=512",
+    )
+    made = load_recipe("quickstart.yaml", [*overrides, f"output_dir={tmp_path / 'runs'}", "name=qs"])
+    collect(made, progress=False)  # prepares runs/qs/data, as `make demo` does for the real section
+    figures = perf.bench_features(tmp_path / "work", made.run_dir, ("eagle3", "dflash"), overrides)
+
+    assert (tmp_path / "work" / "compact" / "features" / "manifest.json").is_file()
+    for algo in ("eagle3", "dflash"):
+        bf16, compact = figures[f"tau_hat_bf16.{algo}"], figures[f"tau_hat_compact.{algo}"]
+        assert bf16 >= 1 and compact >= 1
+        assert figures[f"tau_hat_ratio_compact_vs_bf16.{algo}"] == pytest.approx(compact / bf16, abs=1e-3)
+    assert figures["tau_hat_ratio_compact_vs_bf16"] == min(
+        figures[f"tau_hat_ratio_compact_vs_bf16.{a}"] for a in ("eagle3", "dflash")
+    )
+    # the measured ratio is the layout's: 3 aux layers of the tiny verifier's hidden 64, vocab 320
+    full = layout_bytes_per_token(Layout(), 64, 3, 320)
+    small = layout_bytes_per_token(Layout(aux_dtype="fp8", target="topk", topk=16), 64, 3, 320)
+    assert figures["feature_bytes_ratio_compact_vs_bf16"] == pytest.approx(small / full, rel=0.05)
+
+
+def test_bench_features_without_quickstart_data_says_how_to_get_it(tmp_path, capsys):
+    assert perf.bench_features(tmp_path, tmp_path / "missing") == {}
+    assert "make demo" in capsys.readouterr().out
