@@ -36,7 +36,6 @@ from specctl.bench.vllm import (
     server_command,
     speculative_config,
     stop_process_group,
-    vllm_env,
 )
 from specctl.errors import SpecctlError
 
@@ -137,15 +136,6 @@ def test_server_command_is_an_argument_list(tmp_path):
     # the user's extra arguments come last, so argparse lets them win
     assert argv[-4:] == ["--max-num-seqs", "4", "--max-model-len", "999"]
     assert "--enforce-eager" not in engine_args(Method("no-spec", "none"), setup, cpu=False)
-
-
-def test_offline_on_a_cpu_runs_the_engine_in_process_unless_the_user_says_otherwise():
-    assert vllm_env(True, {}, offline=True)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(True, {})  # the server keeps vLLM's default
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vllm_env(False, {}, offline=True)  # GPU: overlap pays
-    user = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "8"}
-    mine = vllm_env(True, user, offline=True)
-    assert mine["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and mine["VLLM_CPU_KVCACHE_SPACE"] == "8"
 
 
 def test_parse_completion_token_ids():

@@ -10,7 +10,7 @@ directory; its tail is part of every failure message.
 
 Offline mode runs vLLM's `LLM` in a worker subprocess (`python -m specctl.bench.vllm
 offline JOB RESULT`) with the same lifecycle, and reads the same counters from the
-worker's in-process Prometheus registry (on a CPU the engine runs inside that worker: `vllm_env`).
+worker's in-process Prometheus registry.
 
 Metric names, from vllm/v1/spec_decode/metrics.py (SpecDecodingProm) and
 vllm/v1/metrics/loggers.py: vllm:spec_decode_num_drafts_total,
@@ -137,20 +137,10 @@ def server_command(method: Method, setup: VllmSetup, port: int, cpu: bool) -> li
     ]
 
 
-def vllm_env(cpu: bool, base: dict[str, str] | None = None, offline: bool = False) -> dict[str, str]:
-    """vLLM's environment; the user's own settings win.
-
-    Offline on a CPU, the engine runs inside the worker process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    instead of in an EngineCore process plus a Worker process: on a 2-core machine the three
-    processes compete for the cores and each re-imports vLLM. Measured on SmolLM2 (eagle3, 6
-    prompts x 8 tokens): 86 s -> 42 s per engine, generation 1.6x faster, identical tokens and
-    counters. No-spec and drafters are measured the same way, so speedups stay comparable.
-    """
+def vllm_env(cpu: bool, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default assumes a big machine
-        if offline:
-            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -687,7 +677,7 @@ def measure_offline(
     result_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(offline_job(method, groups, setup, cpu)))
     argv = [setup.python, "-m", "specctl.bench.vllm", "offline", str(job_path), str(result_path)]
-    with process_group(argv, log_path, vllm_env(cpu, offline=True)) as proc:
+    with process_group(argv, log_path, vllm_env(cpu)) as proc:
         while proc.poll() is None:
             time.sleep(0.2)
     if proc.returncode != 0 or not result_path.is_file():
