@@ -378,6 +378,30 @@ def test_half_written_dir_is_not_reused(tmp_path, tiny_tokenizer, damage):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]  # no temp dirs left behind
 
 
+@fault(
+    stage="data",
+    fault="kill -9 between the two renames of the data dir swap (data/ moved aside, new one not in)",
+    result="the next run puts the complete old dir back and reuses it: nothing regenerated",
+)
+def test_data_dir_stranded_mid_swap_is_recovered_and_reused(tmp_path, tiny_tokenizer, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVS])
+    out = tmp_path / "out"
+    prepare(cfg(path), tiny_tokenizer, out)
+    good = dir_bytes(out)
+    dead = 2**30 - 1  # above any Linux pid_max: the killed writer, no longer running
+    out.rename(tmp_path / f".out.old-{dead}")
+
+    import specctl.data.prepare as prep
+
+    def boom(*a, **k):
+        raise AssertionError("recovery must not tokenize again")
+
+    monkeypatch.setattr(prep, "tokenize_conversations", boom)
+    again = prepare(cfg(path), tiny_tokenizer, out)
+    assert again.reused and dir_bytes(out) == good
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
 # ---------------------------------------------------------------- errors
 
 

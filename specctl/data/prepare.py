@@ -6,9 +6,10 @@ On-disk format of runs/<name>/data/ (see docs/data.md):
   conversations.jsonl     one line per sample: {"messages": [...]} or {"pretokenized": true, ...}
   manifest.json           format version, fingerprint, counts, tokenizer, source, file sizes
 
-The directory is built under a temporary name and renamed into place, and manifest.json is
-the last file written, so a killed run never leaves a directory that reads as complete, and
-a failing run leaves the previous complete directory as it was.
+The directory is built under a temporary name, flushed and swapped into place
+(`durable.replace_dir`, as checkpoints and exports are), and manifest.json is the last file
+written, so a killed run never leaves a directory that reads as complete, and a failing run
+leaves the previous complete directory as it was.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from specctl.data import sources
 from specctl.data.chat import tokenize_conversations
 from specctl.data.generate import GenerationStats, SamplingParams, regenerate, self_generate
+from specctl.durable import recover_dir, replace_dir
 from specctl.errors import DataError
 from specctl.recipe import DataSection
 
@@ -228,6 +228,7 @@ def prepare_data(
 def _prepare_data(cfg: DataSection, tokenizer, out_dir: Path, model, progress: bool) -> DataSummary:
     fingerprint = data_fingerprint(cfg, tokenizer)
     generating = sources.is_self_generated(cfg.source) or cfg.regenerate
+    recover_dir(out_dir)  # a run killed mid-swap left the complete old dir beside out_dir: reuse it
     manifest = read_manifest(out_dir)
     if (
         manifest is not None
@@ -361,12 +362,8 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, model, finge
         source=description,
         **counts,
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+
+    def write_files(tmp: Path) -> None:
         save_file(
             {"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets},
             str(tmp / "tokens.safetensors"),
@@ -396,15 +393,8 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, model, finge
             "file_sizes": {name: (tmp / name).stat().st_size for name in FILES},
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        with contextlib.suppress(FileNotFoundError):  # another process may have moved it already
-            out_dir.rename(old)
-        try:
-            tmp.rename(out_dir)
-        except OSError:  # a concurrent process (e.g. another --shard) finished first: fine if identical
-            winner = read_manifest(out_dir)
-            if winner is None or winner.get("fingerprint") != fingerprint:
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+
+    # Flushed, then swapped in whole; a kill between the two renames is undone by the next run
+    # (durable.recover_dir), so self-generated conversations are not lost to it.
+    replace_dir(out_dir, write_files)
     return summary
