@@ -41,6 +41,7 @@ from specctl.drafters.layers import (
     RMSNorm,
     attend_with_own_keys,
     attention_dtype,
+    cached_rows,
     own_key_attention,
     rope_cos_sin,
     rope_inv_freq,
@@ -474,11 +475,8 @@ class DFlashDrafter(nn.Module):
         """
         if state is None:
             return self.context_kv(aux_hidden_states[None])
-        N, done = aux_hidden_states.shape[0], state.get("context_rows", 0)
-        if done > N:
-            raise ValueError(
-                f"the verified prefix shrank from {done} to {N} positions: use a new state per request"
-            )
+        N = aux_hidden_states.shape[0]
+        done = cached_rows(state, N)
         if done < N:
             new = self.context_kv(aux_hidden_states[None, done:], start=done)
             old = state.get("context_kv")

@@ -37,6 +37,7 @@ from specctl.drafters.layers import (
     RMSNorm,
     attend_after_prefix,
     attend_with_own_keys,
+    cached_rows,
     own_key_attention,
     rope_cos_sin,
     rope_inv_freq,
@@ -505,12 +506,8 @@ class Eagle3Drafter(Eagle3Backbone):
         N = aux_hidden_states.shape[0]
         if input_ids.shape[0] != N + 1:
             raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
-        done = 0 if state is None else state.get("context_rows", 0)
-        if done > N:
-            raise ValueError(
-                f"the verified prefix shrank from {done} to {N} rows: use a new state per request"
-            )
-        done = min(done, N - 1)  # the newest row is always run: its output makes the first draft
+        # the newest row is always run: its output makes the first draft
+        done = min(cached_rows(state, N), N - 1)
         device = input_ids.device
         tokens = input_ids[1 + done :][None]  # [1, N - done]
         hidden = self.combine(aux_hidden_states[None, done:])  # [1, N - done, H]

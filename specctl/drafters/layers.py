@@ -152,6 +152,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def cached_rows(state: dict[str, Any] | None, rows: int) -> int:
+    """How many of a request's `rows` prefix rows the drafter's `state` already holds K/V for.
+
+    A request's verified prefix only grows, so a state that saw more rows than there are now
+    belongs to another request: refuse it rather than draft from the wrong context.
+    """
+    done = 0 if state is None else state.get("context_rows", 0)
+    if done > rows:
+        raise ValueError(
+            f"the verified prefix shrank from {done} to {rows} rows: use a new state per request"
+        )
+    return done
+
+
 def attend_after_prefix(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of the last n of S rows: q [B, h, n, hd], k/v [B, kvh, S, hd] of all S
     rows (a cached prefix + the new ones) -> [B, n, H]. Row S-n+j sees rows 0..S-n+j.

@@ -39,6 +39,7 @@ from specctl.drafters.layers import (
     attend_after_prefix,
     attend_with_own_keys,
     attention_dtype,
+    cached_rows,
     own_key_attention,
     shared_key_bias,
 )
@@ -206,6 +207,10 @@ class PEagleDrafter(Eagle3Backbone):
         # the hidden of every mask slot, in fc-input space (vLLM passes it through combine)
         self.mask_hidden = nn.Parameter(torch.randn(1, n_aux * verifier.hidden_size) * 0.02)
 
+    def mask_feature(self) -> torch.Tensor:
+        """The hidden of every mask slot, through the same fc as real features -> [1, H]."""
+        return self.combine(self.mask_hidden.view(1, len(self.verifier.aux_layer_ids), -1))
+
     def rows_forward(
         self,
         input_ids: torch.Tensor,
@@ -225,8 +230,7 @@ class PEagleDrafter(Eagle3Backbone):
         device = input_ids.device
         ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, self.config.num_depths)
         tokens = torch.cat([input_ids[:, 1 : R + 1], torch.full_like(anchor, self.verifier.mask_token_id)], 1)
-        mask_feature = self.combine(self.mask_hidden.view(1, *aux_hidden_states.shape[-2:]))  # [1, H]
-        features = torch.cat([self.combine(aux_hidden_states), mask_feature.expand(B, M, -1)], 1)
+        features = torch.cat([self.combine(aux_hidden_states), self.mask_feature().expand(B, M, -1)], 1)
         ctx_bias = shared_key_bias(ctx_mask, attention_dtype(features))  # [B, 1, M, R + 1], all layers
         positions = torch.cat([torch.arange(R, device=device).expand(B, R), anchor + depth], 1)
         bidx = torch.arange(B, device=device)[:, None, None]
@@ -316,17 +320,12 @@ class PEagleDrafter(Eagle3Backbone):
             raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
         if num_tokens > self.config.num_depths:
             raise ValueError(f"this drafter was trained for at most {self.config.num_depths} tokens")
-        done = 0 if state is None else state.get("context_rows", 0)
-        if done > N:
-            raise ValueError(
-                f"the verified prefix shrank from {done} to {N} rows: use a new state per request"
-            )
-        done = min(done, N - 1)  # the newest real row is always run: its output makes the first draft
+        # the newest real row is always run: its output makes the first draft
+        done = min(cached_rows(state, N), N - 1)
         device = input_ids.device
         n, M = N - done, num_tokens - 1  # new real rows, depth rows
         tokens = torch.cat([input_ids[1 + done :], input_ids.new_full((M,), self.verifier.mask_token_id)])
-        mask_feature = self.combine(self.mask_hidden.view(1, *aux_hidden_states.shape[-2:]))  # [1, H]
-        features = torch.cat([self.combine(aux_hidden_states[done:]), mask_feature.expand(M, -1)])  # [n+M, H]
+        features = torch.cat([self.combine(aux_hidden_states[done:]), self.mask_feature().expand(M, -1)])
         positions = torch.arange(done, N + M, device=device)  # depth row d sits at anchor + d = N - 1 + d
         old = state["context_kv"] if done else None
         real_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
