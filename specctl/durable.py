@@ -42,6 +42,30 @@ def fsync_files(path: Path) -> None:
             os.fsync(handle.fileno())
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (os.umask can only
+    read by setting, which races with files other threads create meanwhile)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def give_umask_modes(path: Path) -> None:
+    """Give every file directly inside `path` the mode a new file gets under the umask (0o644
+    under the usual 022). safetensors writes its files 0o600, so an export, a checkpoint or the
+    data stage would be unreadable to a vLLM server or a teammate running as another user."""
+    mode = 0o666 & ~umask()
+    for f in path.iterdir():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, mode)
+
+
 # .NAME.tmp-PID: being written; .NAME.old-PID: the previous NAME, between the two renames of a swap
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 
@@ -53,6 +77,7 @@ def replace_dir(path: Path, write: Callable[[Path], None]) -> None:
     directory or the new one, whole; the one window where it holds neither (between the two
     renames) leaves the old one as .NAME.old-PID, which `recover_dir` -- called on every write --
     puts back. An exception from `write` (a full disk) leaves `path` untouched and no temp dir.
+    Its files get the umask's modes (give_umask_modes), whatever library wrote them.
     """
     recover_dir(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -62,6 +87,7 @@ def replace_dir(path: Path, write: Callable[[Path], None]) -> None:
     tmp.mkdir()
     try:
         write(tmp)
+        give_umask_modes(tmp)
         fsync_files(tmp)
         if path.exists():
             os.rename(path, old)

@@ -27,6 +27,26 @@ def test_replace_dir_swaps_whole_and_leaves_nothing_beside(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_files_get_the_umask_modes_whoever_wrote_them(tmp_path, mask):
+    """safetensors writes 0o600: a vLLM server running as another user could not read an export."""
+    import torch
+    from safetensors.torch import save_file
+
+    def write(tmp: Path) -> None:
+        save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text("{}")
+        os.chmod(tmp / "config.json", 0o600)
+
+    before = os.umask(mask)
+    try:
+        replace_dir(tmp_path / "export", write)
+    finally:
+        os.umask(before)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "export").iterdir()}
+    assert modes == {"model.safetensors": 0o666 & ~mask, "config.json": 0o666 & ~mask}
+
+
 def test_a_failing_write_leaves_the_old_directory(tmp_path):
     out = write_dir(tmp_path / "export", "old")
 

@@ -22,6 +22,7 @@ from specctl.checkpoint import META_FILE, save_checkpoint
 from specctl.distributed import DistContext
 from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
+from specctl.durable import umask
 from specctl.errors import SpecctlError
 from specctl.export import (
     CONFIG_FILE,
@@ -540,6 +541,9 @@ def test_export_run_dir_exports_every_trained_algorithm(verifier, tmp_path):
     for r in results:
         assert r.output == run / "drafters" / r.algo / "export"
         assert sorted(p.name for p in r.output.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+        # the umask's modes, so a vLLM server running as another user can read it (safetensors
+        # alone writes 0o600)
+        assert {p.stat().st_mode & 0o777 for p in r.output.iterdir()} == {0o666 & ~umask()}
         trained = torch.load(tmp_path / f"{r.algo}-state.pt")
         loaded, config = load_drafter(r.output, verifier["weights"])
         for name, value in trained.items():
