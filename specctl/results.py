@@ -6,7 +6,8 @@ Runs the pipeline as the user would type it -- collect, train every drafter with
 budget, export, bench with the embedded engine and (when vLLM imports) with vLLM -- each stage
 a `python -m specctl ...` subprocess whose exact command and wall time are recorded in
 `runs/<name>/results-stages.json`. A rerun reuses what is done: collect and train resume by
-themselves, a bench stage is skipped while its complete report is newer than every export.
+themselves, export is skipped while every export is newer than its drafter's latest checkpoint,
+and a bench stage while its complete report is newer than every export.
 The page is rendered from the run's files only (reports, metrics.jsonl, the recipe), with
 the recipe's hash and the commit, so every figure on it can be traced and reproduced.
 """
@@ -22,7 +23,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -39,34 +42,46 @@ BASELINE = "eagle3"
 class Stage:
     name: str
     args: list[str]  # after `python -m specctl`
-    done: bool = False  # skipped: its output is already there
+    # asked when the stage's turn comes (after the stages before it ran): its output is there
+    current: Callable[[], bool] = lambda: False
 
 
 def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
-    """The pipeline's commands (with the recipe as the user named it), in order; a finished bench
-    is marked done."""
+    """The pipeline's commands (with the recipe as the user named it), in order; export and the
+    benches are skipped when their turn comes if what they would write is current."""
     run = recipe.run_dir
-    export = {algo: run / "drafters" / algo / "export" for algo in DRAFTERS}
+    exports = [run / "drafters" / algo / "export" for algo in DRAFTERS]
+    baseline_export = run / "drafters" / BASELINE / "export"
     out = [Stage("collect", ["collect-hidden-states", recipe_arg])]
     for algo in DRAFTERS:
         resume = ["--resume"] if (run / "drafters" / algo / "checkpoints" / "latest").exists() else []
         out.append(Stage(f"train {algo}", ["train", recipe_arg, "--algo", algo, *resume]))
-    out.append(Stage("export", ["export", str(run)]))
-    baseline = ["--baseline", str(export[BASELINE])]
-    out.append(Stage("bench embedded", ["bench", recipe_arg, *baseline, "--output", str(run / "bench")]))
+    out.append(Stage("export", ["export", str(run)], partial(export_is_current, run)))
+    baseline = ["--baseline", str(baseline_export)]
+    benches = [("bench embedded", [recipe_arg, *baseline], run / "bench")]
     if has_vllm:
-        drafters = [f"--drafter={export[a]}" for a in VLLM_SERVED if a != BASELINE]
-        out.append(
-            Stage(
+        drafters = [f"--drafter={run / 'drafters' / a / 'export'}" for a in VLLM_SERVED if a != BASELINE]
+        benches.append(
+            (
                 "bench vllm",
-                ["bench", recipe_arg, "--backend", "vllm-offline", *drafters, *baseline]
-                + ["--output", str(run / "bench-vllm")],
+                [recipe_arg, "--backend", "vllm-offline", *drafters, *baseline],
+                run / "bench-vllm",
             )
         )
-    for stage in out:
-        if stage.name.startswith("bench"):
-            stage.done = bench_is_current(Path(stage.args[stage.args.index("--output") + 1]), export.values())
+    for name, args, out_dir in benches:
+        command = ["bench", *args, "--output", str(out_dir)]
+        out.append(Stage(name, command, partial(bench_is_current, out_dir, exports)))
     return out
+
+
+def export_is_current(run: Path) -> bool:
+    """Every trained drafter's export was written after its latest checkpoint: exporting again
+    would only renew the files' times, and with them every bench measured on them."""
+    latest = sorted((run / "drafters").glob("*/checkpoints/latest"))
+    exports = [p.parent.parent / "export" / "model.safetensors" for p in latest]
+    return bool(latest) and all(
+        e.exists() and e.stat().st_mtime > p.stat().st_mtime for p, e in zip(latest, exports, strict=True)
+    )
 
 
 def bench_is_current(out_dir: Path, exports: Any) -> bool:
@@ -86,7 +101,7 @@ def run_stages(todo: list[Stage], log_path: Path) -> None:
     log = json.loads(log_path.read_text()) if log_path.exists() else []
     for stage in todo:
         command = [sys.executable, "-m", "specctl", *stage.args]
-        if stage.done:
+        if stage.current():
             print(f"== {stage.name}: done, reused", flush=True)
             continue
         print(f"== {stage.name}: {' '.join(['specctl', *stage.args])}", flush=True)

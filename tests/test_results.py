@@ -40,10 +40,18 @@ def test_rerun_resumes_training_and_reuses_a_current_bench(recipe):
     bench.mkdir(parents=True)
     (bench / "report.json").write_text(json.dumps({"complete": True}))
     os.utime(export / "model.safetensors", (1, 1))  # exported long before the report
+    os.utime(run / "drafters" / "dflash" / "checkpoints" / "latest", (0.5, 0.5))  # trained before that
     plan = {s.name: s for s in stages("r.yaml", recipe, has_vllm=False)}
     assert plan["train dflash"].args[-1] == "--resume" and "--resume" not in plan["train eagle3"].args
-    assert plan["bench embedded"].done
+    assert plan["export"].current() and plan["bench embedded"].current()
     assert bench_is_current(bench, [export])
+    # trained further after the plan was made: export and bench are asked again at their turn
+    os.utime(run / "drafters" / "dflash" / "checkpoints" / "latest", (2, 2))
+    assert not plan["export"].current()
+    later = (bench / "report.json").stat().st_mtime + 10
+    os.utime(export / "model.safetensors", (later, later))  # re-exported after the report: measure again
+    assert plan["export"].current() and not plan["bench embedded"].current()
+    os.utime(export / "model.safetensors", (1, 1))
     os.utime(export / "model.safetensors")  # re-exported after the report: measure again
     assert not bench_is_current(bench, [export])
     (bench / "report.json").write_text(json.dumps({"complete": False}))
