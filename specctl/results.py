@@ -50,17 +50,16 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
     """The pipeline's commands (with the recipe as the user named it), in order; export and the
     benches are skipped when their turn comes if what they would write is current."""
     run = recipe.run_dir
-    exports = [run / "drafters" / algo / "export" for algo in DRAFTERS]
-    baseline_export = run / "drafters" / BASELINE / "export"
+    exports = {algo: run / "drafters" / algo / "export" for algo in DRAFTERS}
     out = [Stage("collect", ["collect-hidden-states", recipe_arg])]
     for algo in DRAFTERS:
         resume = ["--resume"] if (run / "drafters" / algo / "checkpoints" / "latest").exists() else []
         out.append(Stage(f"train {algo}", ["train", recipe_arg, "--algo", algo, *resume]))
     out.append(Stage("export", ["export", str(run)], partial(export_is_current, run)))
-    baseline = ["--baseline", str(baseline_export)]
+    baseline = ["--baseline", str(exports[BASELINE])]
     benches = [("bench embedded", [recipe_arg, *baseline], run / "bench")]
     if has_vllm:
-        drafters = [f"--drafter={run / 'drafters' / a / 'export'}" for a in VLLM_SERVED if a != BASELINE]
+        drafters = [f"--drafter={exports[a]}" for a in VLLM_SERVED if a != BASELINE]
         benches.append(
             (
                 "bench vllm",
@@ -70,7 +69,7 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
         )
     for name, args, out_dir in benches:
         command = ["bench", *args, "--output", str(out_dir)]
-        out.append(Stage(name, command, partial(bench_is_current, out_dir, exports)))
+        out.append(Stage(name, command, partial(bench_is_current, out_dir, list(exports.values()))))
     return out
 
 
