@@ -28,6 +28,7 @@ from specctl.features import (
     TENSOR_DTYPES,
     Layout,
     StorePlan,
+    continued_layout,
     finalize_store,
     init_store,
     plan_shards,
@@ -106,22 +107,26 @@ def encode_features(
     """One row per token: aux [N, n_aux, H], last [N, H] (pre-norm) -> what a shard stores for them.
 
     aux: aux_hidden_states in `layout.aux_dtype`, or fp8 + aux_scale [N, n_aux]. Target: the
-    final state in `layout.dtype`, or topk_ids / topk_logprobs [N, k] + logsumexp [N] from its
-    logits (`head` needed). Runs on the inputs' device; the float16 / id casts happen in write_shard.
+    final state in `layout.dtype` (with target_stats also target_argmax / logsumexp [N]), or
+    topk_ids / topk_logprobs [N, k] + logsumexp [N] from its logits (`head` needed for both).
+    Runs on the inputs' device; the float16 / id casts happen in write_shard.
     """
     out: dict[str, torch.Tensor] = {}
     if layout.aux_dtype == FP8:
         out["aux_hidden_states"], out["aux_scale"] = quantize_fp8(aux)
     else:
         out["aux_hidden_states"] = aux.to(TENSOR_DTYPES[layout.aux_dtype])
-    if layout.target == "topk":
+    if layout.target == "topk" or layout.target_stats:
         if head is None:
-            raise ValueError("target topk needs the verifier's norm and LM head (TargetHead)")
+            raise ValueError("top-k targets and target statistics need the verifier's norm and LM head")
         ids, logprobs, logsumexp = verifier_topk(
-            last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, layout.topk
+            last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, max(layout.topk, 1)
         )
-        out.update(topk_ids=ids, topk_logprobs=logprobs, logsumexp=logsumexp)
-    else:
+        if layout.target == "topk":
+            out.update(topk_ids=ids, topk_logprobs=logprobs, logsumexp=logsumexp)
+        else:
+            out.update(target_argmax=ids[:, 0], logsumexp=logsumexp)
+    if layout.target == "hidden":
         out["last_hidden_state"] = last.to(TENSOR_DTYPES[layout.dtype])
     return out
 
@@ -220,7 +225,7 @@ def collect(
         raise
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
-    layout = Layout.from_section(recipe.features)
+    layout = continued_layout(run_dir / "features", Layout.from_section(recipe.features))
     plan = StorePlan(
         verifier=verifier.hub_id or verifier.name_or_path,
         verifier_config_hash=config_hash(verifier.config),
@@ -234,6 +239,7 @@ def collect(
         aux_dtype=layout.aux_dtype,
         target=layout.target,
         topk=layout.topk,
+        target_stats=layout.target_stats,
     )
     path = run_dir / "features"
     init_store(path, plan)
@@ -248,7 +254,7 @@ def collect(
             from specctl.collect_vllm import forward_samples_vllm, load_target_head, open_vllm_verifier
 
             # the LM head from the checkpoint files, on the CPU (vLLM's model is in its own process)
-            head = load_target_head(verifier) if layout.target == "topk" else None
+            head = load_target_head(verifier) if layout.target == "topk" or layout.target_stats else None
 
             engine = stack.enter_context(
                 open_vllm_verifier(
@@ -262,7 +268,8 @@ def collect(
             def forward(batch, on_batch):
                 return forward_samples_vllm(engine, batch, aux_ids, on_batch, layout=layout, head=head)
         else:
-            head = TargetHead.from_verifier(verifier) if layout.target == "topk" and todo else None
+            wants_head = layout.target == "topk" or layout.target_stats
+            head = TargetHead.from_verifier(verifier) if wants_head and todo else None
 
             def forward(batch, on_batch):
                 return forward_samples(

@@ -114,13 +114,16 @@ def recover_dir(path: Path) -> None:
             continue
         if match["kind"] == "old" and not path.exists():
             os.rename(leftover, path)
-        else:
+        elif leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
+        else:  # a half-written file of an atomic file write
+            leftover.unlink(missing_ok=True)
     fsync_dir(path.parent)
 
 
 def recover_dirs(parent: Path) -> None:
-    """`recover_dir` for every name in `parent` that has leftovers of a killed `replace_dir`."""
+    """`recover_dir` for every name in `parent` that has leftovers of a killed `replace_dir` or of a
+    killed atomic file write (.NAME.tmp-PID files of a dead process)."""
     names = {m["name"] for p in parent.glob(".*") if (m := _LEFTOVER.match(p.name))}
     for name in sorted(names):
         recover_dir(parent / name)

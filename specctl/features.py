@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from specctl.durable import fsync_dir, sha256_file
+from specctl.durable import fsync_dir, recover_dirs, sha256_file
 from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
@@ -39,7 +39,14 @@ TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 FP8 = "fp8"  # aux_dtype: float8 e4m3 + one float32 scale per row
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: a row's largest |x| maps here
 # what a sample may carry besides input_ids / loss_mask, as the reader returns it
-FEATURE_KEYS = ("aux_hidden_states", "last_hidden_state", "topk_ids", "topk_logprobs", "logsumexp")
+FEATURE_KEYS = (
+    "aux_hidden_states",
+    "last_hidden_state",
+    "target_argmax",
+    "topk_ids",
+    "topk_logprobs",
+    "logsumexp",
+)
 
 
 @dataclass(frozen=True)
@@ -53,24 +60,32 @@ class Layout:
     log-probs are what the full logits give; the rest of the distribution is dropped.
     aux_dtype "fp8": aux_hidden_states [T, n_aux, H] float8_e4m3fn and aux_scale [T, n_aux]
     float32, x ~= q * scale (`quantize_fp8`).
+    target_stats (target "hidden"): also target_argmax [T] int32 and logsumexp [T] float32 of
+    the verifier's logits over the full vocabulary, formed at collect time from the
+    full-precision state. Training then never forms [rows, V] logits for them: with a draft
+    vocabulary it reads only the kept columns (8 bytes a token buy most of a CPU training step).
     """
 
     dtype: str = "bfloat16"  # last_hidden_state, and aux unless aux_dtype says otherwise
     aux_dtype: str = "bfloat16"  # a TENSOR_DTYPES name or "fp8"
     target: str = "hidden"  # "hidden" | "topk"
     topk: int = 0  # k when target is "topk", else 0
+    target_stats: bool = False  # hidden: argmax + logsumexp stored too (stores before them: False)
 
     @classmethod
     def from_section(cls, features: Any) -> Layout:
-        """The layout a recipe's `features` section asks for (aux_dtype None = dtype)."""
+        """The layout a recipe's `features` section asks for (aux_dtype None = dtype); new hidden
+        stores keep the target statistics."""
         topk = features.topk if features.target == "topk" else 0
-        return cls(features.dtype, features.aux_dtype or features.dtype, features.target, topk)
+        hidden = features.target == "hidden"
+        return cls(features.dtype, features.aux_dtype or features.dtype, features.target, topk, hidden)
 
     def settings(self) -> dict[str, Any]:
         """The settings that change what is on disk, in the order a mismatch is reported.
 
         `dtype` only counts when something is stored in it, so a top-k + fp8 store does not
-        clash with a recipe whose (unused) dtype differs.
+        clash with a recipe whose (unused) dtype differs. `target_stats` never counts: a store
+        without them trains the same, forming the statistics when a step needs them.
         """
         out: dict[str, Any] = {"target": self.target}
         if self.target == "topk":
@@ -97,7 +112,7 @@ def layout_bytes_per_token(layout: Layout, hidden_size: int, num_aux: int, vocab
         k = min(layout.topk, vocab_size)
         total += k * (2 + (2 if vocab_size <= 2**16 else 4)) + 4
     else:
-        total += H * TENSOR_DTYPES[layout.dtype].itemsize
+        total += H * TENSOR_DTYPES[layout.dtype].itemsize + (8 if layout.target_stats else 0)
     return total
 
 
@@ -151,6 +166,7 @@ class StorePlan:
     aux_dtype: str | None = None  # None = dtype
     target: str = "hidden"
     topk: int = 0
+    target_stats: bool = False  # older stores: no argmax / logsumexp beside the hidden state
 
     def __post_init__(self) -> None:
         if self.aux_dtype is None:
@@ -158,7 +174,7 @@ class StorePlan:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.dtype, self.aux_dtype or self.dtype, self.target, self.topk)
+        return Layout(self.dtype, self.aux_dtype or self.dtype, self.target, self.topk, self.target_stats)
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
@@ -212,6 +228,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def init_store(path: Path, plan: StorePlan) -> None:
     """Create the store or check that an existing one was started with the same plan."""
     path.mkdir(parents=True, exist_ok=True)
+    recover_dirs(path)  # half-written shards of a killed worker (live workers' files are kept)
     plan_file = path / "plan.json"
     if plan_file.is_file():
         old = asdict(StorePlan(**json.loads(plan_file.read_text())))  # an older plan: its defaults filled in
@@ -226,6 +243,19 @@ def init_store(path: Path, plan: StorePlan) -> None:
             )
         return
     _atomic_write(plan_file, json.dumps(asdict(plan), indent=1).encode())
+
+
+def continued_layout(path: Path, layout: Layout) -> Layout:
+    """`layout`, or, for a store begun before target statistics existed, the same layout without
+    them: resuming or rerunning it keeps its shards (training forms the statistics it needs)."""
+    plan_file = path / "plan.json"
+    if not layout.target_stats or not plan_file.is_file():
+        return layout
+    try:
+        plan = json.loads(plan_file.read_text())
+    except (OSError, ValueError):
+        return layout  # init_store names the problem
+    return layout if plan.get("target_stats", False) else replace(layout, target_stats=False)
 
 
 def shard_done(path: Path, j: int) -> bool:
@@ -247,8 +277,9 @@ def write_shard(
 
     Each sample: input_ids [T], loss_mask [T], aux_hidden_states [T, n_aux, H] (float, or fp8
     with aux_scale [T, n_aux] for aux_dtype fp8: `quantize_fp8` runs where the states are, which
-    may be a GPU), and last_hidden_state [T, H] (target hidden) or topk_ids / topk_logprobs
-    [T, k] + logsumexp [T] (target topk). Casting to the on-disk dtypes happens here.
+    may be a GPU), and last_hidden_state [T, H] (target hidden; with target_stats also
+    target_argmax [T] and logsumexp [T]) or topk_ids / topk_logprobs [T, k] + logsumexp [T]
+    (target topk). Casting to the on-disk dtypes happens here.
     """
     if isinstance(layout, str):
         layout = Layout(layout, layout)
@@ -279,6 +310,9 @@ def write_shard(
         tensors["logsumexp"] = cat("logsumexp").float()
     else:
         tensors["last_hidden_state"] = cat("last_hidden_state").to(TENSOR_DTYPES[layout.dtype])
+        if layout.target_stats:
+            tensors["target_argmax"] = cat("target_argmax").to(torch.int32)
+            tensors["logsumexp"] = cat("logsumexp").float()
     data = safetensors_save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "specctl"})
     info = {
         "file": f"{shard_name(j)}.safetensors",
@@ -371,6 +405,9 @@ class FeatureStore:
             row["logsumexp"] = rows("logsumexp").float()
         else:
             row["last_hidden_state"] = rows("last_hidden_state")
+            if self.layout.target_stats:
+                row["target_argmax"] = rows("target_argmax").long()
+                row["logsumexp"] = rows("logsumexp").float()
         return row
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -165,6 +165,11 @@ class TrainSection(Section):
     save_every: int = Field(500, ge=1, description="Checkpoint every N steps.")
     log_every: int = Field(10, ge=1, description="Log the training loss every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    precision: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Compute dtype of training matmuls (bf16 autocast keeps float32 master weights); "
+        "auto = bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16 / AMX), else float32.",
+    )
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Under torchrun: ddp replicates the drafter; fsdp (FSDP2) shards it across ranks."
     )

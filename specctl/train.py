@@ -3,7 +3,7 @@
 The loop only sees the drafter contract (`specctl.drafters.api`): build it from the recipe,
 call `forward(batch) -> (loss, metrics)`, and read `metrics["correct"]` / `["count"]` at
 validation. Everything else is shared: token-budget batching, gradient accumulation, AdamW or
-Muon, warmup + decay, clipping, bf16 autocast on CUDA, DDP/FSDP2 under torchrun, checkpoints
+Muon, warmup + decay, clipping, bf16 autocast (train.precision), DDP/FSDP2 under torchrun, checkpoints
 with exact resume, metrics.jsonl, TensorBoard and a live progress view.
 
 Reproducibility: the torch RNG is reseeded from (train.seed, global micro-batch index) before
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specctl import distributed
+from specctl import distributed, precision
 from specctl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum, rank_share
@@ -37,6 +37,7 @@ from specctl.drafters.targets import build_draft_vocab
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
 from specctl.optim import build_optimizer, build_scheduler
+from specctl.precision import compute_dtype
 from specctl.recipe import Recipe, dump_recipe
 from specctl.verifier import (
     capture_hidden_states,
@@ -172,7 +173,7 @@ class Source:
         batch = self.featurize({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         for k in ("aux_hidden_states", "last_hidden_state"):
             if k in batch:  # a top-k store has no last_hidden_state
-                batch[k] = batch[k].float()  # autocast picks the compute dtype on CUDA
+                batch[k] = batch[k].float()  # autocast (train.precision) picks the compute dtype
         return batch
 
 
@@ -483,6 +484,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         step, cursor = state["step"], state["cursor"]
     start = step
     log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main).open(keep_until=step if resume else None)
+    dtype = compute_dtype(ctx.device, cfg.precision)
     meta = {
         "algo": algo,
         "loss": cfg.loss,
@@ -490,12 +492,9 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         "parallelism": cfg.parallelism,
         "verifier": asdict(source.spec),
         "features": str(source.features_path) if source.features_path else None,
+        "compute_dtype": str(dtype).removeprefix("torch."),
     }
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if ctx.device.type == "cuda"
-        else contextlib.nullcontext()
-    )
+    autocast = precision.autocast(ctx.device, dtype)
     recipe_yaml, keep = dump_recipe(recipe), cfg.keep_checkpoints
     per_step = ctx.world_size * cfg.grad_accum  # micro-batches in one optimizer step, all ranks
     checkpoint = resume_from

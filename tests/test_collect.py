@@ -462,7 +462,7 @@ def test_compact_store_records_its_layout_and_matches_hf(two_stores, tiny_verifi
     assert store.layout == Layout("bfloat16", "fp8", "topk", 16)
     manifest = json.loads((compact.run_dir / "features" / "manifest.json").read_text())
     assert (manifest["aux_dtype"], manifest["target"], manifest["topk"]) == ("fp8", "topk", 16)
-    assert open_features(full.run_dir / "features").layout == Layout("float32", "float32")
+    assert open_features(full.run_dir / "features").layout == Layout("float32", "float32", target_stats=True)
 
     from transformers import AutoModelForCausalLM
 
@@ -584,7 +584,7 @@ def test_store_without_layout_fields_reads_and_resumes_as_full_precision(tmp_pat
         old = {
             k: v
             for k, v in json.loads((path / name).read_text()).items()
-            if k not in ("aux_dtype", "target", "topk")
+            if k not in ("aux_dtype", "target", "topk", "target_stats")
         }
         (path / name).write_text(json.dumps(old, indent=1))
     store = open_features(path, layout=Layout())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +83,77 @@ def test_kl_loss_matches_cross_entropy_to_the_renormalised_kept_distribution():
     p = F.softmax(verifier_logits(last[b, t], norm, lm_head, 1e-6)[:, t2d], -1)
     torch.testing.assert_close(loss, -(p * F.log_softmax(draft, -1)).sum(-1))
     assert valid.all() and correct.dtype == torch.bool
+
+
+def _hidden_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return g, {
+        "last_hidden_state": torch.randn(3, 10, H, generator=g),
+        "loss_mask": torch.rand(3, 10, generator=g) < 0.7,
+        "attention_mask": torch.tensor([[1] * 10, [1] * 7 + [0] * 3, [1] * 10], dtype=torch.bool),
+    }
+
+
+def test_rows_subset_gives_the_same_targets_as_the_whole_table():
+    """A block drafter asks only for the positions its anchors reach: each such row is the row
+    the whole table has there, and the table holds no other row."""
+    norm, lm_head = _weights()
+    g, batch = _hidden_batch(10)
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 30)
+    scored = scored_positions(batch["loss_mask"], batch["attention_mask"])
+    rows = scored & (torch.rand(3, 10, generator=g) < 0.5)
+    b, t = rows.nonzero(as_tuple=True)
+    for kept in (None, t2d):
+        whole = batch_targets(batch, norm, lm_head, 1e-6, kept).at(b, t)
+        part = batch_targets(batch, norm, lm_head, 1e-6, kept, rows=rows)
+        assert part.targets.kept_logits.shape[0] == int(rows.sum())
+        got = part.at(b, t)
+        assert torch.equal(got.argmax, whole.argmax)
+        torch.testing.assert_close(got.kept_logits, whole.kept_logits)
+        torch.testing.assert_close(got.logsumexp, whole.logsumexp)
+
+
+def test_kept_only_targets_have_the_same_kept_logits_and_no_full_statistics():
+    norm, lm_head = _weights()
+    g, batch = _hidden_batch(11)
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 30)
+    for kept in (None, t2d):
+        full = batch_targets(batch, norm, lm_head, 1e-6, kept).targets
+        lean = batch_targets(batch, norm, lm_head, 1e-6, kept, full=False).targets
+        assert lean.argmax is None and lean.logsumexp is None
+        torch.testing.assert_close(lean.kept_logits, full.kept_logits)
+        draft = torch.randn(lean.kept_logits.shape, generator=g)
+        loss_full, correct, _ = draft_loss(draft, full, kept, "kl")
+        loss_lean, none, _ = draft_loss(draft, lean, kept, "kl")
+        torch.testing.assert_close(loss_lean, loss_full)
+        assert correct is not None and none is None
+
+
+def test_stored_statistics_are_used_as_they_are():
+    """A store that kept argmax / logsumexp at collect time: training reads them (even when the
+    step asks for the full statistics) and forms only the kept logits itself."""
+    norm, lm_head = _weights()
+    g, batch = _hidden_batch(12)
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 30)
+    logits = verifier_logits(batch["last_hidden_state"], norm, lm_head, 1e-6)  # [B, T, V]
+    stored = {**batch, "target_argmax": logits.argmax(-1), "logsumexp": torch.logsumexp(logits, -1)}
+    fake = {**stored, "target_argmax": (stored["target_argmax"] + 1) % V}  # proves it is read, not recomputed
+    for kept in (None, t2d):
+        want = batch_targets(batch, norm, lm_head, 1e-6, kept).targets
+        got = batch_targets(stored, norm, lm_head, 1e-6, kept).targets
+        assert torch.equal(got.argmax, want.argmax)
+        torch.testing.assert_close(got.logsumexp, want.logsumexp)
+        torch.testing.assert_close(got.kept_logits, want.kept_logits)
+        read = batch_targets(fake, norm, lm_head, 1e-6, kept, full=False).targets
+        assert torch.equal(read.argmax, (want.argmax + 1) % V)
+
+
+def test_ce_needs_the_argmax():
+    norm, lm_head = _weights()
+    _, batch = _hidden_batch(13)
+    lean = batch_targets(batch, norm, lm_head, 1e-6, None, full=False).targets
+    with pytest.raises(ValueError, match="argmax"):
+        draft_loss(torch.randn(lean.kept_logits.shape), lean, None, "ce")
 
 
 # ---------------------------------------------------------------- top-k targets (compact feature stores)

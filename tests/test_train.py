@@ -443,6 +443,9 @@ def tiny_recipe(
             "save_every": 3,
             "log_every": 1,
             "keep_checkpoints": 2,
+            # float32: the tiny world's figures must not depend on whether this CPU has bf16
+            # (`auto`); the bf16 path has tests of its own
+            "precision": "float32",
             **train,
         },
     }
@@ -773,3 +776,46 @@ def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
     assert log.last["loss"] == 2.5
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize(
+    ("device", "setting", "native", "want"),
+    [
+        ("cpu", "auto", True, torch.bfloat16),
+        ("cpu", "auto", False, torch.float32),
+        ("cpu", "float32", True, torch.float32),
+        ("cpu", "bfloat16", False, torch.bfloat16),
+        ("cuda", "auto", False, torch.bfloat16),
+        ("cuda", "float32", True, torch.float32),
+    ],
+)
+def test_precision_auto_is_bf16_where_the_hardware_has_it(monkeypatch, device, setting, native, want):
+    from specctl import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    assert precision.compute_dtype(torch.device(device), setting) == want
+    with pytest.raises(ValueError, match="precision"):
+        precision.compute_dtype(torch.device(device), "fp8")
+
+
+def test_bf16_training_learns_resumes_exactly_and_records_its_dtype(tmp_path, offline, monkeypatch):
+    """bf16 autocast on the CPU: the loss falls as in float32, a resumed run repeats an uninterrupted
+    one bit for bit, and the checkpoint says what the run computed in."""
+    steps = dict(precision="bfloat16", max_steps=12, eval_every=6, save_every=6, lr=1e-2, loss="ce")
+    bf16 = run_training(tiny_recipe(tmp_path / "bf16", **steps), progress=False)
+    fp32 = run_training(tiny_recipe(tmp_path / "fp32", **{**steps, "precision": "float32"}), progress=False)
+    first = train_lines(read_metrics(tiny_recipe(tmp_path / "bf16")))[0]["loss"]
+    assert bf16.loss < 0.95 * first and bf16.loss == pytest.approx(fp32.loss, rel=0.05)
+    meta = json.loads((bf16.checkpoint / ckpt.META_FILE).read_text())
+    assert meta["compute_dtype"] == "bfloat16"
+
+    kill = killable(monkeypatch, DRAFTERS["dflash"])
+    kill["at"] = 8  # step 8 of 12; checkpoint at 6
+    with pytest.raises(KeyboardInterrupt):
+        run_training(tiny_recipe(tmp_path / "resumed", **steps), progress=False)
+    kill["at"] = None
+    resumed = run_training(tiny_recipe(tmp_path / "resumed", **steps), resume=True, progress=False)
+    assert resumed.loss == bf16.loss and resumed.tau_hat == bf16.tau_hat

@@ -47,7 +47,14 @@ from specctl.drafters.layers import (
     rope_inv_freq,
     shared_key_bias,
 )
-from specctl.drafters.targets import Targets, TargetTable, batch_targets, draft_loss, draft_to_target
+from specctl.drafters.targets import (
+    Targets,
+    TargetTable,
+    batch_targets,
+    draft_loss,
+    draft_to_target,
+    full_stats_needed,
+)
 
 # ---------------------------------------------------------------- configuration
 
@@ -409,10 +416,20 @@ class DFlashDrafter(nn.Module):
         weight = self.verifier_lm_head if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden.to(weight.dtype), weight)
 
-    def targets(self, batch: dict[str, torch.Tensor]) -> TargetTable:
-        """The verifier's distribution at every scored position of the batch, computed once."""
+    def full_stats(self) -> bool:
+        """Whether this step needs the verifier's full-vocabulary argmax / logsumexp."""
+        return full_stats_needed(self.training, self.loss_kind)
+
+    def targets(self, batch: dict[str, torch.Tensor], rows: torch.Tensor | None = None) -> TargetTable:
+        """The verifier's distribution at `rows` [B, T] (None = every scored position), computed once."""
         return batch_targets(
-            batch, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps, self.t2d
+            batch,
+            self.verifier_norm,
+            self.verifier_lm_head,
+            self.verifier.rms_norm_eps,
+            self.t2d,
+            rows=rows,
+            full=self.full_stats(),
         )
 
     # ---- training
@@ -433,9 +450,11 @@ class DFlashDrafter(nn.Module):
         target_pos, counted = block_targets(anchors, anchor_valid, loss_mask, attention_mask, K)
         b, a, k = counted.nonzero(as_tuple=True)
         before = target_pos[b, a, k] - 1  # the verifier predicts token j at position j-1
+        needed = torch.zeros_like(loss_mask)  # [B, T]: only the positions the blocks reach
+        needed[b, before] = True
         return BlockRows(
             hidden=hidden[b, a, k],
-            target=self.targets(batch).at(b, before),
+            target=self.targets(batch, needed).at(b, before),
             prev_ids=input_ids[b, before],
             position=k,
             num_predictions=K,
@@ -452,12 +471,16 @@ class DFlashDrafter(nn.Module):
     def position_metrics(
         self, rows: BlockRows, correct: torch.Tensor, loss: torch.Tensor
     ) -> dict[str, torch.Tensor]:
+        """Per-position counts, and accuracy when the verifier's argmax was formed (`correct` None:
+        a KL training step, which never reads it)."""
         K = rows.num_predictions
-        return {
+        metrics = {
             "loss": loss.detach(),
-            "correct": per_position(correct, rows.position, K),
             "count": per_position(torch.ones_like(rows.position), rows.position, K),
         }
+        if correct is not None:
+            metrics["correct"] = per_position(correct, rows.position, K)
+        return metrics
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.rows_loss(self.gather_rows(batch))

@@ -162,6 +162,10 @@ class DSparkDrafter(DFlashDrafter):
             else None
         )
 
+    def full_stats(self) -> bool:
+        """Always: the TV term of the loss reads the verifier's logsumexp over the full vocabulary."""
+        return True
+
     def block_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [N, H], prev_ids [N] (verifier ids) -> draft logits [N, Vd] with the Markov bias,
         and the Markov embedding [N, r] the confidence head reads."""

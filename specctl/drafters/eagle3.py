@@ -42,7 +42,14 @@ from specctl.drafters.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from specctl.drafters.targets import Targets, TargetTable, batch_targets, draft_loss, draft_to_target
+from specctl.drafters.targets import (
+    Targets,
+    TargetTable,
+    batch_targets,
+    draft_loss,
+    draft_to_target,
+    full_stats_needed,
+)
 
 
 class Config(DrafterConfig):
@@ -268,7 +275,12 @@ class Eagle3Backbone(nn.Module):
         """The verifier's distribution at every scored position of the batch, computed once
         (each TTT step / depth scores a shifted view of the same positions)."""
         return batch_targets(
-            batch, self.verifier_norm, self.verifier_lm_head, self.verifier.rms_norm_eps, self.t2d
+            batch,
+            self.verifier_norm,
+            self.verifier_lm_head,
+            self.verifier.rms_norm_eps,
+            self.t2d,
+            full=full_stats_needed(self.training, self.loss_kind),
         )
 
     def score(self, out: torch.Tensor, target: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -467,8 +479,13 @@ class Eagle3Drafter(Eagle3Backbone):
             rows_loss, ok, valid = self.score(out[b, t], targets.at(b, t + 1 + s))
             mean = rows_loss.sum() / valid.sum().clamp(min=1)
             loss = loss + self.config.ttt_step_loss_decay**s * mean
-            step_loss[s], correct[s], count[s] = mean.detach(), ok.sum(), b.numel()
-        return loss, {"loss": loss.detach(), "correct": correct, "count": count, "step_loss": step_loss}
+            step_loss[s], count[s] = mean.detach(), b.numel()
+            if ok is not None:  # None: a KL training step formed no full-vocabulary argmax
+                correct[s] = ok.sum()
+        metrics = {"loss": loss.detach(), "count": count, "step_loss": step_loss}
+        if targets.targets.argmax is not None:
+            metrics["correct"] = correct
+        return loss, metrics
 
     @staticmethod
     def _attend_new_context(

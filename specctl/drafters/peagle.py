@@ -297,8 +297,13 @@ class PEagleDrafter(Eagle3Backbone):
             rows_loss, ok, ok_rows = self.score(out, target)
             mean = rows_loss.sum() / ok_rows.sum().clamp(min=1)
             loss = loss + mean / K
-            depth_loss[d], correct[d], count[d] = mean.detach(), ok.sum(), out.shape[0]
-        return loss, {"loss": loss.detach(), "correct": correct, "count": count, "depth_loss": depth_loss}
+            depth_loss[d], count[d] = mean.detach(), out.shape[0]
+            if ok is not None:  # None: a KL training step formed no full-vocabulary argmax
+                correct[d] = ok.sum()
+        metrics = {"loss": loss.detach(), "count": count, "depth_loss": depth_loss}
+        if targets.targets.argmax is not None:
+            metrics["correct"] = correct
+        return loss, metrics
 
     @torch.no_grad()
     def propose(

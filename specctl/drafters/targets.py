@@ -68,14 +68,28 @@ class Targets:
 
     Full [N, V] logits are formed once per scored position (in chunks) and never kept: a drafter
     that scores the same position from several blocks, depths or TTT steps reuses the row.
+    `argmax` and `logsumexp` need the full vocabulary; they are None when they were not asked for
+    (training with the KL loss reads only `kept_logits`, see `full_stats_needed`) and the store
+    did not keep them.
     """
 
-    argmax: torch.Tensor  # [N] the verifier's top token (full-vocabulary id)
+    argmax: torch.Tensor | None  # [N] the verifier's top token (full-vocabulary id)
     kept_logits: torch.Tensor  # [N, Vd] logits on the draft vocabulary (all V without one)
-    logsumexp: torch.Tensor  # [N] over the full vocabulary: p(kept) = exp(kept_logits - logsumexp)
+    logsumexp: torch.Tensor | None  # [N] over the full vocabulary: p(kept) = exp(kept_logits - logsumexp)
 
     def __getitem__(self, index) -> Targets:
-        return Targets(self.argmax[index], self.kept_logits[index], self.logsumexp[index])
+        pick = lambda t: None if t is None else t[index]
+        return Targets(pick(self.argmax), self.kept_logits[index], pick(self.logsumexp))
+
+
+def full_stats_needed(training: bool, loss_kind: str) -> bool:
+    """Whether a drafter's step needs the verifier's argmax / logsumexp over the full vocabulary.
+
+    Validation scores accuracy against the argmax and "ce" trains on it; a training step with the
+    KL loss reads only the kept logits, and forming the full-vocabulary statistics was most of a
+    DFlash step on a CPU (a [rows, 49152] matmul, max and exp per step).
+    """
+    return not training or loss_kind == "ce"
 
 
 @dataclass
@@ -90,6 +104,10 @@ class TargetTable:
         return self.targets[self.index[b, t]]
 
 
+def _kept_ids(t2d: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t2d is None else t2d.nonzero()[:, 0]
+
+
 @torch.no_grad()
 def verifier_targets(
     last_hidden_state: torch.Tensor,
@@ -98,8 +116,17 @@ def verifier_targets(
     eps: float,
     t2d: torch.Tensor | None,
     chunk_rows: int = 1024,
+    full: bool = True,
 ) -> Targets:
-    """[N, H] final hidden states -> Targets, forming the [chunk, V] logits a chunk at a time."""
+    """[N, H] final hidden states -> Targets, forming the [chunk, V] logits a chunk at a time.
+
+    full=False forms only the kept logits (argmax / logsumexp None): with a draft vocabulary that
+    is a [N, Vd] product instead of [N, V] plus two passes over it.
+    """
+    if not full:
+        kept = _kept_ids(t2d)
+        head = lm_head if kept is None else lm_head.index_select(0, kept)
+        return Targets(None, verifier_logits(last_hidden_state, norm_weight, head, eps), None)
     chunks = last_hidden_state.split(chunk_rows) or [last_hidden_state]
     parts = [targets_from_logits(verifier_logits(rows, norm_weight, lm_head, eps), t2d) for rows in chunks]
     return Targets(
@@ -175,6 +202,7 @@ def target_table(
     lm_head: torch.Tensor,
     eps: float,
     t2d: torch.Tensor | None,
+    full: bool = True,
 ) -> TargetTable:
     """Targets at the positions `scored` [B, T] (bool) of last_hidden_state [B, T, H], computed once.
 
@@ -183,7 +211,8 @@ def target_table(
     """
     b, t = scored.nonzero(as_tuple=True)
     return TargetTable(
-        verifier_targets(last_hidden_state[b, t], norm_weight, lm_head, eps, t2d), _row_index(scored)
+        verifier_targets(last_hidden_state[b, t], norm_weight, lm_head, eps, t2d, full=full),
+        _row_index(scored),
     )
 
 
@@ -209,20 +238,34 @@ def batch_targets(
     lm_head: torch.Tensor,
     eps: float,
     t2d: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+    full: bool = True,
 ) -> TargetTable:
-    """The verifier's distribution at every scored position of a drafter batch, computed once.
+    """The verifier's distribution at the positions a drafter will read, each computed once.
 
-    From the batch's last_hidden_state [B, T, H] (norm + LM head here), or, for a store that
-    kept the top k, from topk_ids / topk_logprobs [B, T, k] and logsumexp [B, T].
+    rows [B, T] bool: those positions (None = every scored position; a block drafter reads only
+    the few its sampled anchors reach). full: also the argmax and logsumexp over the full
+    vocabulary (see `full_stats_needed`); they come for free when the store kept them.
+
+    From the batch's last_hidden_state [B, T, H] (norm + LM head here; target_argmax and
+    logsumexp [B, T] when the store computed them at collect time), or, for a store that kept
+    the top k, from topk_ids / topk_logprobs [B, T, k] and logsumexp [B, T].
     """
-    scored = scored_positions(batch["loss_mask"], batch["attention_mask"])  # [B, T]
+    if rows is None:
+        rows = scored_positions(batch["loss_mask"], batch["attention_mask"])  # [B, T]
+    b, t = rows.nonzero(as_tuple=True)
     if "last_hidden_state" in batch:
-        return target_table(batch["last_hidden_state"], scored, norm_weight, lm_head, eps, t2d)
-    b, t = scored.nonzero(as_tuple=True)
+        stored = "target_argmax" in batch
+        targets = verifier_targets(
+            batch["last_hidden_state"][b, t], norm_weight, lm_head, eps, t2d, full=full and not stored
+        )
+        if stored:
+            targets = Targets(batch["target_argmax"][b, t], targets.kept_logits, batch["logsumexp"][b, t])
+        return TargetTable(targets, _row_index(rows))
     targets = targets_from_topk(
         batch["topk_ids"][b, t], batch["topk_logprobs"][b, t], batch["logsumexp"][b, t], t2d, lm_head.shape[0]
     )
-    return TargetTable(targets, _row_index(scored))
+    return TargetTable(targets, _row_index(rows))
 
 
 def draft_loss(
@@ -234,27 +277,35 @@ def draft_loss(
     """Per-row loss and correctness of draft predictions.
 
     draft_logits [N, Vd], target: the verifier's distribution for the same next token ([N] rows).
-    Returns (loss [N], correct [N] bool, valid [N] bool). `kind` "kl": forward KL from the
+    Returns (loss [N], correct [N] bool or None, valid [N] bool). `kind` "kl": forward KL from the
     verifier's distribution (restricted to the draft vocab); "ce": cross-entropy to the
     verifier's argmax. `correct` compares argmaxes in target ids, which is what greedy
     verification accepts. Rows whose target argmax is outside the draft vocabulary are
     invalid for "ce" (nothing to learn) but still count as wrong for accuracy. For "kl", rows
     with no finite kept logit (top-k targets none of whose ids is in the draft vocabulary) are
-    invalid, with loss 0 rather than NaN.
+    invalid, with loss 0 rather than NaN. `correct` is None when the target carries no argmax
+    (a KL training step that did not form the full-vocabulary statistics).
     """
-    target_argmax = target.argmax  # [N]
-    logp_draft = F.log_softmax(draft_logits.float(), -1)
+    target_argmax = target.argmax  # [N] or None
+    # dtype= casts inside the kernel: a separate .float() is one more pass over [N, Vd] each way
+    logp_draft = F.log_softmax(draft_logits, -1, dtype=torch.float32)
     if kind == "kl":
-        valid = target.kept_logits.isfinite().any(-1)  # [N]
-        kept = target.kept_logits.float().masked_fill(~valid[:, None], 0.0)  # no all -inf row: no NaN
-        p_target = F.softmax(kept, -1)  # [N, Vd]
+        kept = target.kept_logits
+        valid = kept.amax(-1) > float("-inf")  # [N]; logits are never +inf or NaN
+        if not bool(valid.all()):  # top-k targets with no kept id: no all -inf row, no NaN
+            kept = kept.masked_fill(~valid[:, None], 0.0)
+        p_target = F.softmax(kept, -1, dtype=torch.float32)  # [N, Vd]
         loss = -(p_target * logp_draft).sum(-1) * valid  # cross-entropy to p == KL up to a constant
     elif kind == "ce":
+        if target_argmax is None:
+            raise ValueError("the ce loss needs the verifier's argmax: form targets with full=True")
         labels = target_to_draft(target_argmax, t2d)
         valid = labels >= 0
         loss = -logp_draft.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid
     else:
         raise ValueError(f"unknown loss kind {kind!r}; use 'kl' or 'ce'")
+    if target_argmax is None:
+        return loss, None, valid
     d2t_table = None
     if t2d is not None:
         kept = t2d.nonzero()[:, 0]
