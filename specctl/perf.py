@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -172,23 +173,26 @@ def measure_train_step(
     steps: int,
     device: torch.device,
     warmup: int = 1,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Forward + backward + AdamW step of `drafter` on one batch, repeated: throughput and peak memory.
 
     positions = draft predictions the loss counts (anchors x block for block drafters,
     sampled depths for P-EAGLE, TTT steps for EAGLE-3); tokens = sequence tokens consumed.
     Peak memory is above what was allocated before the first step (verifier weights excluded).
+    `dtype`: the compute dtype (bf16 = autocast, as `train.precision` gives); None = what the
+    training loop's `auto` picks on this device.
     """
+    from specctl.precision import autocast, compute_dtype
+
     drafter = drafter.to(device).train()
     batch = {k: v.to(device) for k, v in batch.items()}
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    )
+    context = autocast(device, dtype or compute_dtype(device, "auto"))
 
     def step() -> float:
-        with autocast:
+        with context:
             loss, metrics = drafter(batch)
         loss.backward()
         optimizer.step()
@@ -211,19 +215,64 @@ def measure_train_step(
     return {
         "positions_per_s": positions / seconds,
         "tokens_per_s": tokens / seconds,
+        "tokens_per_cpu_s": tokens / cpu_seconds,
         "peak_mem_mb": _peak_memory_mb(device, baseline),
         "step_s": seconds / steps,
         "step_cpu_s": cpu_seconds / steps,  # all threads; steadier than wall time on a shared CPU
     }
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def with_target_stats(batch: dict[str, torch.Tensor], weights, eps: float) -> dict[str, torch.Tensor]:
+    """The batch as a store collected today gives it: the verifier's full-vocabulary argmax and
+    logsumexp beside the final hidden state (features.Layout.target_stats)."""
+    from specctl.drafters.targets import verifier_topk
+
+    B, T, H = batch["last_hidden_state"].shape
+    ids, _, lse = verifier_topk(
+        batch["last_hidden_state"].reshape(-1, H), weights.norm, weights.lm_head, eps, 1
+    )
+    return {**batch, "target_argmax": ids[:, 0].view(B, T), "logsumexp": lse.view(B, T)}
+
+
+def _train_quickstart_drafter(
+    algo: str, spec, weights, batch, steps: int, device: torch.device, dtype: torch.dtype, threads: int = 0
+) -> dict[str, float]:
+    """`measure_train_step` of the quickstart-<algo> drafter, freshly built (same seed), on
+    `threads` intra-op threads (0 = as many as now)."""
+    from specctl.drafters import DRAFTERS
+    from specctl.recipe import load_recipe, resolve_recipe_path
+
+    recipe = load_recipe(resolve_recipe_path(f"quickstart-{algo}.yaml"))
+    d2t = None
+    if recipe.drafter.draft_vocab_size is not None:  # the most frequent ids of random data: any will do
+        d2t = torch.zeros(recipe.drafter.draft_vocab_size, dtype=torch.long)
+    torch.manual_seed(0)
+    drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, recipe.train.loss)
+    with torch_threads(threads or torch.get_num_threads()):
+        return measure_train_step(drafter, batch, steps, device, dtype=dtype)
+
+
 def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: int = 3) -> dict[str, float]:
     """Each quickstart-<algo> drafter (SmolLM2 verifier, CPU-sized config) on synthetic features.
 
-    Baseline in the same run: the verifier's own forward over the same tokens
-    (`train_ratio_vs_verifier_forward.<algo>` = drafter train tokens/s / verifier forward tokens/s).
+    Baselines in the same run: the verifier's own forward over the same tokens
+    (`train_ratio_vs_verifier_forward.<algo>`), and the same step in float32
+    (`train_speedup_vs_float32.<algo>`: what `train.precision: auto` buys on this machine).
+    `train_tokens_per_s_per_thread.<algo>` is one intra-op thread, tokens per CPU second, in the
+    precision `auto` picks: the figure to compare with another trainer run the same way.
     """
     from specctl.drafters import DRAFTERS
+    from specctl.precision import compute_dtype
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import capture_hidden_states, load_verifier, recipe_verifier_spec, verifier_weights
 
@@ -233,26 +282,31 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
     aux_ids = spec.aux_layer_ids
     weights = verifier_weights(verifier)
     batch = synthetic_batch(spec, batch_size, seq_len, torch.Generator().manual_seed(0))
+    batch = with_target_stats(batch, weights, spec.rms_norm_eps)
 
     capture_hidden_states(verifier.model, batch["input_ids"][:1, :64], None, aux_ids)  # warm-up
     start = time.perf_counter()
     for _ in range(steps):
         capture_hidden_states(verifier.model, batch["input_ids"], None, aux_ids)
     verifier_tps = batch_size * seq_len * steps / (time.perf_counter() - start)
-    figures: dict[str, float] = {"train_verifier_forward_tokens_per_s": round(verifier_tps, 1)}
+    auto = compute_dtype(verifier.device, "auto")
+    figures: dict[str, float] = {
+        "train_verifier_forward_tokens_per_s": round(verifier_tps, 1),
+        "train_compute_dtype_is_bf16": float(auto == torch.bfloat16),
+    }
     for algo in DRAFTERS:
-        recipe = load_recipe(resolve_recipe_path(f"quickstart-{algo}.yaml"))
-        d2t = None
-        if recipe.drafter.draft_vocab_size is not None:  # the most frequent ids of random data: any will do
-            d2t = torch.zeros(recipe.drafter.draft_vocab_size, dtype=torch.long)
-        torch.manual_seed(0)
-        drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, recipe.train.loss)
-        m = measure_train_step(drafter, batch, steps, verifier.device)
+        run = partial(_train_quickstart_drafter, algo, spec, weights, batch, steps, verifier.device)
+        m = run(auto)
         figures[f"train_positions_per_s.{algo}"] = round(m["positions_per_s"], 1)
         figures[f"train_tokens_per_s.{algo}"] = round(m["tokens_per_s"], 1)
         figures[f"train_peak_mem_mb.{algo}"] = round(m["peak_mem_mb"], 1)
         figures[f"train_ratio_vs_verifier_forward.{algo}"] = round(m["tokens_per_s"] / verifier_tps, 3)
-        del drafter
+        one, fp32 = run(auto, threads=1), run(torch.float32, threads=1)
+        figures[f"train_tokens_per_s_per_thread.{algo}"] = round(one["tokens_per_cpu_s"], 1)
+        per_cpu_s = one["positions_per_s"] * one["step_s"] / one["step_cpu_s"]
+        figures[f"train_positions_per_s_per_thread.{algo}"] = round(per_cpu_s, 1)
+        speedup = one["tokens_per_cpu_s"] / fp32["tokens_per_cpu_s"]
+        figures[f"train_speedup_vs_float32.{algo}"] = round(speedup, 3)
     return figures
 
 

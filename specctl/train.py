@@ -140,6 +140,12 @@ def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> dict[str
     return batch
 
 
+def tokens_field(seen: int | None) -> dict[str, int]:
+    """`tokens_seen` for a metrics record: training tokens consumed so far, all ranks (absent when a
+    run resumed from a checkpoint that did not count them)."""
+    return {} if seen is None else {"tokens_seen": seen}
+
+
 def tau_hat(acc_per_position: list[float]) -> float:
     """Expected accepted length from per-position accuracies: 1 + sum_k prod_{i<=k} acc_i
     (the bonus token counts; accuracy at position k assumes every earlier draft was accepted)."""
@@ -478,10 +484,12 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         )
 
     step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
+    seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, ctx)
         scheduler.load_state_dict(state["scheduler"])
         step, cursor = state["step"], state["cursor"]
+        seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
     start = step
     log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main).open(keep_until=step if resume else None)
     dtype = compute_dtype(ctx.device, cfg.precision)
@@ -508,10 +516,15 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
                 if step % cfg.eval_every == 0 or done:
                     val = validate(model, source, val_buckets, ctx, cfg.batch_tokens, autocast)
                     if val is not None:
-                        log.write({"step": step, **val})
+                        log.write({"step": step, **tokens_field(seen), **val})
                         live(tau=f"{val['tau_hat']:.2f}")
                 if step % cfg.save_every == 0 or done:
-                    trainer_state = {"step": step, "cursor": cursor, "scheduler": scheduler.state_dict()}
+                    trainer_state = {
+                        "step": step,
+                        "cursor": cursor,
+                        "scheduler": scheduler.state_dict(),
+                        "tokens_seen": seen,
+                    }
                     checkpoint = save_checkpoint(
                         ckpt_root, step, model, optimizer, trainer_state, recipe_yaml, meta, ctx, keep
                     )
@@ -536,6 +549,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
                 totals += torch.stack([loss.detach().float(), counted, batch["attention_mask"].sum().float()])
             cursor += per_step
             loss_sum, counted, tokens = all_reduce_sum(totals, ctx).tolist()
+            seen = None if seen is None else seen + int(tokens)
             step_loss = loss_sum / per_step
             if not math.isfinite(step_loss):
                 raise SpecctlError(
@@ -559,7 +573,8 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
 
             # ---- log
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_since / busy}
+                record = {"step": step, **tokens_field(seen), "loss": step_loss, "lr": lr}
+                record["tokens_per_s"] = tokens_since / busy
                 if grad_norm is not None:
                     record["grad_norm"] = float(
                         grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm

@@ -819,3 +819,22 @@ def test_bf16_training_learns_resumes_exactly_and_records_its_dtype(tmp_path, of
     kill["at"] = None
     resumed = run_training(tiny_recipe(tmp_path / "resumed", **steps), resume=True, progress=False)
     assert resumed.loss == bf16.loss and resumed.tau_hat == bf16.tau_hat
+
+
+def test_metrics_count_training_tokens_for_the_learning_curve(tmp_path, offline):
+    """Every record carries tokens_seen, the training tokens consumed so far (the x axis of a
+    learning curve): train records grow by each step's real tokens, and a validation record has the
+    count of the step it follows."""
+    recipe = tiny_recipe(tmp_path, max_steps=6, eval_every=2)
+    run_training(recipe, progress=False)
+    records = read_metrics(recipe)
+    train = train_lines(records)
+    seen = [r["tokens_seen"] for r in train]
+    assert seen == sorted(set(seen)) and seen[0] > 0
+    # tokens_per_s * step time is not logged; bound each step by the micro-batch budget instead
+    steps = [b - a for a, b in zip([0, *seen], seen, strict=False)]
+    assert all(0 < n <= recipe.train.batch_tokens for n in steps)
+    by_step = {r["step"]: r["tokens_seen"] for r in train}
+    vals = [r for r in records if "tau_hat" in r]
+    assert [r["step"] for r in vals] == [2, 4, 6]
+    assert all(r["tokens_seen"] == by_step[r["step"]] for r in vals)
