@@ -905,3 +905,40 @@ def test_vllm_drafts_exactly_what_propose_drafts(tmp_path):
         assert ours.tolist() == drafts, (request, anchor_pos)
         checked += 1
     assert checked >= 3 * 10
+
+
+def test_dpace_weights_match_a_block_by_block_reference():
+    """D-PACE: position k of a block weighs sum_{j >= k, counted} prod_{i <= j} c_i, with
+    c_i = (1 - alpha) exp(-loss_i) + alpha, and positions that do not count passing 1 through."""
+    from specctl.drafters.dflash import dpace_weights
+
+    g = torch.Generator().manual_seed(0)
+    G, K, alpha = 5, 4, 0.3
+    counted = torch.rand(G, K, generator=g) < 0.7
+    block, position = counted.nonzero(as_tuple=True)
+    loss = torch.rand(block.numel(), generator=g) * 3
+    got = dpace_weights(loss, block, position, G, K, alpha)
+    conf = {(int(b), int(k)): (1 - alpha) * math.exp(-float(x)) + alpha for b, k, x in zip(block, position, loss)}
+    for n, (b, k) in enumerate(zip(block.tolist(), position.tolist(), strict=True)):
+        want = 0.0
+        for j in range(k, K):
+            if (b, j) in conf:
+                want += math.prod(conf.get((b, i), 1.0) for i in range(j + 1))
+        assert got[n].item() == pytest.approx(want, rel=1e-5)
+    assert not got.requires_grad
+
+
+def test_dpace_weighting_trains_and_weighs_early_positions_most():
+    m = build(position_weights="dpace", max_anchors=10_000)
+    batch = random_batch()
+    rows = m.gather_rows(batch)
+    loss_rows = torch.rand(rows.position.numel())
+    w = m.row_weights(rows, loss_rows)
+    # within a block the weights only fall: a later position unlocks fewer tokens
+    for blk in rows.block.unique():
+        inside = rows.block == blk
+        order = rows.position[inside].argsort()
+        assert (w[inside][order].diff() <= 1e-6).all()
+    loss, _ = m(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and m.fc.weight.grad is not None

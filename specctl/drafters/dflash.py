@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,16 @@ class BlockConfig(DrafterConfig):
     gamma: float = Field(
         4.0,
         gt=0,
-        description="Loss weight of draft position k is exp(-(k-1)/gamma): early positions matter most.",
+        description="position_weights exp: draft position k weighs exp(-(k-1)/gamma), early positions most.",
+    )
+    position_weights: Literal["exp", "dpace"] = Field(
+        "exp",
+        description="Loss weight per draft position: exp = fixed decay (gamma); dpace = D-PACE, the "
+        "expected number of accepted tokens position k still affects, from the drafter's own "
+        "confidence (the peers' DFlash default).",
+    )
+    dpace_alpha: float = Field(
+        0.5, gt=0, le=1, description="D-PACE smoothing: confidence (1 - alpha) * exp(-loss) + alpha."
     )
     sample_from_anchor: bool = Field(
         False,
@@ -130,6 +139,33 @@ class Config(BlockConfig):
 def position_weights(num_predictions: int, gamma: float) -> torch.Tensor:
     """[K] loss weight of draft positions k = 1..K: exp(-(k-1)/gamma)."""
     return torch.exp(-torch.arange(num_predictions, dtype=torch.float32) / gamma)
+
+
+def dpace_weights(
+    loss_rows: torch.Tensor,
+    block: torch.Tensor,
+    position: torch.Tensor,
+    num_blocks: int,
+    K: int,
+    alpha: float,
+) -> torch.Tensor:
+    """D-PACE loss weights [N] of N counted predictions (no gradient flows through them).
+
+    loss_rows [N] token losses, block [N] in 0..num_blocks-1, position [N] in 0..K-1 (each
+    (block, position) at most once). With confidence c_i = (1 - alpha) * exp(-loss_i) + alpha
+    (1 at positions that do not count), position k of a block weighs sum_{j >= k, counted}
+    prod_{i <= j} c_i: the expected accepted tokens from k on if every draft were accepted with
+    its confidence, so a position matters as much as the acceptance it can still unlock.
+    """
+    with torch.no_grad():
+        conf = (1 - alpha) * torch.exp(-loss_rows.detach().float()) + alpha  # [N]
+        smooth = torch.ones(num_blocks, K, device=loss_rows.device)  # [G, K]
+        counted = torch.zeros(num_blocks, K, device=loss_rows.device)
+        smooth[block, position] = conf
+        counted[block, position] = 1.0
+        prefix = torch.cumprod(smooth, 1) * counted
+        suffix = prefix.flip(1).cumsum(1).flip(1) * counted  # [G, K]
+        return suffix[block, position]
 
 
 def anchor_candidates(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -306,6 +342,8 @@ class BlockRows:
     prev_ids: torch.Tensor  # [N] the token before the predicted one (data, teacher forced)
     position: torch.Tensor  # [N] draft position k - 1 (0-based)
     num_predictions: int  # K
+    block: torch.Tensor | None = None  # [N] which block (b * A + a) the row belongs to
+    num_blocks: int = 0  # B * A
 
 
 class DFlashDrafter(nn.Module):
@@ -458,15 +496,27 @@ class DFlashDrafter(nn.Module):
             prev_ids=input_ids[b, before],
             position=k,
             num_predictions=K,
+            block=b * anchors.shape[1] + a,
+            num_blocks=anchors.numel(),
         )
 
     def rows_loss(self, rows: BlockRows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Position-weighted draft loss and per-position accuracy of the gathered rows."""
         logits = self.draft_logits(rows.hidden)
         loss_rows, correct, usable = draft_loss(logits, rows.target, self.t2d, self.loss_kind)
-        weights = position_weights(rows.num_predictions, self.config.gamma).to(logits.device)
-        loss = weighted_mean(loss_rows, weights[rows.position] * usable)
+        loss = weighted_mean(loss_rows, self.row_weights(rows, loss_rows) * usable)
         return loss, self.position_metrics(rows, correct, loss)
+
+    def row_weights(self, rows: BlockRows, loss_rows: torch.Tensor) -> torch.Tensor:
+        """[N] loss weight of each row's draft position (`position_weights` of the config)."""
+        c = self.config
+        if c.position_weights == "dpace":
+            if rows.block is None:
+                raise ValueError("D-PACE weights need the rows' blocks (BlockRows.block)")
+            return dpace_weights(
+                loss_rows, rows.block, rows.position, rows.num_blocks, rows.num_predictions, c.dpace_alpha
+            )
+        return position_weights(rows.num_predictions, c.gamma).to(loss_rows.device)[rows.position]
 
     def position_metrics(
         self, rows: BlockRows, correct: torch.Tensor, loss: torch.Tensor

@@ -34,7 +34,6 @@ from specctl.drafters.dflash import (
     BlockRows,
     DFlashDrafter,
     per_position,
-    position_weights,
     reload,
     weighted_mean,
 )
@@ -178,7 +177,7 @@ class DSparkDrafter(DFlashDrafter):
         logits, markov_embed = self.block_logits(rows.hidden, rows.prev_ids)
         token_rows, correct, usable = draft_loss(logits, rows.target, self.t2d, self.loss_kind)
         tv = total_variation(logits, rows.target)  # [N]
-        weights = position_weights(rows.num_predictions, c.gamma).to(logits.device)[rows.position]
+        weights = self.row_weights(rows, token_rows)
         loss = c.token_loss_weight * weighted_mean(token_rows, weights * usable)
         loss = loss + c.l1_loss_weight * weighted_mean(2 * tv, weights)
         metrics = self.position_metrics(rows, correct, loss)
