@@ -918,7 +918,8 @@ def test_dpace_weights_match_a_block_by_block_reference():
     block, position = counted.nonzero(as_tuple=True)
     loss = torch.rand(block.numel(), generator=g) * 3
     got = dpace_weights(loss, block, position, G, K, alpha)
-    conf = {(int(b), int(k)): (1 - alpha) * math.exp(-float(x)) + alpha for b, k, x in zip(block, position, loss)}
+    rows = zip(block.tolist(), position.tolist(), loss.tolist(), strict=True)
+    conf = {(b, k): (1 - alpha) * math.exp(-x) + alpha for b, k, x in rows}
     for n, (b, k) in enumerate(zip(block.tolist(), position.tolist(), strict=True)):
         want = 0.0
         for j in range(k, K):
