@@ -244,15 +244,28 @@ def with_target_stats(batch: dict[str, torch.Tensor], weights, eps: float) -> di
     return {**batch, "target_argmax": ids[:, 0].view(B, T), "logsumexp": lse.view(B, T)}
 
 
+# The peer's quickstart-equivalent DFlash samples 32 anchors per packed 2048-token batch; specctl's
+# max_anchors counts per sequence, so 8 per 512-token sequence is the same density (docs/performance.md).
+PEER_ANCHORS_PER_SEQUENCE = 8
+
+
 def _train_quickstart_drafter(
-    algo: str, spec, weights, batch, steps: int, device: torch.device, dtype: torch.dtype, threads: int = 0
+    algo: str,
+    spec,
+    weights,
+    batch,
+    steps: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    threads: int = 0,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """`measure_train_step` of the quickstart-<algo> drafter, freshly built (same seed), on
-    `threads` intra-op threads (0 = as many as now)."""
+    """`measure_train_step` of the quickstart-<algo> drafter (with `--set` overrides), freshly
+    built (same seed), on `threads` intra-op threads (0 = as many as now)."""
     from specctl.drafters import DRAFTERS
     from specctl.recipe import load_recipe, resolve_recipe_path
 
-    recipe = load_recipe(resolve_recipe_path(f"quickstart-{algo}.yaml"))
+    recipe = load_recipe(resolve_recipe_path(f"quickstart-{algo}.yaml"), overrides)
     d2t = None
     if recipe.drafter.draft_vocab_size is not None:  # the most frequent ids of random data: any will do
         d2t = torch.zeros(recipe.drafter.draft_vocab_size, dtype=torch.long)
@@ -307,6 +320,13 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
         figures[f"train_positions_per_s_per_thread.{algo}"] = round(per_cpu_s, 1)
         speedup = one["tokens_per_cpu_s"] / fp32["tokens_per_cpu_s"]
         figures[f"train_speedup_vs_float32.{algo}"] = round(speedup, 3)
+        if "max_anchors" in DRAFTERS[algo].config_cls.model_fields:  # block drafters: the peer's density
+            sparse = run(
+                auto, threads=1, overrides=(f"drafter.{algo}.max_anchors={PEER_ANCHORS_PER_SEQUENCE}",)
+            )
+            figures[f"train_tokens_per_s_per_thread_peer_density.{algo}"] = round(
+                sparse["tokens_per_cpu_s"], 1
+            )
     return figures
 
 
