@@ -29,6 +29,7 @@ from torch import nn
 
 from specctl import distributed, precision
 from specctl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum, rank_share
 from specctl.drafters import DRAFTERS
@@ -586,6 +587,8 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
 
     if not ctx.is_main:
         return None
+    if log.path.is_file():
+        plot_curves({algo: read_curve(log.path)}, out_dir / "learning-curve.png", f"{algo}: held-out tau_hat")
     last = log.last
     return TrainSummary(
         algo=algo,

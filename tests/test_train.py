@@ -838,3 +838,12 @@ def test_metrics_count_training_tokens_for_the_learning_curve(tmp_path, offline)
     vals = [r for r in records if "tau_hat" in r]
     assert [r["step"] for r in vals] == [2, 4, 6]
     assert all(r["tokens_seen"] == by_step[r["step"]] for r in vals)
+    # the curve the stage plots is those validations, in order
+    from specctl.curves import read_curve
+
+    out_dir = recipe.run_dir / "drafters" / "dflash"
+    curve = read_curve(out_dir / "metrics.jsonl")
+    assert curve.tokens == [by_step[s] for s in (2, 4, 6)]
+    assert curve.tau_hat == [r["tau_hat"] for r in vals] and len(curve.accuracy[0]) == 3
+    png = (out_dir / "learning-curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
