@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import re
 import shutil
@@ -48,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specctl.distributed import DistContext, broadcast_object
-from specctl.durable import disk_full, fsync_dir, recover_dirs, replace_dir, sha256_file
+from specctl.durable import disk_full, recover_dirs, replace_dir, sha256_file, write_atomic
 from specctl.errors import CheckpointError, SpecctlError
 
 DRAFTER_FILE = "drafter.safetensors"
@@ -165,16 +164,7 @@ def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
-    try:
-        tmp.write_text(name + "\n")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(root)
+    write_atomic(root / LATEST, name + "\n")
 
 
 def _torch_save(obj: Any, path: Path) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from specctl.durable import fsync_dir, sha256_file
+from specctl.durable import sha256_file, write_atomic
 from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
@@ -192,20 +191,6 @@ def shard_name(j: int) -> str:
     return f"shard-{j:05d}"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 # ---------------------------------------------------------------- writer
 
 
@@ -225,7 +210,7 @@ def init_store(path: Path, plan: StorePlan) -> None:
                 f"{shown(new[k])}); use another run name or delete {path} to start over"
             )
         return
-    _atomic_write(plan_file, json.dumps(asdict(plan), indent=1).encode())
+    write_atomic(plan_file, json.dumps(asdict(plan), indent=1).encode())
 
 
 def shard_done(path: Path, j: int) -> bool:
@@ -286,8 +271,8 @@ def write_shard(
         "bytes": len(data),
         "samples": len(samples),
     }
-    _atomic_write(path / info["file"], data)
-    _atomic_write(path / f"{shard_name(j)}.json", json.dumps(info).encode())
+    write_atomic(path / info["file"], data)
+    write_atomic(path / f"{shard_name(j)}.json", json.dumps(info).encode())
     return info
 
 
@@ -298,7 +283,7 @@ def finalize_store(path: Path) -> Manifest | None:
         return None
     infos = [json.loads((path / f"{shard_name(j)}.json").read_text()) for j in range(len(plan.shards))]
     manifest = Manifest(**asdict(plan), shard_files=infos, num_tokens=sum(plan.lengths))
-    _atomic_write(path / "manifest.json", json.dumps(asdict(manifest), indent=1).encode())
+    write_atomic(path / "manifest.json", json.dumps(asdict(manifest), indent=1).encode())
     return manifest
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from specctl.durable import write_atomic
 from specctl.perf import measure_train_step, synthetic_batch
 
 if TYPE_CHECKING:
@@ -518,14 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     report["wall_s"] = time.perf_counter() - start
-    out.write_text(json.dumps(report, indent=1) + "\n")  # the training figures survive an engine crash
+    write_atomic(out, json.dumps(report, indent=1) + "\n")  # the training figures survive an engine crash
     if not args.skip_engine:
         try:
             report["engine"] = engine_check(plan, log)
         except Exception as e:  # e.g. the verifier itself failed: keep the report, say why
             report["engine"] = {"no_spec": {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}}
         report["wall_s"] = time.perf_counter() - start
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        write_atomic(out, json.dumps(report, indent=1) + "\n")
     print_report(report)
     print(f"total {report['wall_s']:.0f} s; JSON: {out}")
     return 0

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specctl.durable import write_atomic
+
 if TYPE_CHECKING:
     from specctl.drafters import VerifierSpec, VerifierWeights
 
@@ -561,7 +563,7 @@ def main(argv: list[str] | None = None) -> None:
             figures.update(BENCHES[name](Path(tmp)))
             print(f"{name}: done in {time.perf_counter() - start:.0f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+    write_atomic(out, json.dumps(figures, indent=1, sort_keys=True) + "\n")
     print(json.dumps(figures, indent=1, sort_keys=True))
 
 

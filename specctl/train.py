@@ -34,6 +34,7 @@ from specctl.distributed import DistContext, all_reduce_sum, rank_share
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
+from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
 from specctl.optim import build_optimizer, build_scheduler
@@ -389,9 +390,8 @@ class MetricsLog:
         if keep_until is not None and self.path.is_file():
             kept = [r for r in map(_json_line, self.path.read_text().splitlines()) if r is not None]
             kept = [r for r in kept if r.get("step", keep_until + 1) <= keep_until]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")  # a kill mid-rewrite keeps the old log
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        # a kill mid-rewrite keeps the old log
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), durable=False)
         for r in kept:
             self.last.update(r)
         with contextlib.suppress(ImportError):

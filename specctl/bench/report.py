@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specctl.durable import write_atomic
 from specctl.errors import SpecctlError
 
 PLAIN = "none"  # the `algo` of plain decoding, the denominator of every speedup
@@ -769,24 +770,17 @@ def outputs_lines(report: BenchReport) -> list[str]:
     return lines
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write beside, then rename: a run interrupted mid-write leaves the previous complete file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
     """Write report.json and outputs.jsonl (always) and report.md + acceptance.png, and sweep.png
     for a sweep (when `figures`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     d = report_dict(report)
     paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
-    _write_atomic(paths["json"], json.dumps(d, indent=2) + "\n")
-    _write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)))
+    write_atomic(paths["json"], json.dumps(d, indent=2) + "\n", durable=False)
+    write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)), durable=False)
     if figures:
         paths["md"] = out_dir / "report.md"
-        paths["md"].write_text(markdown(d))
+        write_atomic(paths["md"], markdown(d), durable=False)
         paths["png"] = plot(d, out_dir / "acceptance.png")
         if "sweep" in d:
             paths["sweep_png"] = plot_sweep(d, out_dir / "sweep.png")

@@ -37,6 +37,7 @@ from typing import Any
 
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import PLAIN, Measurement, Method
+from specctl.durable import write_atomic
 from specctl.errors import SpecctlError
 from specctl.procs import HOST, free_port, log_tail, on_cpu, port_in_use, process_group, vllm_env
 
@@ -636,9 +637,7 @@ def _offline_worker(job_path: str, result_path: str) -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     result = run_offline_job(job, generate, counters)
-    tmp = Path(result_path + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(result_path)
+    write_atomic(Path(result_path), json.dumps(result))
 
 
 if __name__ == "__main__":
