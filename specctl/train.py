@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from specctl import distributed
+from specctl.batching import length_buckets
 from specctl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum, rank_share
@@ -78,26 +79,6 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
         num_val = min(max(num_val, 1), n - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[num_val:]), sorted(order[:num_val])
-
-
-def token_buckets(lengths: list[int], indices: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group samples of similar length into micro-batches of <= batch_tokens padded tokens.
-
-    Sort by length (ties by index), then fill greedily: a batch of n samples padded to its
-    longest costs n * longest tokens. A sample longer than the budget forms a batch of its
-    own and is cropped to batch_tokens by `collate`.
-    """
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in sorted(indices, key=lambda i: (lengths[i], i)):
-        longest = min(lengths[i], batch_tokens)  # ascending order: the newcomer is the longest
-        if current and longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def micro_batch_at(buckets: list[list[int]], cursor: int, seed: int) -> list[int]:
@@ -469,8 +450,8 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     optimizer = build_optimizer(drafter, cfg, vocab_sizes)
     scheduler = build_scheduler(optimizer, cfg)
     train_ids, val_ids = split_indices(len(source.lengths), cfg.val_fraction, cfg.seed)
-    buckets = token_buckets(source.lengths, train_ids, cfg.batch_tokens)
-    val_buckets = token_buckets(source.lengths, val_ids, cfg.batch_tokens)
+    buckets = length_buckets(source.lengths, cfg.batch_tokens, train_ids)
+    val_buckets = length_buckets(source.lengths, cfg.batch_tokens, val_ids)
     if not buckets:
         raise DataError(
             f"no training samples ({len(source.lengths)} in all, train.val_fraction={cfg.val_fraction})"

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from specctl.devices import resolve_device, resolve_dtype
 from specctl.drafters import VerifierSpec, VerifierWeights
 from specctl.errors import VerifierError
 from specctl.recipe import VerifierSection
@@ -52,16 +53,6 @@ class Verifier:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECCTL_CACHE", Path.home() / ".cache" / "specctl"))
-
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` = CUDA + bf16 when a GPU is present, else CPU + fp32."""
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, getattr(torch, dtype)
 
 
 def builtin_alias(name: str) -> str | None:
@@ -159,7 +150,8 @@ def load_verifier(section: VerifierSection) -> Verifier:
 
     hf_logging.disable_progress_bar()  # specctl shows its own progress; keep logs readable
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
-    device, dtype = resolve_device_dtype(section.device, section.dtype)
+    device = resolve_device(section.device)
+    dtype = resolve_dtype(section.dtype, device)
     if section.trust_remote_code:
         warnings.warn(f"trust_remote_code is on: running model code shipped with {source}", stacklevel=2)
     kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)

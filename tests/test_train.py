@@ -21,6 +21,7 @@ from torch import nn
 
 from specctl import checkpoint as ckpt
 from specctl import train as train_mod
+from specctl.batching import length_buckets
 from specctl.collect import collect
 from specctl.data import load_token_freq
 from specctl.distributed import DistContext, rank_share
@@ -31,7 +32,7 @@ from specctl.errors import DataError, FeatureStoreError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, write_shard
 from specctl.optim import Muon, build_optimizer, is_hidden_matrix, lr_at, orthogonalize, param_groups
 from specctl.recipe import Recipe, TrainSection, load_recipe, recipe_from_dict
-from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat, token_buckets
+from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat
 from specctl.verifier import capture_hidden_states, spec_from_config
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
@@ -160,13 +161,13 @@ def test_split_is_seeded_disjoint_and_complete():
     assert len(split_indices(2, 0.9, 0)[0]) == 1  # never leaves nothing to train on
 
 
-def test_token_buckets_respect_budget_and_are_maximal():
+def test_length_buckets_respect_budget_and_are_maximal():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 60, (200,), generator=g).tolist()
     lengths[7] = 500  # longer than the budget: alone, cropped later
     indices = list(range(0, 200, 2)) + [7]
     budget = 128
-    buckets = token_buckets(lengths, indices, budget)
+    buckets = length_buckets(lengths, budget, indices)
     assert sorted(i for b in buckets for i in b) == sorted(indices)
     flat = [i for b in buckets for i in b]
     assert [lengths[i] for i in flat] == sorted(lengths[i] for i in indices)  # sorted by length
