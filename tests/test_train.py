@@ -402,24 +402,14 @@ class ToyDrafter(nn.Module):
 def use_toy_drafter() -> dict:
     """DRAFTERS entries that build the toy under the name `dflash` (its recipe section is ignored)."""
     real = DRAFTERS["dflash"]
-    toy = DrafterSpec(
-        name="dflash",
-        config_cls=real.config_cls,
-        build=lambda config, spec, weights, d2t, loss: ToyDrafter(spec, weights, d2t, loss),
-        from_export=real.from_export,
-        speculators_model_type="dflash",
-        architectures=real.architectures,
+    toy = dataclasses.replace(
+        real, build=lambda config, spec, weights, d2t, loss: ToyDrafter(spec, weights, d2t, loss)
     )
     ToyDrafter.nan_at = None
     return {"dflash": toy}
 
 
-TINY_DRAFTERS = {
-    "dflash": {"num_layers": 1, "block_size": 4, "max_anchors": 8},
-    "dspark": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
-    "eagle3": {"ttt_steps": 2, "num_speculative_tokens": 2},
-    "peagle": {"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
-}
+TINY_DRAFTERS = {name: spec.tiny for name, spec in DRAFTERS.items()}  # each algorithm's smallest section
 
 
 def tiny_recipe(

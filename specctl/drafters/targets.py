@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specctl.drafters.vocab import d2t_from_t2d, t2d_from_d2t
+
 
 def build_draft_vocab(token_freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the `draft_vocab_size` most frequent target ids (ties: lower id first).
@@ -34,10 +36,8 @@ def build_draft_vocab(token_freq: torch.Tensor, draft_vocab_size: int) -> tuple[
     # stable sort on -freq keeps lower ids first among equal counts
     order = torch.sort(-token_freq.double(), stable=True).indices[:draft_vocab_size]
     kept = torch.sort(order).values  # [Vd] ascending target ids
-    d2t = kept - torch.arange(draft_vocab_size, dtype=kept.dtype)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t.long(), t2d
+    d2t = (kept - torch.arange(draft_vocab_size, dtype=kept.dtype)).long()
+    return d2t, t2d_from_d2t(d2t, V)
 
 
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
@@ -255,9 +255,6 @@ def draft_loss(
         loss = -logp_draft.gather(-1, labels.clamp(min=0)[:, None])[:, 0] * valid
     else:
         raise ValueError(f"unknown loss kind {kind!r}; use 'kl' or 'ce'")
-    d2t_table = None
-    if t2d is not None:
-        kept = t2d.nonzero()[:, 0]
-        d2t_table = kept - torch.arange(kept.numel(), device=kept.device)
+    d2t_table = None if t2d is None else d2t_from_t2d(t2d)
     predicted = draft_to_target(draft_logits.argmax(-1), d2t_table)
     return loss, predicted == target_argmax, valid
