@@ -377,6 +377,7 @@ def _bench_seq(
     tokens_per_measure: int,
 ) -> dict[str, float]:
     from specctl.drafters import DRAFTERS
+    from specctl.recipe import TrainSection
 
     limit_mb = default_mem_limit_mb() if mem_limit_mb is None else mem_limit_mb
     spec, weights = tiny_verifier(hidden_size, vocab_size)
@@ -390,7 +391,7 @@ def _bench_seq(
             batch = synthetic_batch(spec, 1, seq_len, torch.Generator().manual_seed(seq_len))
             torch.manual_seed(0)
             drafter = drafter_spec.build(
-                drafter_spec.config_cls(num_layers=num_layers), spec, weights, None, "kl"
+                drafter_spec.config_cls(num_layers=num_layers), spec, weights, None, TrainSection().loss
             )
             # about the same tokens per measurement; the longest runs once, without a warm-up
             # step (its one-off costs are small next to a step that long, and 2 cores are slow)
@@ -437,6 +438,7 @@ def bench_engine(
     an untrained drafter's speedup means nothing.
     """
     from specctl.bench.prompts import load_prompts
+    from specctl.drafters import DRAFTERS
     from specctl.engine import generate
     from specctl.export import load_drafter
     from specctl.recipe import load_recipe, resolve_recipe_path
@@ -479,7 +481,7 @@ def bench_engine(
         drafter, _ = load_drafter(export, verifier=verifier)
         speedup = tokens_per_s(engine(drafter)) / plain_tps
         figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)
-        if drafter.algo != "eagle3":
+        if DRAFTERS[drafter.algo].parallel:
             parallel.append(speedup)
     if parallel:
         figures["engine_speedup_best"] = round(max(parallel), 3)
@@ -491,7 +493,7 @@ def bench_engine(
 def bench_features(
     workdir: Path,
     run_dir: Path = Path("runs/quickstart"),
-    algos: tuple[str, ...] = ("dflash", "eagle3"),
+    algos: tuple[str, ...] | None = None,
     overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """The compact feature layout (fp8 aux states + top-16 targets) against bf16, on quickstart data.
@@ -501,6 +503,7 @@ def bench_features(
     seed: `tau_hat_ratio_compact_vs_bf16` is what the smaller store costs in held-out acceptance.
     Left out when there is no quickstart data: self-generating it here would take minutes more.
     `overrides` (`--set` assignments on both recipes) must match how `run_dir/data` was made.
+    `algos` default: the algorithms trained under `run_dir` (`make demo` trains dflash and eagle3).
     """
     from specctl.collect import collect
     from specctl.recipe import load_recipe, resolve_recipe_path
@@ -512,6 +515,10 @@ def bench_features(
             f"features: no prepared data under {run_dir}; run `make demo` for tau_hat_ratio_compact_vs_bf16"
         )
         return {}
+    if algos is None:
+        algos = tuple(
+            sorted(p.name for p in (run_dir / "drafters").glob("*") if (p / "metrics.jsonl").is_file())
+        )
     layouts = {"bf16": [], "compact": ["features.aux_dtype=fp8", "features.target=topk", "features.topk=16"]}
     figures: dict[str, float] = {}
     tau: dict[str, dict[str, float]] = {}
