@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
+from specctl.drafters.targets import verifier_topk
 from specctl.durable import sha256_file, write_atomic
 from specctl.errors import FeatureStoreError
 
@@ -98,6 +99,44 @@ def layout_bytes_per_token(layout: Layout, hidden_size: int, num_aux: int, vocab
     else:
         total += H * TENSOR_DTYPES[layout.dtype].itemsize
     return total
+
+
+@dataclass
+class TargetHead:
+    """The verifier's frozen final norm and LM head in float32, for top-k targets at collect time.
+
+    Float32 once, here: `verifier_logits` would otherwise up-cast the [V, H] head per chunk.
+    """
+
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    eps: float
+
+
+def encode_features(
+    aux: torch.Tensor, last: torch.Tensor, layout: Layout, head: TargetHead | None
+) -> dict[str, torch.Tensor]:
+    """One row per token: aux [N, n_aux, H], last [N, H] (pre-norm) -> what a shard stores for them.
+
+    aux: aux_hidden_states in `layout.aux_dtype`, or fp8 + aux_scale [N, n_aux]. Target: the
+    final state in `layout.dtype`, or topk_ids / topk_logprobs [N, k] + logsumexp [N] from its
+    logits (`head` needed). Runs on the inputs' device; the float16 / id casts happen in write_shard.
+    """
+    out: dict[str, torch.Tensor] = {}
+    if layout.aux_dtype == FP8:
+        out["aux_hidden_states"], out["aux_scale"] = quantize_fp8(aux)
+    else:
+        out["aux_hidden_states"] = aux.to(TENSOR_DTYPES[layout.aux_dtype])
+    if layout.target == "topk":
+        if head is None:
+            raise ValueError("target topk needs the verifier's norm and LM head (TargetHead)")
+        ids, logprobs, logsumexp = verifier_topk(
+            last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, layout.topk
+        )
+        out.update(topk_ids=ids, topk_logprobs=logprobs, logsumexp=logsumexp)
+    else:
+        out["last_hidden_state"] = last.to(TENSOR_DTYPES[layout.dtype])
+    return out
 
 
 def check_layout(path: Path, have: Layout, want: Layout) -> None:
