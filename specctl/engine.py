@@ -53,6 +53,44 @@ def default_num_speculative_tokens(drafter: Any) -> int:
     return drafter.export_config().speculative_tokens
 
 
+def _proposer(
+    drafter: Any | None, num_speculative_tokens: int | None, confidence_threshold: float | None
+) -> tuple[int, tuple[int, ...], Any]:
+    """(K, the aux layers the drafter reads, its propose function); K 0 for plain decoding."""
+    if drafter is None:
+        return 0, (), None
+    if num_speculative_tokens is not None and num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    K = num_speculative_tokens or default_num_speculative_tokens(drafter)
+    propose = drafter.propose
+    if confidence_threshold is not None:
+        propose = getattr(drafter, "propose_with_confidence", None)
+        if propose is None:
+            raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
+    return K, tuple(drafter.verifier.aux_layer_ids), propose
+
+
+def _cut(proposal: Any, confidence_threshold: float | None) -> torch.Tensor:
+    """The drafts to verify: all of them, or (with a threshold) the prefix whose survival
+    probability stays above it (`propose_with_confidence` gives (drafts, confidences))."""
+    if confidence_threshold is None:
+        return proposal
+    drafts, confidence = proposal
+    if confidence is None:
+        raise ValueError("confidence_threshold: this drafter was built without its confidence head")
+    return drafts[: confident_draft_length(confidence, confidence_threshold)]
+
+
+def _accept(
+    drafts: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[int, int]:
+    """(drafts accepted, the verifier's next token): greedy, or lossless rejection sampling."""
+    if temperature == 0:
+        return greedy_accept(drafts, logits.argmax(-1))
+    probs = apply_temperature_top_p(logits, temperature, top_p)
+    return rejection_sample(drafts, None, probs, generator)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -89,18 +127,7 @@ def generate(
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
     eos = {int(t) for t in eos_token_ids}
-
-    K, aux_layer_ids, propose = 0, (), None
-    if drafter is not None:
-        if num_speculative_tokens is not None and num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        K = num_speculative_tokens or default_num_speculative_tokens(drafter)
-        aux_layer_ids = tuple(drafter.verifier.aux_layer_ids)
-        propose = drafter.propose
-        if confidence_threshold is not None:
-            propose = getattr(drafter, "propose_with_confidence", None)
-            if propose is None:
-                raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
+    K, aux_layer_ids, propose = _proposer(drafter, num_speculative_tokens, confidence_threshold)
     counters = SpecCounters(accepted_per_position=[0] * K)
 
     from transformers import DynamicCache
@@ -126,25 +153,15 @@ def generate(
             drafts = ids[:0]
             if k > 0:
                 proposal = propose(ids[:n], aux_buffer[: n - 1], k, state=draft_state)
-                if confidence_threshold is not None:
-                    proposal, confidence = proposal
-                    if confidence is None:
-                        raise ValueError(
-                            "confidence_threshold: this drafter was built without its confidence head"
-                        )
-                    k = confident_draft_length(confidence, confidence_threshold)
-                drafts = proposal[:k].to(device)  # [k]
+                drafts = _cut(proposal, confidence_threshold).to(device)  # [k]
+                k = drafts.numel()
             logits = model(
                 input_ids=(torch.cat([pending, drafts]) if k else pending)[None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=k + 1,
             ).logits[0]  # [k+1, V] after the last verified token and after each draft
-            if temperature == 0:
-                accepted, next_token = greedy_accept(drafts, logits.argmax(-1))
-            else:
-                probs = apply_temperature_top_p(logits, temperature, top_p)
-                accepted, next_token = rejection_sample(drafts, None, probs, generator)
+            accepted, next_token = _accept(drafts, logits, temperature, top_p, generator)
             if k > 0:
                 counters.record(k, accepted)
             if accepted < k:

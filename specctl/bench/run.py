@@ -215,7 +215,7 @@ def run_bench(
     Returns the report: `report.errors` names methods that failed (the others were measured),
     `report.failures` the requirements that fell short; `report.ok` is False if either is non-empty.
     """
-    from specctl.progress import console, progress_bar
+    from specctl.progress import console
 
     if recipe is None and not drafters and baseline is None:
         recipe = load_recipe("quickstart")
@@ -239,6 +239,21 @@ def run_bench(
     plan = plan_run(
         recipe, overrides, concurrency, drafters, baseline, ngram, sweep_k, requires, verifier, output, warn
     )
+    return execute(plan, vllm_args, progress, say, warn, generate_fn, load_drafter_fn)
+
+
+def execute(
+    plan: RunPlan,
+    vllm_args: Sequence[str],
+    progress: bool,
+    say: Callable[..., None],
+    warn: Callable[[str], None],
+    generate_fn: Callable[..., Any] | None = None,
+    load_drafter_fn: Callable[..., Any] | None = None,
+) -> BenchReport:
+    """Open the backend, load the prompts, measure every configuration, write the final report."""
+    from specctl.progress import progress_bar
+
     bar = progress_bar(unit="prompt", enabled=progress)
     task = bar.add_task("bench", total=None)
     engine = open_backend(

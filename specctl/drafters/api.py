@@ -113,7 +113,9 @@ class VerifierSpec:
     model_type: str = "llama"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON's view (tuples as lists), as meta.json and config.json hold it."""
+        out = dataclasses.asdict(self)
+        return {**out, "architectures": list(self.architectures), "aux_layer_ids": list(self.aux_layer_ids)}
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> VerifierSpec:
