@@ -193,8 +193,8 @@ class BenchSection(Section):
     ready_timeout_s: float = Field(
         900.0,
         gt=0,
-        description="Seconds a vLLM server or offline engine may take to start (load the weights, "
-        "answer /health) before its configuration counts as failed.",
+        description="Seconds a vLLM server may take to start (load the weights, answer /health) "
+        "before its configuration counts as failed.",
     )
 
 
