@@ -1,6 +1,6 @@
 """The vLLM offline backend of `specctl bench`: vLLM's `LLM` per configuration, in a worker subprocess.
 
-The worker (`python -m specctl.bench.offline JOB RESULT`) runs in its own process group with the
+The worker (`python -m specctl.bench.offline offline JOB RESULT`) runs in its own process group with the
 same lifecycle as a server (specctl.procs), and reads the spec-decode counters from its in-process
 Prometheus registry; its result comes back as JSON.
 """
