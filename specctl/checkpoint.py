@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import random
 import re
 import shutil
@@ -48,8 +47,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from specctl.distributed import DistContext, broadcast_object
-from specctl.durable import disk_full, fsync_dir, recover_dirs, replace_dir, sha256_file
-from specctl.errors import CheckpointError, SpecctlError
+from specctl.drafters import DRAFTERS, VerifierSpec
+from specctl.durable import disk_full, recover_dirs, replace_dir, sha256_file, write_atomic
+from specctl.errors import CheckpointError, SpecctlError, first_line
 
 DRAFTER_FILE = "drafter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -140,6 +140,62 @@ def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / DRAFTER_FILE)
 
 
+def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Rebuild a trained drafter from a training checkpoint, without loading the verifier:
+    (module in eval mode, the checkpoint's recipe, its meta.json).
+
+    The module is built from the checkpoint's recipe and VerifierSpec on the meta device, then the
+    saved state is assigned into it; the verifier tensors it borrows stay meta (they are never
+    exported). The verifier name is replaced by the hub id when one is known.
+    """
+    import dataclasses
+
+    import yaml
+    from accelerate import init_empty_weights
+
+    from specctl.recipe import recipe_from_dict
+    from specctl.validate import meta_weights
+    from specctl.verifier import verifier_reference
+
+    meta = read_meta(checkpoint)
+    algo = meta.get("algo")
+    if algo not in DRAFTERS:
+        raise SpecctlError(
+            f"{checkpoint}: checkpoint of unknown algorithm {algo!r}; known: {', '.join(DRAFTERS)}"
+        )
+    recipe_file = checkpoint / RECIPE_FILE
+    if not recipe_file.is_file():
+        raise SpecctlError(f"{recipe_file}: missing; the checkpoint cannot be rebuilt without its recipe")
+    recipe = recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
+    try:
+        verifier = VerifierSpec.from_dict(meta["verifier"])
+    except (KeyError, TypeError) as e:
+        raise SpecctlError(
+            f"{checkpoint}: meta.json does not describe the verifier ({first_line(e)})"
+        ) from None
+    verifier = dataclasses.replace(verifier, name_or_path=verifier_reference(verifier.name_or_path))
+    state = load_drafter_state(checkpoint)
+    loss = meta.get("loss", recipe.train.loss)  # older checkpoints: the recipe's
+    with init_empty_weights():
+        module = DRAFTERS[algo].build(
+            getattr(recipe.drafter, algo),
+            verifier,
+            meta_weights(verifier.vocab_size, verifier.hidden_size),
+            state.get("d2t"),
+            loss,
+        )
+    own = module.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    misshapen = sorted(n for n in own.keys() & state.keys() if own[n].shape != state[n].shape)
+    if missing or unexpected or misshapen:
+        raise SpecctlError(
+            f"{checkpoint}: the saved drafter does not fit the {algo} drafter its recipe describes "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]}, other shape {misshapen[:5]})"
+        )
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.eval(), recipe, meta
+
+
 # ---------------------------------------------------------------- checksums
 
 
@@ -165,16 +221,7 @@ def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
-    try:
-        tmp.write_text(name + "\n")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, root / LATEST)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(root)
+    write_atomic(root / LATEST, name + "\n")
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -302,7 +349,7 @@ def load_checkpoint(
         set_model_state_dict(model, model_state, options=options)
     except RuntimeError as e:
         raise CheckpointError(
-            f"{path}: checkpoint does not fit this drafter ({str(e).splitlines()[0]}); "
+            f"{path}: checkpoint does not fit this drafter ({first_line(e)}); "
             "was the drafter section of the recipe changed since it was saved?"
         ) from None
     set_optimizer_state_dict(model, optimizer, optim_state, options=options)

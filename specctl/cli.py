@@ -106,7 +106,7 @@ def train(
     recipe: RecipeArg,
     algo: Annotated[
         str | None,
-        typer.Option(help="peagle | dflash | dspark | eagle3 (default: the recipe's drafter.algo)."),
+        typer.Option(help="A registered algorithm, e.g. dflash (default: the recipe's drafter.algo)."),
     ] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
@@ -172,8 +172,10 @@ def export(
     Example: specctl export runs/quickstart --check
     """
     from specctl.errors import SpecctlError
-    from specctl.export import check_export, export_drafters, is_export_dir
-    from specctl.export import push_to_hub as push
+    from specctl.export import export_drafters
+    from specctl.hub import push_to_hub as push
+    from specctl.validate import is_export_dir
+    from specctl.vllm_check import check_export
 
     if is_export_dir(source):
         _summary("export check", check_export(source, use_vllm=True).rows())
@@ -251,8 +253,8 @@ def bench(
 
     Example: specctl bench RECIPE --backend vllm --sweep-k all --concurrency 1,4,16
     """
-    from specctl.bench.report import rich_sweep, rich_table
-    from specctl.bench.run import parse_int_list, parse_sweep_k, run_bench
+    from specctl.bench.plan import parse_int_list, parse_sweep_k
+    from specctl.bench.run import run_bench
     from specctl.errors import RecipeError
     from specctl.recipe import load_recipe
 
@@ -280,7 +282,16 @@ def bench(
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
         vllm_args=vllm_arg or [],
     )
-    if json_:
+    _print_bench(report, json_)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _print_bench(report, as_json: bool) -> None:
+    """The summary (or report.json), the files written, and one line per error or unmet requirement."""
+    from specctl.bench.render import rich_sweep, rich_table
+
+    if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         out.print(rich_table(report))
@@ -295,8 +306,6 @@ def bench(
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
     for f in report.failures:
         err.print(f"[red]requirement not met:[/red] {f}", highlight=False, soft_wrap=True)
-    if not report.ok:
-        raise typer.Exit(1)
 
 
 def main() -> None:

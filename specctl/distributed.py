@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from specctl.devices import resolve_device
 from specctl.errors import SpecctlError
 
 
@@ -36,13 +37,6 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` = cuda when available, else cpu (the recipe's verifier.device convention)."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def setup(device: str = "auto") -> DistContext:

@@ -1,5 +1,6 @@
-"""Small file helpers the stores share: content hashes, durable renames, and directories
-replaced whole (checkpoints, exports) so that a kill at any instant loses nothing."""
+"""Small file helpers the stores share: content hashes, durable renames, small files written whole
+(`write_atomic`) and directories replaced whole (checkpoints, exports), so that a kill at any
+instant loses nothing."""
 
 from __future__ import annotations
 
@@ -40,6 +41,29 @@ def fsync_files(path: Path) -> None:
     for f in path.iterdir():
         with open(f, "rb+") as handle:
             os.fsync(handle.fileno())
+
+
+def write_atomic(path: Path, data: str | bytes, durable: bool = True) -> None:
+    """Write a small file whole: into `.NAME.tmp-PID` beside it, then rename over `path`.
+
+    A reader, or a kill at any instant, sees the previous file or the new one, never a torn
+    write; an exception leaves no temp file. `durable` also flushes the file and its directory
+    (a power loss then cannot undo the rename); a report rewritten after every measurement
+    can skip that.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
 
 
 def umask() -> int:

@@ -16,77 +16,25 @@ gets one `state` dict per request to keep its own work on that prefix between pr
 cache. With no
 drafter the same loop feeds one token per step: plain decoding, the baseline of every speedup.
 
-Counters mean what vLLM's spec-decode metrics mean: a draft is one proposal that was
-verified, draft tokens are the tokens it proposed, accepted tokens the drafts the verifier
-kept (counted before an EOS truncates the output, as vLLM's scheduler does), and
-accepted_per_position[i] how many drafts had position i accepted.
+Counters (specctl.counters.SpecCounters, the type bench and vLLM's metrics share) mean what
+vLLM's spec-decode metrics mean: a draft is one proposal that was verified, draft tokens are the
+tokens it proposed, accepted tokens the drafts the verifier kept (counted before an EOS truncates
+the output, as vLLM's scheduler does), and accepted_per_position[i] how many drafts had position i
+accepted.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specctl.counters import SpecCounters
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
 from specctl.verifier import Verifier, record_layers
-
-
-@dataclass
-class SpecCounters:
-    """Speculative-decoding counters, summed over requests (vLLM's spec_decode_* meaning)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [K]
-
-    @property
-    def acceptance_length(self) -> float:
-        """tau: tokens emitted per verifier pass that verified a draft, bonus token included
-        (1 + accepted / drafts; plain decoding is 1.0)."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_rate_per_position(self) -> list[float]:
-        """accepted_at_position / drafts, the per-position rate vLLM reports."""
-        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_position]
-
-    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
-        """One verified draft of `num_draft_tokens` tokens whose first `num_accepted` were kept."""
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-    @classmethod
-    def merge(cls, counters: Iterable[SpecCounters]) -> SpecCounters:
-        """Sum of several requests' counters (per-position lists of different K are zero-padded)."""
-        out = cls()
-        for c in counters:
-            out.num_drafts += c.num_drafts
-            out.num_draft_tokens += c.num_draft_tokens
-            out.num_accepted_tokens += c.num_accepted_tokens
-            width = max(len(out.accepted_per_position), len(c.accepted_per_position))
-            a = out.accepted_per_position + [0] * (width - len(out.accepted_per_position))
-            b = c.accepted_per_position + [0] * (width - len(c.accepted_per_position))
-            out.accepted_per_position = [x + y for x, y in zip(a, b, strict=True)]
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_length": self.acceptance_length,
-        }
 
 
 @dataclass
@@ -102,7 +50,45 @@ class GenerationResult:
 
 def default_num_speculative_tokens(drafter: Any) -> int:
     """K the drafter was exported for: `speculative_tokens` of its speculators config."""
-    return int(drafter.export_config()["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    return drafter.export_config().speculative_tokens
+
+
+def _proposer(
+    drafter: Any | None, num_speculative_tokens: int | None, confidence_threshold: float | None
+) -> tuple[int, tuple[int, ...], Any]:
+    """(K, the aux layers the drafter reads, its propose function); K 0 for plain decoding."""
+    if drafter is None:
+        return 0, (), None
+    if num_speculative_tokens is not None and num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    K = num_speculative_tokens or default_num_speculative_tokens(drafter)
+    propose = drafter.propose
+    if confidence_threshold is not None:
+        propose = getattr(drafter, "propose_with_confidence", None)
+        if propose is None:
+            raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
+    return K, tuple(drafter.verifier.aux_layer_ids), propose
+
+
+def _cut(proposal: Any, confidence_threshold: float | None) -> torch.Tensor:
+    """The drafts to verify: all of them, or (with a threshold) the prefix whose survival
+    probability stays above it (`propose_with_confidence` gives (drafts, confidences))."""
+    if confidence_threshold is None:
+        return proposal
+    drafts, confidence = proposal
+    if confidence is None:
+        raise ValueError("confidence_threshold: this drafter was built without its confidence head")
+    return drafts[: confident_draft_length(confidence, confidence_threshold)]
+
+
+def _accept(
+    drafts: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[int, int]:
+    """(drafts accepted, the verifier's next token): greedy, or lossless rejection sampling."""
+    if temperature == 0:
+        return greedy_accept(drafts, logits.argmax(-1))
+    probs = apply_temperature_top_p(logits, temperature, top_p)
+    return rejection_sample(drafts, None, probs, generator)
 
 
 def _sync(device: torch.device) -> None:
@@ -141,18 +127,7 @@ def generate(
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
     eos = {int(t) for t in eos_token_ids}
-
-    K, aux_layer_ids, propose = 0, (), None
-    if drafter is not None:
-        if num_speculative_tokens is not None and num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        K = num_speculative_tokens or default_num_speculative_tokens(drafter)
-        aux_layer_ids = tuple(drafter.verifier.aux_layer_ids)
-        propose = drafter.propose
-        if confidence_threshold is not None:
-            propose = getattr(drafter, "propose_with_confidence", None)
-            if propose is None:
-                raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
+    K, aux_layer_ids, propose = _proposer(drafter, num_speculative_tokens, confidence_threshold)
     counters = SpecCounters(accepted_per_position=[0] * K)
 
     from transformers import DynamicCache
@@ -178,25 +153,15 @@ def generate(
             drafts = ids[:0]
             if k > 0:
                 proposal = propose(ids[:n], aux_buffer[: n - 1], k, state=draft_state)
-                if confidence_threshold is not None:
-                    proposal, confidence = proposal
-                    if confidence is None:
-                        raise ValueError(
-                            "confidence_threshold: this drafter was built without its confidence head"
-                        )
-                    k = confident_draft_length(confidence, confidence_threshold)
-                drafts = proposal[:k].to(device)  # [k]
+                drafts = _cut(proposal, confidence_threshold).to(device)  # [k]
+                k = drafts.numel()
             logits = model(
                 input_ids=(torch.cat([pending, drafts]) if k else pending)[None],
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=k + 1,
             ).logits[0]  # [k+1, V] after the last verified token and after each draft
-            if temperature == 0:
-                accepted, next_token = greedy_accept(drafts, logits.argmax(-1))
-            else:
-                probs = apply_temperature_top_p(logits, temperature, top_p)
-                accepted, next_token = rejection_sample(drafts, None, probs, generator)
+            accepted, next_token = _accept(drafts, logits, temperature, top_p, generator)
             if k > 0:
                 counters.record(k, accepted)
             if accepted < k:

@@ -1,6 +1,20 @@
 """Errors a user can act on. The CLI prints them as one line and exits non-zero."""
 
 
+def first_line(error: BaseException | str, limit: int = 300) -> str:
+    """The first line of an error (or text) for a one-line message, at most `limit` characters.
+
+    A KeyError's text is its key, quoted; an error without text is named by its type, so the
+    message never ends in "()".
+    """
+    if isinstance(error, KeyError) and error.args:
+        return repr(error.args[0])[:limit]
+    text = str(error).strip()
+    if not text:
+        return "" if isinstance(error, str) else type(error).__name__
+    return " ".join(text.splitlines()[0].split())[:limit]
+
+
 class SpecctlError(Exception):
     """A known failure with a message that says what, where, and what to do next."""
 

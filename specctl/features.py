@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -31,7 +30,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
-from specctl.durable import fsync_dir, recover_dirs, sha256_file
+from specctl.drafters.targets import verifier_topk
+from specctl.durable import recover_dirs, sha256_file, write_atomic
 from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
@@ -80,6 +80,11 @@ class Layout:
         hidden = features.target == "hidden"
         return cls(features.dtype, features.aux_dtype or features.dtype, features.target, topk, hidden)
 
+    @property
+    def needs_head(self) -> bool:
+        """Whether collecting this layout forms the verifier's logits (its norm + LM head)."""
+        return self.target == "topk" or self.target_stats
+
     def settings(self) -> dict[str, Any]:
         """The settings that change what is on disk, in the order a mismatch is reported.
 
@@ -114,6 +119,48 @@ def layout_bytes_per_token(layout: Layout, hidden_size: int, num_aux: int, vocab
     else:
         total += H * TENSOR_DTYPES[layout.dtype].itemsize + (8 if layout.target_stats else 0)
     return total
+
+
+@dataclass
+class TargetHead:
+    """The verifier's frozen final norm and LM head in float32, for top-k targets at collect time.
+
+    Float32 once, here: `verifier_logits` would otherwise up-cast the [V, H] head per chunk.
+    """
+
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    eps: float
+
+
+def encode_features(
+    aux: torch.Tensor, last: torch.Tensor, layout: Layout, head: TargetHead | None
+) -> dict[str, torch.Tensor]:
+    """One row per token: aux [N, n_aux, H], last [N, H] (pre-norm) -> what a shard stores for them.
+
+    aux: aux_hidden_states in `layout.aux_dtype`, or fp8 + aux_scale [N, n_aux]. Target: the
+    final state in `layout.dtype` (with target_stats also target_argmax / logsumexp [N]), or
+    topk_ids / topk_logprobs [N, k] + logsumexp [N] from its logits (`head` needed for both).
+    Runs on the inputs' device; the float16 / id casts happen in write_shard.
+    """
+    out: dict[str, torch.Tensor] = {}
+    if layout.aux_dtype == FP8:
+        out["aux_hidden_states"], out["aux_scale"] = quantize_fp8(aux)
+    else:
+        out["aux_hidden_states"] = aux.to(TENSOR_DTYPES[layout.aux_dtype])
+    if layout.needs_head:
+        if head is None:
+            raise ValueError("top-k targets and target statistics need the verifier's norm and LM head")
+        ids, logprobs, logsumexp = verifier_topk(
+            last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, max(layout.topk, 1)
+        )
+        if layout.target == "topk":
+            out.update(topk_ids=ids, topk_logprobs=logprobs, logsumexp=logsumexp)
+        else:
+            out.update(target_argmax=ids[:, 0], logsumexp=logsumexp)
+    if layout.target == "hidden":
+        out["last_hidden_state"] = last.to(TENSOR_DTYPES[layout.dtype])
+    return out
 
 
 def check_layout(path: Path, have: Layout, want: Layout) -> None:
@@ -208,20 +255,6 @@ def shard_name(j: int) -> str:
     return f"shard-{j:05d}"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 # ---------------------------------------------------------------- writer
 
 
@@ -242,7 +275,7 @@ def init_store(path: Path, plan: StorePlan) -> None:
                 f"{shown(new[k])}); use another run name or delete {path} to start over"
             )
         return
-    _atomic_write(plan_file, json.dumps(asdict(plan), indent=1).encode())
+    write_atomic(plan_file, json.dumps(asdict(plan), indent=1).encode())
 
 
 def continued_layout(path: Path, layout: Layout) -> Layout:
@@ -320,8 +353,8 @@ def write_shard(
         "bytes": len(data),
         "samples": len(samples),
     }
-    _atomic_write(path / info["file"], data)
-    _atomic_write(path / f"{shard_name(j)}.json", json.dumps(info).encode())
+    write_atomic(path / info["file"], data)
+    write_atomic(path / f"{shard_name(j)}.json", json.dumps(info).encode())
     return info
 
 
@@ -332,7 +365,7 @@ def finalize_store(path: Path) -> Manifest | None:
         return None
     infos = [json.loads((path / f"{shard_name(j)}.json").read_text()) for j in range(len(plan.shards))]
     manifest = Manifest(**asdict(plan), shard_files=infos, num_tokens=sum(plan.lengths))
-    _atomic_write(path / "manifest.json", json.dumps(asdict(manifest), indent=1).encode())
+    write_atomic(path / "manifest.json", json.dumps(asdict(manifest), indent=1).encode())
     return manifest
 
 

@@ -32,12 +32,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from specctl.durable import write_atomic
+from specctl.errors import first_line
 from specctl.perf import measure_train_step, synthetic_batch
 
 if TYPE_CHECKING:
     from specctl.drafters import VerifierSpec, VerifierWeights
 
-ALGOS = ("eagle3", "peagle", "dflash", "dspark")
+
+def registered_algos() -> tuple[str, ...]:
+    """Every registered algorithm (imported on use: the drafters need pydantic, checked first)."""
+    from specctl.drafters import DRAFTERS
+
+    return tuple(DRAFTERS)
+
+
 RECIPES = Path(__file__).parent / "recipes"
 H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H200 (SXM), no sparsity
 MFU_FORMULA = (
@@ -119,7 +128,7 @@ class Plan:
     warmup: int
     steps: int
     engine: EngineShape
-    algos: tuple[str, ...] = ALGOS
+    algos: tuple[str, ...] = ()  # the registered algorithms by default (main)
     drafter_overrides: dict[str, Any] = field(default_factory=dict)  # dry run: fewer layers/anchors
     max_draft_vocab: int | None = None  # dry run: the recipe's 32000 does not fit a 512 vocabulary
     compile: bool = False
@@ -202,7 +211,10 @@ def drafter_setup(algo: str, plan: Plan) -> tuple[dict[str, Any], int | None, st
     mask = drafter.get("mask_token_id")
     vocab = plan.verifier["vocab_size"]
     mask = mask if mask is not None and mask < vocab else vocab - 1
-    return fields, draft_vocab, (tree.get("train") or {}).get("loss", "kl"), mask
+    from specctl.recipe import TrainSection
+
+    loss = (tree.get("train") or {}).get("loss", TrainSection.model_fields["loss"].default)
+    return fields, draft_vocab, loss, mask
 
 
 def verifier_spec(geometry: dict[str, Any], mask_token_id: int) -> VerifierSpec:
@@ -323,7 +335,7 @@ def train_check(plan: Plan, log: Any) -> dict[str, Any]:
                 row = train_one(algo, plan, spec, weights, seq_len)
             except torch.cuda.OutOfMemoryError as e:
                 oom_at.append(seq_len)
-                row = {"status": "oom", "error": str(e).splitlines()[0][:300]}
+                row = {"status": "oom", "error": first_line(e)}
             except Exception as e:  # one algorithm's bug must not hide the others' figures
                 row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
             _free(plan.device)
@@ -396,7 +408,7 @@ def engine_check(plan: Plan, log: Any) -> dict[str, Any]:
             row = run(drafter)
             row["ratio_vs_no_spec"] = row["tokens_per_s"] / base if base else None
         except torch.cuda.OutOfMemoryError as err:
-            row = {"status": "oom", "error": str(err).splitlines()[0][:300]}
+            row = {"status": "oom", "error": first_line(err)}
         except Exception as err:  # report and go on to the next drafter
             row = {"status": "error", "error": f"{type(err).__name__}: {err}"[:500]}
         drafter = None
@@ -470,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="tiny shapes on the CPU (automatic without CUDA)"
     )
-    parser.add_argument("--algos", default=",".join(ALGOS), help="comma-separated: " + ",".join(ALGOS))
+    parser.add_argument(
+        "--algos", default="", help="comma-separated algorithm names (default: every registered one)"
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (GPU: 4096)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (GPU: 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per algorithm (GPU: 8)")
@@ -479,11 +493,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=H200_PEAK_BF16_TFLOPS, help="MFU denominator")
     args = parser.parse_args(argv)
-    args.algos = tuple(a for a in args.algos.split(",") if a)
-    unknown = [a for a in args.algos if a not in ALGOS]
-    if unknown:
-        print(f"gpu-check: unknown algorithm(s) {unknown}; choose from {', '.join(ALGOS)}", file=sys.stderr)
-        return 2
     try:
         import pydantic  # noqa: F401  (the drafters' configs are pydantic models)
     except ImportError:
@@ -492,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
             "(device machine: carry the wheels, see docs/performance.md)",
             file=sys.stderr,
         )
+        return 2
+    known = registered_algos()
+    args.algos = tuple(a for a in args.algos.split(",") if a) or known
+    unknown = [a for a in args.algos if a not in known]
+    if unknown:
+        print(f"gpu-check: unknown algorithm(s) {unknown}; choose from {', '.join(known)}", file=sys.stderr)
         return 2
     dry = args.dry_run or not torch.cuda.is_available()
     if dry:  # tiny ops: one intra-op thread beats two that spin on a shared 2-core machine
@@ -518,14 +533,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     report["wall_s"] = time.perf_counter() - start
-    out.write_text(json.dumps(report, indent=1) + "\n")  # the training figures survive an engine crash
+    write_atomic(out, json.dumps(report, indent=1) + "\n")  # the training figures survive an engine crash
     if not args.skip_engine:
         try:
             report["engine"] = engine_check(plan, log)
         except Exception as e:  # e.g. the verifier itself failed: keep the report, say why
             report["engine"] = {"no_spec": {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}}
         report["wall_s"] = time.perf_counter() - start
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        write_atomic(out, json.dumps(report, indent=1) + "\n")
     print_report(report)
     print(f"total {report['wall_s']:.0f} s; JSON: {out}")
     return 0

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specctl.durable import write_atomic
+
 if TYPE_CHECKING:
     from specctl.drafters import VerifierSpec, VerifierWeights
 
@@ -183,7 +185,7 @@ def measure_train_step(
     `dtype`: the compute dtype (bf16 = autocast, as `train.precision` gives); None = what the
     training loop's `auto` picks on this device.
     """
-    from specctl.precision import autocast, compute_dtype
+    from specctl.devices import autocast, compute_dtype
 
     drafter = drafter.to(device).train()
     batch = {k: v.to(device) for k, v in batch.items()}
@@ -284,8 +286,8 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
     `train_tokens_per_s_per_thread.<algo>` is one intra-op thread, tokens per CPU second, in the
     precision `auto` picks: the figure to compare with another trainer run the same way.
     """
+    from specctl.devices import compute_dtype
     from specctl.drafters import DRAFTERS
-    from specctl.precision import compute_dtype
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import capture_hidden_states, load_verifier, recipe_verifier_spec, verifier_weights
 
@@ -449,6 +451,7 @@ def _bench_seq(
     tokens_per_measure: int,
 ) -> dict[str, float]:
     from specctl.drafters import DRAFTERS
+    from specctl.recipe import TrainSection
 
     limit_mb = default_mem_limit_mb() if mem_limit_mb is None else mem_limit_mb
     spec, weights = tiny_verifier(hidden_size, vocab_size)
@@ -462,7 +465,7 @@ def _bench_seq(
             batch = synthetic_batch(spec, 1, seq_len, torch.Generator().manual_seed(seq_len))
             torch.manual_seed(0)
             drafter = drafter_spec.build(
-                drafter_spec.config_cls(num_layers=num_layers), spec, weights, None, "kl"
+                drafter_spec.config_cls(num_layers=num_layers), spec, weights, None, TrainSection().loss
             )
             # about the same tokens per measurement; the longest runs once, without a warm-up
             # step (its one-off costs are small next to a step that long, and 2 cores are slow)
@@ -509,6 +512,7 @@ def bench_engine(
     an untrained drafter's speedup means nothing.
     """
     from specctl.bench.prompts import load_prompts
+    from specctl.drafters import DRAFTERS
     from specctl.engine import generate
     from specctl.export import load_drafter
     from specctl.recipe import load_recipe, resolve_recipe_path
@@ -551,7 +555,7 @@ def bench_engine(
         drafter, _ = load_drafter(export, verifier=verifier)
         speedup = tokens_per_s(engine(drafter)) / plain_tps
         figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)
-        if drafter.algo != "eagle3":
+        if DRAFTERS[drafter.algo].parallel:
             parallel.append(speedup)
     if parallel:
         figures["engine_speedup_best"] = round(max(parallel), 3)
@@ -563,7 +567,7 @@ def bench_engine(
 def bench_features(
     workdir: Path,
     run_dir: Path = Path("runs/quickstart"),
-    algos: tuple[str, ...] = ("dflash", "eagle3"),
+    algos: tuple[str, ...] | None = None,
     overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """The compact feature layout (fp8 aux states + top-16 targets) against bf16, on quickstart data.
@@ -573,6 +577,7 @@ def bench_features(
     seed: `tau_hat_ratio_compact_vs_bf16` is what the smaller store costs in held-out acceptance.
     Left out when there is no quickstart data: self-generating it here would take minutes more.
     `overrides` (`--set` assignments on both recipes) must match how `run_dir/data` was made.
+    `algos` default: the algorithms trained under `run_dir` (`make demo` trains dflash and eagle3).
     """
     from specctl.collect import collect
     from specctl.recipe import load_recipe, resolve_recipe_path
@@ -584,6 +589,10 @@ def bench_features(
             f"features: no prepared data under {run_dir}; run `make demo` for tau_hat_ratio_compact_vs_bf16"
         )
         return {}
+    if algos is None:
+        algos = tuple(
+            sorted(p.name for p in (run_dir / "drafters").glob("*") if (p / "metrics.jsonl").is_file())
+        )
     layouts = {"bf16": [], "compact": ["features.aux_dtype=fp8", "features.target=topk", "features.topk=16"]}
     figures: dict[str, float] = {}
     tau: dict[str, dict[str, float]] = {}
@@ -635,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
             figures.update(BENCHES[name](Path(tmp)))
             print(f"{name}: done in {time.perf_counter() - start:.0f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+    write_atomic(out, json.dumps(figures, indent=1, sort_keys=True) + "\n")
     print(json.dumps(figures, indent=1, sort_keys=True))
 
 

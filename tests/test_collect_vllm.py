@@ -21,7 +21,6 @@ import torch
 from reliability_matrix import fault
 from safetensors.torch import save_file
 
-from specctl.collect import encode_features
 from specctl.collect_vllm import (
     _chunks,
     capture_layer_ids,
@@ -35,7 +34,7 @@ from specctl.collect_vllm import (
     split_captured,
 )
 from specctl.errors import SpecctlError, VerifierError
-from specctl.features import Layout
+from specctl.features import Layout, encode_features
 
 NUM_LAYERS = 4
 AUX = (3, 0, 2)  # out of order and with the embeddings (id 0), on purpose
@@ -200,8 +199,8 @@ class FakeLLM:
 
 def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path, monkeypatch):
     """Without vLLM: the hand-over path with a layout gives `encode_features` of the raw states."""
-    from specctl.collect import TargetHead
     from specctl.collect_vllm import VllmVerifier
+    from specctl.features import TargetHead
     from specctl.recipe import VerifierSection
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
@@ -298,7 +297,7 @@ def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     verifier = load_vllm_verifier(hd32_dir)
-    assert verifier.llm is None and verifier.model is None and verifier.num_layers == NUM_LAYERS
+    assert verifier.llm is None and verifier.generation_model is None and verifier.num_layers == NUM_LAYERS
     assert verifier.on_cpu and verifier.dtype == torch.float32  # dtype auto on CPU, as for HF
     assert verifier.local_path == str(hd32_dir) and len(verifier.tokenizer) == 259
     with pytest.raises(SpecctlError, match="needs an open engine"):

@@ -614,7 +614,7 @@ def test_reduced_draft_vocabulary():
     state = m.export_state()
     assert {"lm_head.weight", "d2t", "t2d"} <= set(state)
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
-    assert m.export_config()["draft_vocab_size"] == 64
+    assert m.export_config().to_json()["draft_vocab_size"] == 64
 
 
 # ---------------------------------------------------------------- export format
@@ -685,7 +685,7 @@ def test_exported_names_are_what_vllm_loads(reduced):
 
 def test_export_config_is_complete_speculators_format():
     m = build(num_layers=3, block_size=6)
-    c = m.export_config()
+    c = m.export_config().to_json()
     assert c["speculators_model_type"] == "dflash" and c["architectures"] == ["DFlashDraftModel"]
     assert c["aux_hidden_state_layer_ids"] == [1, 2, 3] and c["mask_token_id"] == MASK_ID
     assert (
@@ -702,9 +702,9 @@ def test_export_config_is_complete_speculators_format():
     assert (hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim) == (HIDDEN, 4, 2, 16)
     assert hf.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
     assert (
-        build(num_speculative_tokens=2).export_config()["speculators_config"]["proposal_methods"][0][
-            "speculative_tokens"
-        ]
+        build(num_speculative_tokens=2)
+        .export_config()
+        .to_json()["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
         == 2
     )
 
@@ -719,7 +719,7 @@ def test_export_config_keeps_llama3_rope():
         "rope_theta": 500000.0,  # transformers-5 style dicts carry theta too
     }
     m = build(verifier=tiny_verifier(rope_theta=500000.0, rope_scaling=scaling))
-    hf = Qwen3Config(**m.export_config()["transformer_layer_config"])
+    hf = Qwen3Config(**m.export_config().to_json()["transformer_layer_config"])
     assert hf.rope_parameters == scaling
 
 
@@ -730,10 +730,13 @@ def test_export_round_trip(reduced):
     with torch.no_grad():
         for p in m.parameters():  # make norms non-trivial so a lost tensor would show
             p.add_(0.01 * torch.randn_like(p))
-    import json
 
-    config_json = json.loads(json.dumps(m.export_config()))  # survives JSON
-    r = DRAFTERS["dflash"].from_export(config_json, m.export_state(), tiny_weights()).eval()
+    config_json = m.export_config().to_json()  # survives JSON
+    r = (
+        DRAFTERS["dflash"]
+        .from_export(DRAFTERS["dflash"].format_cls.from_json(config_json), m.export_state(), tiny_weights())
+        .eval()
+    )
     assert type(r) is DFlashDrafter and r.config == m.config and r.verifier == m.verifier
     for name, t in m.export_state().items():
         assert torch.equal(r.export_state()[name], t), name
@@ -745,14 +748,18 @@ def test_export_round_trip(reduced):
     foreign = {k: v for k, v in config_json.items() if k != "specctl"}
     state = m.export_state()
     state.pop("t2d", None)
-    f = DRAFTERS["dflash"].from_export(foreign, state, tiny_weights()).eval()
+    f = (
+        DRAFTERS["dflash"]
+        .from_export(DRAFTERS["dflash"].format_cls.from_json(foreign), state, tiny_weights())
+        .eval()
+    )
     assert torch.equal(f.propose(*args), m.propose(*args))
 
 
 @pytest.mark.vllm
 def test_vllm_parses_the_exported_config():
     algos = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
-    c = build(num_layers=2, block_size=5).export_config()
+    c = build(num_layers=2, block_size=5).export_config().to_json()
     pre = algos.SpeculatorsConfig.extract_transformers_pre_trained_config(dict(c))
     assert pre["architectures"] == ["DFlashDraftModel"]
     assert pre["dflash_config"] == {
@@ -869,7 +876,7 @@ def test_vllm_drafts_exactly_what_propose_drafts(tmp_path):
             layer.self_attn.k_norm.weight.copy_(m.layers[0].self_attn.k_norm.weight)
     drafter_dir = tmp_path / "drafter"
     drafter_dir.mkdir()
-    (drafter_dir / "config.json").write_text(json.dumps(m.export_config()))
+    (drafter_dir / "config.json").write_text(json.dumps(m.export_config().to_json()))
     save_file(m.export_state(), str(drafter_dir / "model.safetensors"))
     prompts = torch.randint(0, MASK_ID, (3, 6), generator=torch.Generator().manual_seed(1))
     (drafter_dir / "prompts.json").write_text(json.dumps(prompts.tolist()))

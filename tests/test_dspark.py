@@ -1,7 +1,5 @@
 """DSpark drafter: Markov head, confidence head, anchor-as-first-prediction layout, export."""
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,7 +47,7 @@ def test_config_defaults_are_the_published_recipe():
 
 def test_registered():
     spec = DRAFTERS["dspark"]
-    assert spec.speculators_model_type == "dspark" and spec.architectures == ("Qwen3DSparkModel",)
+    assert spec.speculators_model_type == "dspark" and spec.architectures == ("DSparkDraftModel",)
     assert spec.config_cls is Config
 
 
@@ -237,8 +235,8 @@ def test_exported_names_are_what_vllm_loads(reduced):
 
 
 def test_export_config():
-    c = dspark(block_size=5).export_config()
-    assert c["speculators_model_type"] == "dspark" and c["architectures"] == ["Qwen3DSparkModel"]
+    c = dspark(block_size=5).export_config().to_json()
+    assert c["speculators_model_type"] == "dspark" and c["architectures"] == ["DSparkDraftModel"]
     assert c["sample_from_anchor"] is True and c["block_size"] == 5
     assert c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
     assert (c["markov_rank"], c["markov_head_type"]) == (8, "vanilla")
@@ -249,9 +247,9 @@ def test_export_config():
 @pytest.mark.vllm
 def test_vllm_parses_the_exported_config():
     base = pytest.importorskip("vllm.transformers_utils.configs.speculators.base")
-    c = dspark(block_size=5).export_config()
+    c = dspark(block_size=5).export_config().to_json()
     pre = base.SpeculatorsConfig.extract_transformers_pre_trained_config(dict(c))
-    assert pre["architectures"] == ["Qwen3DSparkModel"]
+    assert pre["architectures"] == ["Qwen3DSparkModel"]  # vLLM maps the speculators name to its loader
     assert pre["target_layer_ids"] == [0, 1, 2] and pre["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert pre["sample_from_anchor"] is True and pre["dspark_bonus_anchor"] is False
     assert (pre["markov_rank"], pre["block_size"], pre["mask_token_id"]) == (8, 5, MASK_ID)
@@ -264,8 +262,12 @@ def test_vllm_parses_the_exported_config():
 def test_export_round_trip(reduced):
     d2t = build_draft_vocab(torch.arange(VOCAB).float(), 100)[0] if reduced else None
     m = dspark(d2t=d2t).eval()
-    config_json = json.loads(json.dumps(m.export_config()))
-    r = DRAFTERS["dspark"].from_export(config_json, m.export_state(), tiny_weights()).eval()
+    config_json = m.export_config().to_json()
+    r = (
+        DRAFTERS["dspark"]
+        .from_export(DRAFTERS["dspark"].format_cls.from_json(config_json), m.export_state(), tiny_weights())
+        .eval()
+    )
     assert type(r) is DSparkDrafter and r.config == m.config
     batch = random_batch()
     torch.testing.assert_close(r(batch)[0], m(batch)[0], rtol=0, atol=0)
@@ -274,7 +276,11 @@ def test_export_round_trip(reduced):
     d2, c2 = r.propose_with_confidence(*args)
     assert torch.equal(d1, d2) and torch.equal(c1, c2)
     foreign = {k: v for k, v in config_json.items() if k != "specctl"}
-    f = DRAFTERS["dspark"].from_export(foreign, m.export_state(), tiny_weights()).eval()
+    f = (
+        DRAFTERS["dspark"]
+        .from_export(DRAFTERS["dspark"].format_cls.from_json(foreign), m.export_state(), tiny_weights())
+        .eval()
+    )
     assert f.config.markov_rank == 8 and f.config.block_size == m.config.block_size
     assert torch.equal(f.propose(*args), d1)
 

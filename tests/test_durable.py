@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specctl.durable import recover_dir, recover_dirs, replace_dir
+from specctl.durable import recover_dir, recover_dirs, replace_dir, write_atomic
 
 DEAD = 2**30 - 1  # above any Linux pid_max: no process has it
 
@@ -84,3 +84,19 @@ def test_recover_leaves_a_live_writer_alone(tmp_path):
     recover_dir(tmp_path / "export")
     assert live.exists() and other.exists()
     assert not (tmp_path / "export").exists()
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_write_atomic_replaces_whole_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch, durable):
+    path = tmp_path / "report.json"
+    write_atomic(path, "old", durable=durable)
+    write_atomic(path, b"new", durable=durable)
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+    def refused(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(path, "lost", durable=durable)
+    assert path.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["report.json"]

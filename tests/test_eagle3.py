@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
-from specctl.drafters.eagle3 import Config, build, from_export, shift_left, ttt_attention
+from specctl.drafters.eagle3 import SPEC, Config, build, shift_left, ttt_attention
 from specctl.drafters.targets import build_draft_vocab, draft_to_target, verifier_logits
 
 VOCAB, HIDDEN, LAYERS, AUX = 256, 64, 4, (1, 2, 3)
@@ -183,7 +183,7 @@ def load_into_vllm(tmp_path, verifier_model, drafter, speculative_config: dict):
     verifier_dir, drafter_dir = tmp_path / "verifier", tmp_path / "drafter"
     verifier_model.save_pretrained(verifier_dir)
     drafter_dir.mkdir()
-    config = drafter.export_config()
+    config = drafter.export_config().to_json()
     config["speculators_config"]["verifier"]["name_or_path"] = str(verifier_dir)
     (drafter_dir / "config.json").write_text(json.dumps(config))
     save_file(drafter.export_state(), drafter_dir / "model.safetensors")
@@ -290,7 +290,7 @@ def vllm_acceptance(tmp_path, verifier_model, drafter, prompts: list[list[int]],
     verifier_dir, drafter_dir = tmp_path / "verifier", tmp_path / "drafter"
     verifier_model.save_pretrained(verifier_dir)
     drafter_dir.mkdir()
-    config = drafter.export_config()
+    config = drafter.export_config().to_json()
     config["speculators_config"]["verifier"]["name_or_path"] = str(verifier_dir)
     (drafter_dir / "config.json").write_text(json.dumps(config))
     save_file(drafter.export_state(), drafter_dir / "model.safetensors")
@@ -555,7 +555,7 @@ def test_reduced_vocab_and_loss_kinds(verifier, batch, loss_kind):
     drafts = drafter.propose(batch["input_ids"][0, :9], batch["aux_hidden_states"][0, :8], 3)
     assert t2d[drafts].all()
     assert torch.equal(drafter.export_state()["d2t"], d2t)
-    assert drafter.export_config()["draft_vocab_size"] == 40
+    assert drafter.export_config().to_json()["draft_vocab_size"] == 40
 
 
 def test_full_size_d2t_is_the_full_vocabulary(verifier):
@@ -569,10 +569,15 @@ def test_full_size_d2t_is_the_full_vocabulary(verifier):
 # ---------------------------------------------------------------- export
 
 
+def from_export(cfg: dict, tensors: dict, weights):
+    """The drafter a config.json object and its tensors describe (the path every loader takes)."""
+    return SPEC.from_export(SPEC.format_cls.from_json(cfg), tensors, weights)
+
+
 def test_export_config_is_speculators_format(verifier):
     _, spec, weights = verifier
     drafter = build(Config(num_speculative_tokens=4), spec, weights, None, "kl")
-    cfg = json.loads(json.dumps(drafter.export_config()))
+    cfg = drafter.export_config().to_json()
     assert cfg["speculators_model_type"] == "eagle3"
     assert cfg["architectures"] == ["Eagle3DraftModel"]
     layer = cfg["transformer_layer_config"]
@@ -597,7 +602,7 @@ def test_export_round_trip(verifier, batch, reduced):
     with torch.no_grad():  # make every exported tensor differ from its init
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    cfg = json.loads(json.dumps(drafter.export_config()))
+    cfg = drafter.export_config().to_json()
     rebuilt = from_export(cfg, drafter.export_state(), weights)
     assert rebuilt.config == config and rebuilt.loss_kind == "ce"
     with torch.no_grad():

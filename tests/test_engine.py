@@ -11,9 +11,10 @@ import torch
 from conftest import make_tiny_verifier
 from test_sampling import chi_square_p_value
 
+from specctl.counters import SpecCounters
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierWeights
-from specctl.engine import SpecCounters, default_num_speculative_tokens, generate
+from specctl.engine import default_num_speculative_tokens, generate
 from specctl.sampling import apply_temperature_top_p
 from specctl.verifier import capture_hidden_states, spec_from_config
 

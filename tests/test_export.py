@@ -8,6 +8,7 @@ draft model classes loading our tensors, and (slow) an offline `LLM(...)` genera
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from dataclasses import asdict
 from pathlib import Path
@@ -24,21 +25,12 @@ from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import umask
 from specctl.errors import SpecctlError
-from specctl.export import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    check_export,
-    export_drafters,
-    find_checkpoints,
-    load_drafter,
-    push_to_hub,
-    save_drafter,
-    validate_export,
-    verifier_reference,
-    vllm_available,
-)
+from specctl.export import export_drafters, find_checkpoints, load_drafter, save_drafter
+from specctl.hub import push_to_hub
 from specctl.recipe import dump_recipe, recipe_from_dict
-from specctl.verifier import spec_from_config
+from specctl.validate import CONFIG_FILE, WEIGHTS_FILE, validate_export
+from specctl.verifier import spec_from_config, verifier_reference
+from specctl.vllm_check import check_export, vllm_available
 
 VOCAB, HIDDEN, AUX, MASK_ID = 320, 64, (1, 2, 3), 300
 ALGOS = sorted(DRAFTERS)
@@ -152,12 +144,14 @@ def exports(verifier, tmp_path_factory):
 @pytest.mark.parametrize("algo", ALGOS)
 def test_round_trip_is_exact(verifier, exports, algo, reduced):
     drafter, path = exports[algo, reduced]
-    assert json.loads((path / CONFIG_FILE).read_text()) == json.loads(json.dumps(drafter.export_config()))
+    written = json.loads((path / CONFIG_FILE).read_text())
+    assert written == {**drafter.export_config().to_json(), "dtype": "float32"}
     loaded, config = load_drafter(path, verifier["weights"])
     assert (
         type(loaded) is type(drafter)
-        and config["speculators_model_type"] == DRAFTERS[algo].speculators_model_type
+        and config.speculators_model_type == DRAFTERS[algo].speculators_model_type
     )
+    assert config.to_json() == written  # the typed config reads back every field
     ours, theirs = drafter.export_state(), loaded.export_state()
     assert ours.keys() == theirs.keys()
     for name in ours:
@@ -227,11 +221,30 @@ def test_third_party_layout_loads(verifier, exports, algo, tmp_path):
     ids, aux = propose_inputs(2)
     assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
 
-    rewrite_tensors(path, lambda t: t.__setitem__("embed_tokens.weight", t["embed_tokens.weight"] + 1))
-    with pytest.raises(
-        SpecctlError, match=r"model.safetensors: tensor 'embed_tokens.weight' differs from the verifier"
-    ):
-        load_drafter(path, verifier["weights"])
+    # embeddings of its own (the speculators trainer trains P-EAGLE's): vLLM keeps them apart
+    # from the verifier's, and so does the drafter, in drafting and in a re-export
+    own = verifier["weights"].embed_tokens + 0.5
+    rewrite_tensors(path, lambda t: t.__setitem__("embed_tokens.weight", own.clone()))
+    loaded, _ = load_drafter(path, verifier["weights"])
+    assert torch.equal(loaded.embed_tokens, own) and torch.equal(
+        loaded.export_state()["embed_tokens.weight"], own
+    )
+    reference = build_drafter(verifier, algo, reduced=True)
+    reference.load_export_state(drafter.export_state())
+    reference.adopt_embeddings(own)
+    assert torch.equal(loaded.propose(ids, aux, 3), reference.propose(ids, aux, 3))
+    again, _ = load_drafter(save_drafter(loaded, tmp_path / "again", "float32"), verifier["weights"])
+    assert torch.equal(again.embed_tokens, own)
+    if (
+        algo == "dflash"
+    ):  # a full-vocabulary drafter borrows the verifier's LM head: a different one is refused
+        _, full = exports[algo, False]
+        shutil.copytree(full, tmp_path / "head")
+        rewrite_tensors(tmp_path / "head", lambda t: t.__setitem__("lm_head.weight", own.clone()))
+        with pytest.raises(
+            SpecctlError, match=r"model.safetensors: tensor 'lm_head.weight' differs from the verifier"
+        ):
+            load_drafter(tmp_path / "head", verifier["weights"])
 
 
 def test_sharded_directory_loads(verifier, exports, tmp_path):
@@ -435,9 +448,20 @@ CORRUPTIONS = [
         "dflash",
         False,
         None,
-        lambda c: (c.pop("specctl"), c["transformer_layer_config"].update(num_hidden_layers=3)),
+        lambda c: (
+            c.pop("specctl"),
+            c["transformer_layer_config"].update(num_hidden_layers=3, layer_types=["full_attention"] * 3),
+        ),
         WEIGHTS_FILE,
         "missing tensor 'layers.2.self_attn.q_proj.weight' [64, 64]",
+    ),
+    (
+        "dflash",
+        False,
+        None,
+        lambda c: (c.pop("specctl"), c["transformer_layer_config"].update(num_hidden_layers=3)),
+        CONFIG_FILE,
+        "'transformer_layer_config.layer_types' has 2 entries for 3 layers",
     ),
 ]
 
@@ -503,7 +527,7 @@ def test_missing_or_unreadable_files_are_rejected(exports, tmp_path, setup, need
 def test_check_says_why_vllm_did_not_run(exports, monkeypatch):
     _, path = exports["peagle", False]
     assert check_export(path, use_vllm=False).vllm_skipped.startswith("not run")
-    monkeypatch.setattr("specctl.export.vllm_available", lambda: False)
+    monkeypatch.setattr("specctl.vllm_check.vllm_available", lambda: False)
     result = check_export(path)
     assert result.vllm is None and "vllm is not installed" in dict(result.rows())["vLLM config check"]
     assert (result.algo, result.speculative_tokens, result.dtypes) == ("peagle", 3, ["float32"])
@@ -706,9 +730,7 @@ def test_vllm_parser_accepts_every_export(exports):
         method, parallel = expected_method.get(algo, (algo, None))
         assert view.speculative_config["method"] == method, algo
         assert view.speculative_config.get("parallel_drafting") == parallel, algo
-        config = drafter.export_config()
-        tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        assert view.speculative_config["num_speculative_tokens"] == tokens
+        assert view.speculative_config["num_speculative_tokens"] == drafter.export_config().speculative_tokens
         assert view.aux_hidden_state_layer_ids == list(AUX), algo
         assert view.draft_vocab_size == (100 if reduced else VOCAB)
         if algo in ("dflash", "dspark"):  # vLLM indexes the captured layers as aux id - 1
@@ -723,7 +745,7 @@ def test_vllm_parser_accepts_every_export(exports):
 @pytest.mark.vllm
 def test_vllm_parser_rejection_is_reported(exports, tmp_path):
     """A field our drafter tolerates but vLLM's parser needs: the check names it."""
-    from specctl.export import vllm_view
+    from specctl.vllm_check import vllm_view
 
     _, source = exports["dspark", False]
     path = tmp_path / "d"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from functools import partial
@@ -27,14 +26,23 @@ from test_eagle3 import (
 
 from specctl.drafters.layers import Attention, shared_key_bias
 from specctl.drafters.peagle import (
+    SPEC,
     Config,
     block_attention,
     block_layout,
-    build,
-    from_export,
     sample_draft_blocks,
 )
+from specctl.drafters.peagle import build as build_peagle
 from specctl.drafters.targets import build_draft_vocab, draft_to_target, verifier_logits
+
+
+def build(config, spec, weights, d2t=None, loss="kl"):
+    return build_peagle(config, spec, weights, d2t, loss)
+
+
+def from_export(cfg: dict, tensors: dict, weights):
+    """The drafter a config.json object and its tensors describe (the path every loader takes)."""
+    return SPEC.from_export(SPEC.format_cls.from_json(cfg), tensors, weights)
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +407,7 @@ def test_config_rules(verifier):
 def test_export_config_is_speculators_format(verifier):
     _, spec, weights = verifier
     drafter = build(Config(num_depths=6, num_speculative_tokens=4), spec, weights)
-    cfg = json.loads(json.dumps(drafter.export_config()))
+    cfg = drafter.export_config().to_json()
     assert cfg["speculators_model_type"] == "peagle" and cfg["architectures"] == ["PEagleDraftModel"]
     assert cfg["mask_token_id"] == spec.mask_token_id
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 4
@@ -407,7 +415,9 @@ def test_export_config_is_speculators_format(verifier):
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     assert cfg["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     state = drafter.export_state()
-    assert state["mask_hidden"].shape == (1, len(AUX) * HIDDEN)
+    # the speculators library's layout (its PEagleDraftModel refuses [1, n_aux*H]); vLLM views it as [1, -1]
+    assert state["mask_hidden"].shape == (1, 1, len(AUX) * HIDDEN)
+    assert drafter.mask_hidden.shape == (1, len(AUX) * HIDDEN)  # the training parameter keeps its shape
     assert "layers.0.hidden_norm.weight" in state and "layers.1.hidden_norm.weight" not in state
 
 
@@ -420,7 +430,7 @@ def test_export_round_trip(verifier, batch):
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    cfg = json.loads(json.dumps(drafter.export_config()))
+    cfg = drafter.export_config().to_json()
     tensors = drafter.export_state()
     tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)  # speculators' own layout
     rebuilt = from_export(cfg, tensors, weights)
@@ -449,13 +459,15 @@ def test_export_loads_in_vllm(tmp_path, verifier):
     assert unset == {"model.embed_tokens.weight", "model.layers.1.hidden_norm.weight"}
     state = drafter.export_state()
     check_vllm_weights(vllm_model, state)
-    assert torch.equal(vllm_model.mask_hidden, state["mask_hidden"])
+    assert torch.equal(
+        vllm_model.mask_hidden, state["mask_hidden"].view(1, -1)
+    )  # vLLM views [1, 1, n] as [1, n]
     hf = vllm_config.speculative_config.draft_model_config.hf_config
     assert hf.pard_token == spec.mask_token_id and hf.norm_before_residual is False
 
     from vllm.transformers_utils.configs.speculators import SpeculatorsConfig
 
-    assert SpeculatorsConfig.extract_vllm_speculative_config(drafter.export_config()) == {
+    assert SpeculatorsConfig.extract_vllm_speculative_config(drafter.export_config().to_json()) == {
         "method": "eagle3",
         "parallel_drafting": True,
         "num_speculative_tokens": 4,

@@ -83,7 +83,7 @@ def gpu_check_args(argv: list[str]):
     args = argparse.Namespace(
         seq_len=None, batch_size=None, warmup=None, steps=None, compile=False, peak_tflops=989.0
     )
-    args.algos = gpu_check.ALGOS
+    args.algos = gpu_check.registered_algos()
     for item in argv:
         key, value = item.split("=")
         setattr(args, key, int(value))
@@ -95,7 +95,7 @@ def test_gpu_check_uses_the_published_llama_drafter_sizes():
     assert plan.verifier["hidden_size"] == 4096 and plan.verifier["vocab_size"] == 128256
     assert (plan.verifier["num_attention_heads"], plan.verifier["num_key_value_heads"]) == (32, 8)
     assert len(plan.verifier["aux_layer_ids"]) == 3 and plan.dtype == torch.bfloat16
-    setups = {algo: gpu_check.drafter_setup(algo, plan) for algo in gpu_check.ALGOS}
+    setups = {algo: gpu_check.drafter_setup(algo, plan) for algo in gpu_check.registered_algos()}
     assert setups["eagle3"][0]["num_layers"] == 1 and setups["eagle3"][1] == 32000
     assert setups["peagle"][0]["num_layers"] == 4 and setups["peagle"][0]["num_depths"] == 4
     assert setups["peagle"][1] == 32000
@@ -152,7 +152,7 @@ def test_gpu_check_dry_run_end_to_end_without_datasets_or_gguf(tmp_path):
     assert "need pydantic" in result.stderr
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and "6 * trainable_params" in report["mfu_formula"]
-    for algo in gpu_check.ALGOS:
+    for algo in gpu_check.registered_algos():
         row = report["train"][algo]
         assert row["status"] == "ok", row
         assert row["positions_per_s"] > 0 and row["trainable_params"] > 0

@@ -33,10 +33,10 @@ from specctl.cli import main
 from specctl.collect import collect
 from specctl.distributed import DistContext
 from specctl.errors import CheckpointError
-from specctl.export import validate_export
 from specctl.features import finalize_store, open_features, shard_name, write_shard
 from specctl.recipe import load_recipe
 from specctl.train import run_training
+from specctl.validate import validate_export
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)

@@ -37,7 +37,7 @@ def exported(quickstart_run: Path) -> dict[str, Path]:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_dspark_export_passes_vllms_config_parser(exported):
-    from specctl.export import check_export
+    from specctl.vllm_check import check_export
 
     report = check_export(exported["dspark"])
     assert report.vllm is not None and report.vllm.speculative_config["method"] == "dspark"

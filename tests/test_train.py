@@ -21,6 +21,7 @@ from torch import nn
 
 from specctl import checkpoint as ckpt
 from specctl import train as train_mod
+from specctl.batching import length_buckets
 from specctl.collect import collect
 from specctl.data import load_token_freq
 from specctl.distributed import DistContext, rank_share
@@ -31,7 +32,7 @@ from specctl.errors import DataError, FeatureStoreError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, write_shard
 from specctl.optim import Muon, build_optimizer, is_hidden_matrix, lr_at, orthogonalize, param_groups
 from specctl.recipe import Recipe, TrainSection, load_recipe, recipe_from_dict
-from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat, token_buckets
+from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat
 from specctl.verifier import capture_hidden_states, spec_from_config
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
@@ -160,13 +161,13 @@ def test_split_is_seeded_disjoint_and_complete():
     assert len(split_indices(2, 0.9, 0)[0]) == 1  # never leaves nothing to train on
 
 
-def test_token_buckets_respect_budget_and_are_maximal():
+def test_length_buckets_respect_budget_and_are_maximal():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 60, (200,), generator=g).tolist()
     lengths[7] = 500  # longer than the budget: alone, cropped later
     indices = list(range(0, 200, 2)) + [7]
     budget = 128
-    buckets = token_buckets(lengths, indices, budget)
+    buckets = length_buckets(lengths, budget, indices)
     assert sorted(i for b in buckets for i in b) == sorted(indices)
     flat = [i for b in buckets for i in b]
     assert [lengths[i] for i in flat] == sorted(lengths[i] for i in indices)  # sorted by length
@@ -401,24 +402,14 @@ class ToyDrafter(nn.Module):
 def use_toy_drafter() -> dict:
     """DRAFTERS entries that build the toy under the name `dflash` (its recipe section is ignored)."""
     real = DRAFTERS["dflash"]
-    toy = DrafterSpec(
-        name="dflash",
-        config_cls=real.config_cls,
-        build=lambda config, spec, weights, d2t, loss: ToyDrafter(spec, weights, d2t, loss),
-        from_export=real.from_export,
-        speculators_model_type="dflash",
-        architectures=real.architectures,
+    toy = dataclasses.replace(
+        real, build=lambda config, spec, weights, d2t, loss: ToyDrafter(spec, weights, d2t, loss)
     )
     ToyDrafter.nan_at = None
     return {"dflash": toy}
 
 
-TINY_DRAFTERS = {
-    "dflash": {"num_layers": 1, "block_size": 4, "max_anchors": 8},
-    "dspark": {"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
-    "eagle3": {"ttt_steps": 2, "num_speculative_tokens": 2},
-    "peagle": {"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
-}
+TINY_DRAFTERS = {name: spec.tiny for name, spec in DRAFTERS.items()}  # each algorithm's smallest section
 
 
 def tiny_recipe(
@@ -793,12 +784,12 @@ def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
     ],
 )
 def test_precision_auto_is_bf16_where_the_hardware_has_it(monkeypatch, device, setting, native, want):
-    from specctl import precision
+    from specctl import devices
 
-    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
-    assert precision.compute_dtype(torch.device(device), setting) == want
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    assert devices.compute_dtype(torch.device(device), setting) == want
     with pytest.raises(ValueError, match="precision"):
-        precision.compute_dtype(torch.device(device), "fp8")
+        devices.compute_dtype(torch.device(device), "fp8")
 
 
 def test_bf16_training_learns_resumes_exactly_and_records_its_dtype(tmp_path, offline, monkeypatch):

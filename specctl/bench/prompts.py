@@ -17,7 +17,7 @@ from typing import Any
 
 from specctl.data.chat import render
 from specctl.data.sources import normalize_messages, read_json_rows
-from specctl.errors import DataError
+from specctl.errors import DataError, first_line
 
 BUILTIN = "builtin"
 ROW_STYLES = "`messages` (chat turns), `prompt` (text) or `turns` (list of user turns)"
@@ -108,7 +108,7 @@ def load_hub_rows(name: str) -> list[PromptRow]:
 
         ds = datasets.load_dataset(entry.path, entry.subset, split=entry.split, data_files=entry.data_files)
     except Exception as e:  # network, auth, missing dataset: all end the same way for the user
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        first = first_line(e, 160)
         raise DataError(f"{offline_hint} ({type(e).__name__}: {first})") from None
     try:
         return [entry.to_row(dict(r)) for r in ds]

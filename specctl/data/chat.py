@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specctl.errors import DataError
+from specctl.errors import DataError, first_line
 
 Message = dict[str, str]
 
@@ -38,7 +38,8 @@ def render(tokenizer, messages: Sequence[Message], add_generation_prompt: bool =
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
     except Exception as e:  # jinja raises its own errors (e.g. "roles must alternate")
-        raise DataError(f"the chat template rejected the conversation ({_first_line(e)})") from None
+        why = f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
+        raise DataError(f"the chat template rejected the conversation ({why})") from None
     if not isinstance(text, str):
         raise DataError(f"apply_chat_template returned {type(text).__name__}, expected text")
     return text
@@ -198,8 +199,3 @@ def end_of_turn_ids(tokenizer) -> list[int]:
         if first is not None and first not in ids:
             ids.append(first)
     return ids
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__

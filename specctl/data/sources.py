@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specctl.errors import DataError
+from specctl.errors import DataError, first_line
 
 SELF_GENERATED = "self-generated"
 ROLE_ALIASES = {
@@ -192,7 +192,7 @@ def _datasets_error(
     source: str, path: Path | None, split: str, subset: str | None, e: Exception
 ) -> DataError:
     name = type(e).__name__
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else name
+    msg = first_line(e) if str(e).strip() else name
     if "split" in msg.lower() and ("unknown" in msg.lower() or "should be one of" in msg.lower()):
         return DataError(f"data.source={source!r}: {msg}; set data.split accordingly")
     if "config" in msg.lower() and subset is not None:

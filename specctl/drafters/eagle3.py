@@ -19,10 +19,9 @@ The backbone (`Eagle3Backbone`) is shared with P-EAGLE, which drafts with the sa
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,17 +29,28 @@ from pydantic import Field
 from torch import nn
 
 from specctl.drafters import register
-from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
+from specctl.drafters.api import (
+    LOSSES,
+    DrafterSpec,
+    VerifierSpec,
+    VerifierWeights,
+    WindowedConfig,
+    load_exact,
+    specctl_record,
+)
 from specctl.drafters.layers import (
     MLP,
     Attention,
     RMSNorm,
     attend_after_prefix,
     attend_with_own_keys,
+    attention_dtype,
     cached_rows,
     own_key_attention,
     rope_cos_sin,
     rope_inv_freq,
+    shared_key_bias,
+    window_mask,
 )
 from specctl.drafters.targets import (
     Targets,
@@ -50,9 +60,13 @@ from specctl.drafters.targets import (
     draft_to_target,
     full_stats_needed,
 )
+from specctl.drafters.vocab import check_d2t, t2d_from_d2t
+from specctl.format import SpeculatorsConfig, base_fields
+
+LayerStyle = Literal["llama", "qwen3"]
 
 
-class Config(DrafterConfig):
+class Config(WindowedConfig):
     """Recipe section `drafter.eagle3`; defaults follow the speculators EAGLE-3 trainer."""
 
     num_layers: int = Field(1, ge=1, description="Decoder layers of the drafter (EAGLE-3 uses one).")
@@ -75,6 +89,17 @@ class Config(DrafterConfig):
     norm_output: bool = Field(
         False, description="Feed the normed (not the pre-norm) output back as the next step's hidden."
     )
+    draft_layers: LayerStyle = Field(
+        "llama",
+        description="Decoder layer style: llama (as published EAGLE-3) or qwen3 (q_norm/k_norm on the "
+        "heads, the speculators trainer's default); vLLM serves both.",
+    )
+
+    def trained_speculative_tokens(self) -> int:
+        return self.ttt_steps
+
+    def window_span(self) -> int:
+        return max(self.ttt_steps, self.num_speculative_tokens)
 
 
 # ---------------------------------------------------------------- pure helpers
@@ -85,6 +110,7 @@ def ttt_attention(
     context: tuple[torch.Tensor, torch.Tensor],
     own: tuple[torch.Tensor, torch.Tensor] | None,
     causal: bool,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one TTT step's queries -> [B, h, n, hd].
 
@@ -95,12 +121,20 @@ def ttt_attention(
     (propose: the one query row comes after all of them). Never another row's drafts.
 
     Step s thus costs R x R / 2 (causal SDPA, no mask tensor) + R x s, not the R x (s+1)R of
-    one softmax over every cached step behind a dense mask.
+    one softmax over every cached step behind a dense mask. `visible` [n, R] bool replaces the
+    causal rule on a sliding layer (`Eagle3Backbone.context_visible`); the own keys are the newest
+    positions, always inside the window.
     """
     k, v = context
+    gqa = q.shape[1] != k.shape[1]
     if own is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+        if visible is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     own_lse, own_out = own_key_attention(q[:, :, :, None], *own, None)  # [B, h, n, 1], [B, h, n, 1, hd]
+    if visible is not None:
+        bias = shared_key_bias(visible[None], attention_dtype(q))  # [1, 1, n, R + 1]
+        return attend_with_own_keys(q, k, v, own_lse[..., 0], own_out[..., 0, :], bias)
     return attend_with_own_keys(q, k, v, own_lse[..., 0], own_out[..., 0, :], is_causal=causal)
 
 
@@ -112,38 +146,16 @@ def shift_left(x: torch.Tensor, n: int, fill: float | int | bool = 0) -> torch.T
     return out
 
 
-def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Offset table [Vd] -> [V] bool marking the kept target ids."""
-    kept = torch.arange(d2t.numel(), device=d2t.device) + d2t
-    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device)
-    t2d[kept] = True
-    return t2d
-
-
-def check_d2t(d2t: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-    """Validate a draft->target offset table; an identity table means the full vocabulary.
-
-    vLLM only creates `draft_id_to_target_id` when draft_vocab_size != vocab_size, so a
-    full-size table must not be exported: it is folded into None here.
-    """
-    if d2t is None:
-        return None
-    d2t = d2t.long().flatten()
-    kept = torch.arange(d2t.numel(), device="cpu") + d2t.cpu()  # on CPU also under a meta/cuda default device
-    if d2t.numel() == 0 or kept.min() < 0 or kept.max() >= vocab_size or (kept.diff() <= 0).any():
-        raise ValueError("d2t must map draft ids to strictly increasing target ids below the vocab size")
-    if d2t.numel() == vocab_size:
-        return None
-    return d2t
-
-
 # ---------------------------------------------------------------- backbone
 
 
 class DecoderLayer(nn.Module):
-    """One Llama layer as vLLM's EAGLE-3 runs it; layer 0 takes [embeds, hidden] (2H)."""
+    """One Llama (or Qwen3: q_norm/k_norm) layer as vLLM's EAGLE-3 runs it; layer 0 takes
+    [embeds, hidden] (2H)."""
 
-    def __init__(self, verifier: VerifierSpec, layer_idx: int, norm_before_residual: bool):
+    def __init__(
+        self, verifier: VerifierSpec, layer_idx: int, norm_before_residual: bool, style: LayerStyle = "llama"
+    ):
         super().__init__()
         H, eps = verifier.hidden_size, verifier.rms_norm_eps
         self.layer_idx = layer_idx
@@ -157,6 +169,8 @@ class DecoderLayer(nn.Module):
             verifier.num_key_value_heads,
             verifier.head_dim,
             in_features=2 * H if layer_idx == 0 else H,
+            qk_norm=style == "qwen3",
+            eps=eps,
         )
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = MLP(H, verifier.intermediate_size)
@@ -194,6 +208,8 @@ class Eagle3Backbone(nn.Module):
     """
 
     algo = "eagle3"
+    architectures: tuple[str, ...] = ("Eagle3DraftModel",)
+    export_reshapeable: tuple[str, ...] = ()  # tensors a file may hold in another shape of the same size
 
     def __init__(
         self,
@@ -207,15 +223,19 @@ class Eagle3Backbone(nn.Module):
         norm_before_fc: bool,
         fc_norm: bool = False,
         norm_output: bool = False,
+        style: LayerStyle = "llama",
+        windows: tuple[int | None, ...] | None = None,
     ):
         super().__init__()
-        if loss not in ("kl", "ce"):
+        if loss is not None and loss not in LOSSES:
             raise ValueError(f"unknown loss kind {loss!r}; use 'kl' or 'ce'")
         H, V = verifier.hidden_size, verifier.vocab_size
         n_aux = len(verifier.aux_layer_ids)
         if tuple(weights.embed_tokens.shape) != (V, H) or tuple(weights.lm_head.shape) != (V, H):
             raise ValueError(f"verifier embed_tokens/lm_head must be [{V}, {H}]")
         self.verifier, self.loss_kind, self.norm_output = verifier, loss, norm_output
+        self.style, self.own_embeddings = style, False
+        self.windows = windows or (None,) * num_layers  # per layer: sliding window or None
         self.register_buffer("embed_tokens", weights.embed_tokens.detach(), persistent=False)
         self.register_buffer("verifier_norm", weights.norm.detach(), persistent=False)
         self.register_buffer("verifier_lm_head", weights.lm_head.detach(), persistent=False)
@@ -230,7 +250,7 @@ class Eagle3Backbone(nn.Module):
             self.fc_norm = nn.ModuleList(RMSNorm(H, verifier.rms_norm_eps) for _ in range(n_aux))
         self.fc = nn.Linear(n_aux * H, H, bias=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(verifier, i, norm_before_residual) for i in range(num_layers)
+            DecoderLayer(verifier, i, norm_before_residual, style) for i in range(num_layers)
         )
         self.norm = RMSNorm(H, verifier.rms_norm_eps)
         d2t = check_d2t(d2t, V)
@@ -271,6 +291,23 @@ class Eagle3Backbone(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
 
+    def context_visible(
+        self, query_pos: torch.Tensor, num_keys: int, causal: bool
+    ) -> list[torch.Tensor | None] | None:
+        """Per layer, the context rows [n, num_keys] bool the queries (at query_pos [n]) see on a
+        sliding layer -- row j sits at position j; with `causal`, query row t sees rows 0..t --
+        and None on a full layer; None when no layer slides (the mask-free path)."""
+        if all(w is None for w in self.windows):
+            return None
+        keys = torch.arange(num_keys, device=query_pos.device)
+        out: list[torch.Tensor | None] = []
+        for window in self.windows:
+            visible = window_mask(query_pos, keys, window)
+            if visible is not None and causal:
+                visible = visible & (keys <= torch.arange(query_pos.numel(), device=keys.device)[:, None])
+            out.append(visible)
+        return out
+
     def targets(self, batch: dict[str, torch.Tensor]) -> TargetTable:
         """The verifier's distribution at every scored position of the batch, computed once
         (each TTT step / depth scores a shifted view of the same positions)."""
@@ -291,111 +328,67 @@ class Eagle3Backbone(nn.Module):
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Tensors under the names vLLM's Eagle3LlamaForCausalLM.load_weights accepts."""
-        return {k: v.detach().clone().contiguous() for k, v in self.state_dict().items()}
+        out = {k: v.detach().clone().contiguous() for k, v in self.state_dict().items()}
+        if self.own_embeddings:
+            out["embed_tokens.weight"] = self.embed_tokens.detach().clone().contiguous()
+        return out
 
     def load_export_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        own = self.state_dict()
-        missing, unexpected = own.keys() - tensors.keys(), tensors.keys() - own.keys()
-        if missing or unexpected:
-            raise ValueError(
-                f"{self.algo} checkpoint does not match the drafter: "
-                f"missing {sorted(missing)}, unexpected {sorted(unexpected)}"
-            )
-        for k, v in tensors.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                # mask_hidden is [1, n_aux*H] here; speculators writes [1, 1, n_aux*H]
-                if v.numel() != own[k].numel() or k != "mask_hidden":
-                    raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != {tuple(own[k].shape)}")
-                tensors = {**tensors, k: v.reshape(own[k].shape)}
-        self.load_state_dict(tensors, strict=True)
+        load_exact(self, tensors, self.export_reshapeable)
+
+    def adopt_embeddings(self, weight: torch.Tensor) -> None:
+        """Draft with token embeddings of its own (a file whose embed_tokens differ from the verifier's)."""
+        self.embed_tokens = weight.detach().to(self.embed_tokens.device)
+        self.own_embeddings = True
 
     def layer_config(self) -> dict[str, Any]:
-        """`transformer_layer_config`: the draft decoder as an HF Llama config (vocab = verifier's)."""
+        """`transformer_layer_config`: the draft decoder as an HF config (vocab = the verifier's)."""
         v = self.verifier
-        rope_parameters = {"rope_theta": v.rope_theta, "rope_type": "default", **(v.rope_scaling or {})}
-        if "type" in rope_parameters:
-            rope_parameters["rope_type"] = rope_parameters.pop("type")
-        return {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": v.vocab_size,
-            "hidden_size": v.hidden_size,
-            "intermediate_size": v.intermediate_size,
-            "num_hidden_layers": len(self.layers),
-            "num_attention_heads": v.num_attention_heads,
-            "num_key_value_heads": v.num_key_value_heads,
-            "head_dim": v.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": v.rms_norm_eps,
-            "max_position_embeddings": v.max_position_embeddings,
-            "rope_theta": v.rope_theta,
-            "rope_scaling": v.rope_scaling,
-            "rope_parameters": rope_parameters,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-        }
+        return v.layer_config(self.style, len(self.layers), v.intermediate_size, self.windows)
 
-    def base_export_config(self, model_type: str, architectures: tuple[str, ...], tokens: int) -> dict:
+    def base_export_config(self, model_type: str, tokens: int) -> dict[str, Any]:
         v = self.verifier
-        return {
-            "speculators_model_type": model_type,
-            "architectures": list(architectures),
-            "transformer_layer_config": self.layer_config(),
-            "draft_vocab_size": self.lm_head.out_features,
-            "target_hidden_size": None,
-            "eagle_aux_hidden_state_layer_ids": list(v.aux_layer_ids),
-            "speculators_config": {
-                "algorithm": model_type,
-                "proposal_methods": [
-                    {
-                        "proposal_type": "greedy",
-                        "speculative_tokens": tokens,
-                        "verifier_accept_k": 1,
-                        "accept_tolerance": 0.0,
-                    }
-                ],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": v.name_or_path, "architectures": list(v.architectures)},
-            },
-        }
+        fields = base_fields(
+            model_type,
+            self.architectures,
+            self.layer_config(),
+            self.lm_head.out_features,
+            tokens,
+            v.name_or_path,
+            v.architectures,
+        )
+        return {**fields, "eagle_aux_hidden_state_layer_ids": list(v.aux_layer_ids)}
 
 
-def verifier_from_export(config_json: dict[str, Any]) -> VerifierSpec:
-    """Rebuild the VerifierSpec a checkpoint was trained against (exact when specctl wrote it)."""
-    saved = config_json.get("specctl", {}).get("verifier")
-    if saved is not None:
-        saved = dict(saved)
-        saved["architectures"] = tuple(saved["architectures"])
-        saved["aux_layer_ids"] = tuple(saved["aux_layer_ids"])
-        return VerifierSpec(**saved)
-    layer = config_json["transformer_layer_config"]
-    verifier = config_json["speculators_config"]["verifier"]
-    aux = tuple(config_json["eagle_aux_hidden_state_layer_ids"])
-    rope = layer.get("rope_parameters") or {}
-    H, heads = layer["hidden_size"], layer["num_attention_heads"]
-    return VerifierSpec(
-        name_or_path=verifier["name_or_path"],
-        architectures=tuple(verifier.get("architectures") or ()),
-        hidden_size=H,
-        vocab_size=layer["vocab_size"],
-        num_hidden_layers=max(aux) + 1,  # unknown from the format; only the aux ids matter here
-        num_attention_heads=heads,
-        num_key_value_heads=layer.get("num_key_value_heads", heads),
-        head_dim=layer.get("head_dim") or H // heads,
-        intermediate_size=layer["intermediate_size"],
-        rms_norm_eps=layer["rms_norm_eps"],
-        rope_theta=layer.get("rope_theta", rope.get("rope_theta", 10000.0)),
-        max_position_embeddings=layer["max_position_embeddings"],
-        aux_layer_ids=aux,
-        mask_token_id=config_json.get("mask_token_id", 0),
-        rope_scaling=layer.get("rope_scaling"),
-    )
+class Format(SpeculatorsConfig):
+    """config.json of an EAGLE-3 drafter: the shared fields plus these (vLLM's defaults when absent)."""
+
+    eagle_aux_hidden_state_layer_ids: list[int]
+    norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.eagle_aux_hidden_state_layer_ids)
 
 
-def specctl_block(config: DrafterConfig, verifier: VerifierSpec, loss: str) -> dict[str, Any]:
-    """Extra `specctl` key in config.json (vLLM ignores it): what from_export needs to be exact."""
-    return {"drafter": config.model_dump(), "loss": loss, "verifier": dataclasses.asdict(verifier)}
+def layer_settings(config: SpeculatorsConfig) -> dict[str, Any]:
+    """The recipe fields the draft decoder's config fixes: layer count, style, attention windows."""
+    layer = config.layer
+    if layer.model_type not in ("llama", "qwen3"):
+        raise ValueError(
+            f"transformer_layer_config.model_type {layer.model_type!r}: EAGLE-3 drafters here have llama or "
+            "qwen3 layers"
+        )
+    if layer.attention_bias:
+        raise ValueError("transformer_layer_config.attention_bias true: these draft layers have no biases")
+    return {
+        "num_layers": layer.num_hidden_layers,
+        "draft_layers": layer.model_type,
+        **WindowedConfig.window_settings(layer.windows()),
+    }
 
 
 # ---------------------------------------------------------------- EAGLE-3
@@ -422,6 +415,8 @@ class Eagle3Drafter(Eagle3Backbone):
             norm_before_fc=config.norm_before_fc,
             fc_norm=config.fc_norm,
             norm_output=config.norm_output,
+            style=config.draft_layers,
+            windows=config.layer_windows(config.num_layers),
         )
         self.config = config
 
@@ -429,6 +424,7 @@ class Eagle3Drafter(Eagle3Backbone):
     def _attend(
         cache: list[list[tuple[torch.Tensor, torch.Tensor]]],
         causal: bool,
+        visible: list[torch.Tensor | None] | None,
         i: int,
         attn: Attention,
         x: torch.Tensor,
@@ -439,6 +435,7 @@ class Eagle3Drafter(Eagle3Backbone):
 
         cache[i] holds (k, v) [B, kvh, n_k, hd] of steps 0..s-1: step 0 = the context rows,
         later steps the rows being drafted (all R rows in training, the newest row in propose).
+        visible: `context_visible` of this step (None: no sliding layer).
         """
         q = attn.project_q(x, cos, sin)
         cache[i].append(attn.project_kv(x, cos, sin))
@@ -446,7 +443,9 @@ class Eagle3Drafter(Eagle3Backbone):
         own = None
         if steps:  # [B, kvh, n, s, hd]: row t's own steps 1..s side by side
             own = torch.stack([k for k, _ in steps], 3), torch.stack([v for _, v in steps], 3)
-        return attn.output(ttt_attention(q, cache[i][0], own, causal))
+        return attn.output(
+            ttt_attention(q, cache[i][0], own, causal, None if visible is None else visible[i])
+        )
 
     def ttt_outputs(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor) -> list[torch.Tensor]:
         """Normed outputs [B, T-1, H] of TTT steps 0..S-1 (row t of step s predicts x_{t+2+s})."""
@@ -455,10 +454,11 @@ class Eagle3Drafter(Eagle3Backbone):
         hidden = self.combine(aux_hidden_states[:, :R])  # [B, R, H]
         positions = torch.arange(R, device=input_ids.device).expand(B, R)
         cache: list[list] = [[] for _ in self.layers]
-        attend = partial(self._attend, cache, True)
+        rows = torch.arange(R, device=input_ids.device)
         outs = []
         for s in range(self.config.ttt_steps):
             tokens = shift_left(input_ids, 1 + s)[:, :R]  # x_{t+1+s}; padding past the end
+            attend = partial(self._attend, cache, True, self.context_visible(rows + s, R, causal=True))
             out, hidden = self.run_layers(tokens, hidden, positions + s, attend)
             outs.append(out)
         return outs
@@ -491,6 +491,7 @@ class Eagle3Drafter(Eagle3Backbone):
     def _attend_new_context(
         cache: list[list[tuple[torch.Tensor, torch.Tensor]]],
         old: list[tuple[torch.Tensor, torch.Tensor]],
+        windows: tuple[int | None, ...],
         i: int,
         attn: Attention,
         x: torch.Tensor,
@@ -504,7 +505,7 @@ class Eagle3Drafter(Eagle3Backbone):
         k, v = attn.project_kv(x, cos, sin)
         k, v = torch.cat([old[i][0], k], 2), torch.cat([old[i][1], v], 2)  # [1, kvh, N, hd]
         cache[i].append((k, v))
-        return attend_after_prefix(attn, q, k, v)
+        return attend_after_prefix(attn, q, k, v, windows[i])
 
     @torch.no_grad()
     def propose(
@@ -523,6 +524,9 @@ class Eagle3Drafter(Eagle3Backbone):
         N = aux_hidden_states.shape[0]
         if input_ids.shape[0] != N + 1:
             raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
+        windows = [w for w in self.windows if w is not None]
+        if windows and num_tokens >= min(windows):
+            raise ValueError(f"{num_tokens} drafts do not fit the sliding window of {min(windows)} positions")
         # the newest row is always run: its output makes the first draft
         done = min(cached_rows(state, N), N - 1)
         device = input_ids.device
@@ -532,13 +536,16 @@ class Eagle3Drafter(Eagle3Backbone):
         cache: list[list] = [[] for _ in self.layers]
         if done:
             old = [(k[:, :, :done], v[:, :, :done]) for k, v in state["context_kv"]]
-            first_step = partial(self._attend_new_context, cache, old)
+            first_step = partial(self._attend_new_context, cache, old, self.windows)
         else:
-            first_step = partial(self._attend, cache, True)
+            first_step = partial(
+                self._attend, cache, True, self.context_visible(positions[0], N, causal=True)
+            )
         drafts = []
         for s in range(num_tokens):
-            # step 0: the context pass (causal); later: the newest row, after all the context
-            attend = first_step if s == 0 else partial(self._attend, cache, False)
+            # step 0: the context pass (causal); later: the newest row (at N-1+s), after all the context
+            later = self.context_visible(torch.tensor([N - 1 + s], device=device), N, causal=False)
+            attend = first_step if s == 0 else partial(self._attend, cache, False, later)
             out, hidden = self.run_layers(tokens, hidden, positions, attend)
             if s == 0 and state is not None:
                 state.update(context_rows=N, context_kv=[layer_cache[0] for layer_cache in cache])
@@ -548,67 +555,58 @@ class Eagle3Drafter(Eagle3Backbone):
             positions = torch.full((1, 1), N + s, device=device)
         return torch.stack(drafts)
 
-    def export_config(self) -> dict[str, Any]:
+    def export_config(self) -> Format:
         c = self.config
-        cfg = self.base_export_config("eagle3", SPEC.architectures, c.num_speculative_tokens)
-        cfg.update(
-            norm_before_residual=c.norm_before_residual,
-            norm_before_fc=c.norm_before_fc,
-            fc_norm=c.fc_norm,
-            norm_output=c.norm_output,
-            specctl=specctl_block(c, self.verifier, self.loss_kind),
+        return Format.model_validate(
+            {
+                **self.base_export_config("eagle3", c.num_speculative_tokens),
+                "norm_before_residual": c.norm_before_residual,
+                "norm_before_fc": c.norm_before_fc,
+                "fc_norm": c.fc_norm,
+                "norm_output": c.norm_output,
+                "specctl": specctl_record(self.algo, c, self.verifier, self.loss_kind),
+            }
         )
-        return cfg
 
 
 def build(
     config: Config,
     verifier: VerifierSpec,
     weights: VerifierWeights,
-    d2t: torch.Tensor | None = None,
-    loss: str = "kl",
+    d2t: torch.Tensor | None,
+    loss: str | None,
 ) -> Eagle3Drafter:
     return Eagle3Drafter(config, verifier, weights, d2t, loss)
 
 
-def config_from_export(config_json: dict[str, Any]) -> Config:
-    """The drafter settings a speculators config.json describes (training-only ones from `specctl`)."""
-    saved = config_json.get("specctl", {}).get("drafter", {})
+def config_from_format(config: Format) -> Config:
+    """The recipe section a config.json describes (training-only settings from its `specctl` block)."""
+    saved = config.specctl.drafter if config.specctl is not None else {}
     return Config(
         **{
             **saved,
-            "num_layers": config_json["transformer_layer_config"]["num_hidden_layers"],
-            "num_speculative_tokens": config_json["speculators_config"]["proposal_methods"][0][
-                "speculative_tokens"
-            ],
-            # vLLM's defaults when a key is absent (speculators/algos.py update_eagle3)
-            "norm_before_residual": config_json.get("norm_before_residual", True),
-            "norm_before_fc": config_json.get("norm_before_fc", False),
-            "fc_norm": config_json.get("fc_norm", False),
-            "norm_output": config_json.get("norm_output", False),
+            **layer_settings(config),
+            "num_speculative_tokens": config.speculative_tokens,
+            "norm_before_residual": config.norm_before_residual,
+            "norm_before_fc": config.norm_before_fc,
+            "fc_norm": config.fc_norm,
+            "norm_output": config.norm_output,
         }
     )
-
-
-def from_export(
-    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
-) -> Eagle3Drafter:
-    if config_json.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"not an eagle3 checkpoint: {config_json.get('speculators_model_type')!r}")
-    loss = config_json.get("specctl", {}).get("loss", "kl")
-    config, verifier = config_from_export(config_json), verifier_from_export(config_json)
-    model = build(config, verifier, weights, tensors.get("d2t"), loss)
-    model.load_export_state(tensors)
-    return model
 
 
 SPEC = register(
     DrafterSpec(
         name="eagle3",
         config_cls=Config,
+        format_cls=Format,
         build=build,
-        from_export=from_export,
+        config_from_format=config_from_format,
         speculators_model_type="eagle3",
-        architectures=("Eagle3DraftModel",),
+        architectures=Eagle3Drafter.architectures,
+        vllm_method={"method": "eagle3"},
+        tiny={"ttt_steps": 2, "num_speculative_tokens": 2},
+        published=lambda c: c.num_layers == 1 and c.ttt_steps >= 3,
+        parallel=False,
     )
 )

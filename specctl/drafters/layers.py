@@ -166,15 +166,34 @@ def cached_rows(state: dict[str, Any] | None, rows: int) -> int:
     return done
 
 
-def attend_after_prefix(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """Sliding-window visibility: [..., Q, K] bool, True where key k is less than `window` positions
+    behind query q (k_pos > q_pos - window); None for full attention (window None).
+
+    vLLM's sliding layers (FlashAttention window (W-1, 0), symmetrised for non-causal drafters)
+    see exactly these keys among the ones their causal or block structure allows; q_pos [..., Q],
+    k_pos [..., K] are positions (broadcast against each other).
+    """
+    if window is None:
+        return None
+    return k_pos[..., None, :] > q_pos[..., :, None] - window
+
+
+def attend_after_prefix(
+    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
     """Causal attention of the last n of S rows: q [B, h, n, hd], k/v [B, kvh, S, hd] of all S
-    rows (a cached prefix + the new ones) -> [B, n, H]. Row S-n+j sees rows 0..S-n+j.
+    rows (a cached prefix + the new ones) -> [B, n, H]. Row S-n+j sees rows 0..S-n+j, the last
+    `window` of them on a sliding layer (a row's position is its index).
 
     A proposal with a cached prefix runs only the rows the cache lacks, so its queries are the
     tail of the key sequence: SDPA's own `is_causal` would align them with its head instead.
     """
     n, S = q.shape[2], k.shape[2]
-    visible = torch.arange(S, device=q.device) <= torch.arange(S - n, S, device=q.device)[:, None]  # [n, S]
+    rows, keys = torch.arange(S - n, S, device=q.device), torch.arange(S, device=q.device)
+    visible = keys <= rows[:, None]  # [n, S]
+    if window is not None:
+        visible = visible & window_mask(rows, keys, window)
     return attn.attend(q, k, v, visible)
 
 

@@ -27,13 +27,9 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from specctl.drafters import register
-from specctl.drafters.api import DrafterConfig, DrafterSpec, VerifierSpec, VerifierWeights
-from specctl.drafters.eagle3 import (
-    Eagle3Backbone,
-    shift_left,
-    specctl_block,
-    verifier_from_export,
-)
+from specctl.drafters.api import DrafterSpec, VerifierSpec, VerifierWeights, WindowedConfig, specctl_record
+from specctl.drafters.eagle3 import Eagle3Backbone, LayerStyle, layer_settings, shift_left
+from specctl.drafters.eagle3 import Format as Eagle3Format
 from specctl.drafters.layers import (
     Attention,
     attend_after_prefix,
@@ -42,10 +38,11 @@ from specctl.drafters.layers import (
     cached_rows,
     own_key_attention,
     shared_key_bias,
+    window_mask,
 )
 
 
-class Config(DrafterConfig):
+class Config(WindowedConfig):
     """Recipe section `drafter.peagle`; defaults follow the published P-EAGLE recipe/checkpoints."""
 
     num_layers: int = Field(4, ge=1, description="Decoder layers of the drafter (P-EAGLE uses four).")
@@ -70,6 +67,17 @@ class Config(DrafterConfig):
     norm_before_fc: bool = Field(
         False, description="RMSNorm (`input_norm`) over the concatenated aux features before `fc`."
     )
+    draft_layers: LayerStyle = Field(
+        "llama",
+        description="Decoder layer style: llama or qwen3 (q_norm/k_norm on the heads, the speculators "
+        "trainer's default); vLLM serves both.",
+    )
+
+    def max_speculative_tokens(self) -> int:
+        return self.num_depths
+
+    def window_span(self) -> int:
+        return self.num_depths
 
     @model_validator(mode="after")
     def _tokens_within_depths(self) -> Config:
@@ -179,6 +187,8 @@ def block_attention(
 
 class PEagleDrafter(Eagle3Backbone):
     algo = "peagle"
+    architectures = ("PEagleDraftModel",)
+    export_reshapeable = ("mask_hidden",)  # [1, n_aux*H] here and in older exports, [1, 1, n_aux*H] in files
 
     def __init__(
         self,
@@ -196,6 +206,8 @@ class PEagleDrafter(Eagle3Backbone):
             num_layers=config.num_layers,
             norm_before_residual=config.norm_before_residual,
             norm_before_fc=config.norm_before_fc,
+            style=config.draft_layers,
+            windows=config.layer_windows(config.num_layers),
         )
         if not 0 <= verifier.mask_token_id < verifier.vocab_size:
             raise ValueError(
@@ -231,25 +243,46 @@ class PEagleDrafter(Eagle3Backbone):
         ctx_mask, blk_index, blk_mask = block_layout(anchor, depth, present, R, self.config.num_depths)
         tokens = torch.cat([input_ids[:, 1 : R + 1], torch.full_like(anchor, self.verifier.mask_token_id)], 1)
         features = torch.cat([self.combine(aux_hidden_states), self.mask_feature().expand(B, M, -1)], 1)
-        ctx_bias = shared_key_bias(ctx_mask, attention_dtype(features))  # [B, 1, M, R + 1], all layers
         positions = torch.cat([torch.arange(R, device=device).expand(B, R), anchor + depth], 1)
+        # [B, 1, M, R + 1] per attention window (one, mask-free for the real rows, without sliding layers)
+        ctx_bias, real_mask = self.window_masks(ctx_mask, anchor + depth, R, attention_dtype(features))
         bidx = torch.arange(B, device=device)[:, None, None]
         gather = blk_index.clamp(min=0)  # [B, M, J]
 
         def attend(i: int, attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
             q = attn.project_q(x, cos, sin)  # [B, h, R+M, hd]
             k, v = attn.project_kv(x, cos, sin)
-            real = attn.attend(q[:, :, :R], k[:, :, :R], v[:, :, :R], None, is_causal=True)
+            window = self.windows[i]
+            real = attn.attend(
+                q[:, :, :R], k[:, :, :R], v[:, :, :R], real_mask[window], is_causal=window is None
+            )
             if M == 0:
                 return real
             # block keys of each depth row: [B, kvh, M, J, hd], gathered from the depth rows
             bk = k[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
             bv = v[:, :, R:].transpose(1, 2)[bidx, gather].permute(0, 3, 1, 2, 4)
-            drafts = block_attention(attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_bias, bk, bv, blk_mask)
+            drafts = block_attention(
+                attn, q[:, :, R:], k[:, :, :R], v[:, :, :R], ctx_bias[window], bk, bv, blk_mask
+            )
             return torch.cat([real, drafts], 1)
 
         out, _ = self.run_layers(tokens, features, positions, attend)
         return out[:, :R], out[:, R:]
+
+    def window_masks(
+        self, ctx_mask: torch.Tensor, depth_pos: torch.Tensor, num_rows: int, dtype: torch.dtype
+    ) -> tuple[dict[int | None, torch.Tensor], dict[int | None, torch.Tensor | None]]:
+        """Per attention window of the layers: the depth rows' context bias (ctx_mask [B, M, R],
+        rows at depth_pos [B, M], limited to the window) and the real rows' mask ([R, R] causal
+        band; None = plain causal, no mask tensor). Real row j sits at position j."""
+        rows = torch.arange(num_rows, device=ctx_mask.device)
+        ctx_bias, real_mask = {}, {}
+        for window in dict.fromkeys(self.windows):
+            inside = window_mask(depth_pos, rows, window)
+            ctx_bias[window] = shared_key_bias(ctx_mask if inside is None else ctx_mask & inside, dtype)
+            band = window_mask(rows, rows, window)
+            real_mask[window] = None if band is None else band & (rows <= rows[:, None])
+        return ctx_bias, real_mask
 
     def sample_rows(
         self, valid: torch.Tensor, keep_all: bool
@@ -342,7 +375,7 @@ class PEagleDrafter(Eagle3Backbone):
                 k = torch.cat([old[i][0][:, :, :done], k], 2)  # [1, kvh, N+M, hd]
                 v = torch.cat([old[i][1][:, :, :done], v], 2)
             real_kv.append((k[:, :, :N], v[:, :, :N]))
-            return attend_after_prefix(attn, q, k, v)
+            return attend_after_prefix(attn, q, k, v, self.windows[i])
 
         out, _ = self.run_layers(tokens[None], features[None], positions[None], attend)  # [1, n+M, H]
         if state is not None:
@@ -350,66 +383,72 @@ class PEagleDrafter(Eagle3Backbone):
         logits = self.lm_head(out[0, n - 1 :])  # [K, Vd]: the anchor row, then depth rows 1..K-1
         return self.to_target_ids(logits.argmax(-1))
 
-    def export_config(self) -> dict[str, Any]:
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """As EAGLE-3, with mask_hidden as the speculators library writes it: [1, 1, n_aux*H]
+        (vLLM views it as [1, -1])."""
+        out = super().export_state()
+        out["mask_hidden"] = out["mask_hidden"].reshape(1, 1, -1)
+        return out
+
+    def export_config(self) -> Format:
         c = self.config
-        cfg = self.base_export_config("peagle", SPEC.architectures, c.num_speculative_tokens)
-        cfg.update(
-            mask_token_id=self.verifier.mask_token_id,
-            norm_before_residual=c.norm_before_residual,
-            norm_before_fc=c.norm_before_fc,
-            fc_norm=False,
-            norm_output=False,
-            specctl=specctl_block(c, self.verifier, self.loss_kind),
+        return Format.model_validate(
+            {
+                **self.base_export_config("peagle", c.num_speculative_tokens),
+                "mask_token_id": self.verifier.mask_token_id,
+                "norm_before_residual": c.norm_before_residual,
+                "norm_before_fc": c.norm_before_fc,
+                "fc_norm": False,
+                "norm_output": False,
+                "specctl": specctl_record(self.algo, c, self.verifier, self.loss_kind),
+            }
         )
-        return cfg
+
+
+class Format(Eagle3Format):
+    """config.json of a P-EAGLE drafter: EAGLE-3's fields plus the mask token (vLLM's defaults)."""
+
+    mask_token_id: int
+    norm_before_residual: bool = False
 
 
 def build(
     config: Config,
     verifier: VerifierSpec,
     weights: VerifierWeights,
-    d2t: torch.Tensor | None = None,
-    loss: str = "kl",
+    d2t: torch.Tensor | None,
+    loss: str | None,
 ) -> PEagleDrafter:
     return PEagleDrafter(config, verifier, weights, d2t, loss)
 
 
-def from_export(
-    config_json: dict[str, Any], tensors: dict[str, torch.Tensor], weights: VerifierWeights
-) -> PEagleDrafter:
-    if config_json.get("speculators_model_type") != "peagle":
-        raise ValueError(f"not a peagle checkpoint: {config_json.get('speculators_model_type')!r}")
-    if "mask_token_id" not in config_json:
-        raise ValueError("peagle checkpoint config has no mask_token_id (vLLM requires it)")
-    spec = config_json.get("specctl", {})
-    tokens = config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    drafter = dict(spec.get("drafter", {}))
-    drafter.setdefault("num_depths", max(tokens, Config.model_fields["num_depths"].default))
-    config = Config(
+def config_from_format(config: Format) -> Config:
+    """The recipe section a config.json describes; a file without specctl's record trained as many
+    depths as it drafts, or the recipe default when that is more."""
+    saved = dict(config.specctl.drafter) if config.specctl is not None else {}
+    saved.setdefault("num_depths", max(config.speculative_tokens, Config.model_fields["num_depths"].default))
+    return Config(
         **{
-            **drafter,
-            "num_layers": config_json["transformer_layer_config"]["num_hidden_layers"],
-            "num_speculative_tokens": tokens,
-            # vLLM's defaults when a key is absent (speculators/algos.py update_peagle)
-            "norm_before_residual": config_json.get("norm_before_residual", False),
-            "norm_before_fc": config_json.get("norm_before_fc", False),
+            **saved,
+            **layer_settings(config),
+            "num_speculative_tokens": config.speculative_tokens,
+            "norm_before_residual": config.norm_before_residual,
+            "norm_before_fc": config.norm_before_fc,
         }
     )
-    verifier = verifier_from_export(config_json)
-    if verifier.mask_token_id != config_json["mask_token_id"]:
-        raise ValueError("mask_token_id differs between the checkpoint config and its specctl block")
-    model = build(config, verifier, weights, tensors.get("d2t"), spec.get("loss", "kl"))
-    model.load_export_state(tensors)
-    return model
 
 
 SPEC = register(
     DrafterSpec(
         name="peagle",
         config_cls=Config,
+        format_cls=Format,
         build=build,
-        from_export=from_export,
+        config_from_format=config_from_format,
         speculators_model_type="peagle",
-        architectures=("PEagleDraftModel",),
+        architectures=PEagleDrafter.architectures,
+        vllm_method={"method": "eagle3", "parallel_drafting": True},
+        tiny={"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
+        published=lambda c: c.num_layers == 4 and c.num_depths == 4,
     )
 )

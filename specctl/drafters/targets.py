@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specctl.drafters.vocab import d2t_from_t2d, kept_ids_from_t2d, t2d_from_d2t
+
 
 def build_draft_vocab(token_freq: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the `draft_vocab_size` most frequent target ids (ties: lower id first).
@@ -34,10 +36,8 @@ def build_draft_vocab(token_freq: torch.Tensor, draft_vocab_size: int) -> tuple[
     # stable sort on -freq keeps lower ids first among equal counts
     order = torch.sort(-token_freq.double(), stable=True).indices[:draft_vocab_size]
     kept = torch.sort(order).values  # [Vd] ascending target ids
-    d2t = kept - torch.arange(draft_vocab_size, dtype=kept.dtype)
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t.long(), t2d
+    d2t = (kept - torch.arange(draft_vocab_size, dtype=kept.dtype)).long()
+    return d2t, t2d_from_d2t(d2t, V)
 
 
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
@@ -104,10 +104,6 @@ class TargetTable:
         return self.targets[self.index[b, t]]
 
 
-def _kept_ids(t2d: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t2d is None else t2d.nonzero()[:, 0]
-
-
 @torch.no_grad()
 def verifier_targets(
     last_hidden_state: torch.Tensor,
@@ -124,8 +120,7 @@ def verifier_targets(
     is a [N, Vd] product instead of [N, V] plus two passes over it.
     """
     if not full:
-        kept = _kept_ids(t2d)
-        head = lm_head if kept is None else lm_head.index_select(0, kept)
+        head = lm_head if t2d is None else lm_head.index_select(0, kept_ids_from_t2d(t2d))
         return Targets(None, verifier_logits(last_hidden_state, norm_weight, head, eps), None)
     chunks = last_hidden_state.split(chunk_rows) or [last_hidden_state]
     parts = [targets_from_logits(verifier_logits(rows, norm_weight, lm_head, eps), t2d) for rows in chunks]
@@ -138,7 +133,7 @@ def verifier_targets(
 
 def targets_from_logits(logits: torch.Tensor, t2d: torch.Tensor | None) -> Targets:
     """Full verifier logits [N, V] -> Targets [N]."""
-    kept_logits = logits if t2d is None else logits.index_select(1, t2d.nonzero()[:, 0])
+    kept_logits = logits if t2d is None else logits.index_select(1, kept_ids_from_t2d(t2d))
     return Targets(logits.argmax(-1), kept_logits, torch.logsumexp(logits.float(), -1))
 
 
@@ -306,9 +301,6 @@ def draft_loss(
         raise ValueError(f"unknown loss kind {kind!r}; use 'kl' or 'ce'")
     if target_argmax is None:
         return loss, None, valid
-    d2t_table = None
-    if t2d is not None:
-        kept = t2d.nonzero()[:, 0]
-        d2t_table = kept - torch.arange(kept.numel(), device=kept.device)
+    d2t_table = None if t2d is None else d2t_from_t2d(t2d)
     predicted = draft_to_target(draft_logits.argmax(-1), d2t_table)
     return loss, predicted == target_argmax, valid

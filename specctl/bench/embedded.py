@@ -1,0 +1,96 @@
+"""The embedded backend of `specctl bench`: specctl.engine.generate, batch 1, in this process.
+
+Every drafter stays loaded, so the methods can take turns prompt by prompt (the run interleaves
+them); each method is warmed up once, on the first prompt it sees, before it is timed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from specctl.bench.plan import Groups, Method
+from specctl.bench.prompts import BenchPrompt
+from specctl.bench.report import Measurement, MethodResult, Point
+from specctl.counters import SpecCounters
+from specctl.recipe import BenchSection, VerifierSection
+
+
+class EmbeddedBackend:
+    """measure(method, prompts): each prompt decoded alone, engine-timed (prefill + decode); the
+    generated ids are kept (the report compares them with plain decoding's)."""
+
+    name = "embedded"
+    levels = (1,)
+    interleave = True  # switching methods is free: they take turns prompt by prompt
+
+    def __init__(
+        self,
+        section: VerifierSection,
+        settings: BenchSection,
+        on_done: Callable[[int], None] | None = None,
+        generate_fn: Callable[..., Any] | None = None,
+        load_drafter_fn: Callable[..., Any] | None = None,
+    ):
+        from specctl.data.generate import stop_token_ids
+        from specctl.verifier import load_verifier
+
+        self.verifier = load_verifier(section)
+        self.tokenizer = self.verifier.tokenizer
+        self.stop_ids = list(stop_token_ids(self.tokenizer, self.verifier.model))
+        self.settings, self.on_done = settings, on_done
+        if generate_fn is None:
+            from specctl.engine import generate as generate_fn
+        if load_drafter_fn is None:
+            from specctl.export import load_drafter
+
+            def load_drafter_fn(path: Path, verifier: Any) -> Any:
+                return load_drafter(path, verifier=verifier)
+
+        self.generate_fn, self.load_drafter_fn = generate_fn, load_drafter_fn
+        self.loaded: dict[Path, Any] = {}  # every drafter stays loaded: methods take turns
+        self.warmed: set[Method] = set()
+
+    def _drafter(self, method: Method) -> Any:
+        if method.drafter is None:
+            return None
+        if method.drafter not in self.loaded:
+            self.loaded[method.drafter] = self.load_drafter_fn(method.drafter, self.verifier)[0]
+        return self.loaded[method.drafter]
+
+    def _run(self, method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
+        s = self.settings
+        return self.generate_fn(
+            self.verifier,
+            drafter,
+            list(prompt.prompt_ids),
+            max_new_tokens=max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed + index,
+            num_speculative_tokens=method.num_speculative_tokens or None,
+            eos_token_ids=self.stop_ids,
+        )
+
+    def measure(self, method: Method, groups: Groups) -> list[Point]:
+        drafter = self._drafter(method)
+        if method not in self.warmed:  # warm-up, not measured
+            first = next(p for g in groups.values() for p in g)
+            self._run(method, drafter, first[0], first[1], min(4, self.settings.max_new_tokens))
+            self.warmed.add(method)
+        categories = {}
+        for category, prompts in groups.items():
+            m = Measurement()
+            for index, prompt in prompts:
+                r = self._run(method, drafter, index, prompt, self.settings.max_new_tokens)
+                c = r.counters
+                counters = SpecCounters(
+                    c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_position)
+                )
+                # the ids include the EOS when it stopped the answer, as output_tokens counts it
+                m = m + Measurement(1, len(r.tokens), r.wall_s, counters, {index: [int(t) for t in r.tokens]})
+                if self.on_done:
+                    self.on_done(len(r.tokens))
+            categories[category] = m
+        return [Point(1, MethodResult(method, categories))]

@@ -1,0 +1,192 @@
+"""The vLLM offline backend of `specctl bench`: vLLM's `LLM` per configuration, in a worker subprocess.
+
+The worker (`python -m specctl.bench.offline offline JOB RESULT`) runs in its own process group with the
+same lifecycle as a server (specctl.procs), and reads the spec-decode counters from its in-process
+Prometheus registry; its result comes back as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from specctl.bench.plan import Groups, Method, max_model_len
+from specctl.bench.report import Measurement, MethodResult, Point
+from specctl.bench.vllm import (
+    MetricsSnapshot,
+    VllmError,
+    VllmSetup,
+    VllmVerifier,
+    announce,
+    engine_args,
+    parse_spec_decode_metrics,
+    run_label,
+    to_measurement,
+)
+from specctl.counters import SpecCounters
+from specctl.durable import write_atomic
+from specctl.procs import log_tail, on_cpu, process_group, vllm_env
+
+
+def offline_job(method: Method, groups: Groups, setup: VllmSetup, cpu: bool) -> dict[str, Any]:
+    """What the worker subprocess needs, as JSON-ready data (groups: category -> [[index, ids]])."""
+    return {
+        "engine_args": engine_args(method, setup, cpu),
+        "groups": {c: [[i, list(p.prompt_ids)] for i, p in g] for c, g in groups.items()},
+        "max_new_tokens": setup.max_new_tokens,
+        "temperature": setup.temperature,
+        "top_p": setup.top_p,
+        "seed": setup.seed,
+        "stop_token_ids": list(setup.stop_token_ids),
+    }
+
+
+def measure_offline(
+    method: Method,
+    groups: Groups,
+    setup: VllmSetup,
+    cpu: bool | None = None,
+    label: str | None = None,
+) -> dict[str, Measurement]:
+    """Run vLLM's offline `LLM` in a worker subprocess (own process group, log kept; `label`
+    names the log and job files, default the method's name)."""
+    cpu = on_cpu() if cpu is None else cpu
+    label = label or method.name
+    log_path = setup.log_path(label, "offline")
+    job_path = setup.log_dir / f"offline-{label}.job.json"
+    result_path = setup.log_dir / f"offline-{label}.result.json"
+    setup.log_dir.mkdir(parents=True, exist_ok=True)
+    result_path.unlink(missing_ok=True)
+    job_path.write_text(json.dumps(offline_job(method, groups, setup, cpu)))
+    argv = [setup.python, "-m", "specctl.bench.offline", "offline", str(job_path), str(result_path)]
+    with process_group(argv, log_path, vllm_env(cpu)) as proc:
+        while proc.poll() is None:
+            time.sleep(0.2)
+    if proc.returncode != 0 or not result_path.is_file():
+        tail = log_tail(log_path)
+        raise VllmError(
+            f"vLLM offline run for {method.name} failed (exit code {proc.returncode}); "
+            f"log {log_path}, last lines:\n{tail}"
+        )
+    return offline_measurements(json.loads(result_path.read_text()), method.num_speculative_tokens)
+
+
+def offline_measurements(result: dict[str, Any], num_speculative_tokens: int) -> dict[str, Measurement]:
+    """The worker's result JSON (see run_offline_job) as measurements per category."""
+    out = {}
+    for category, r in result.items():
+        drafts, draft_tokens, accepted, per_pos, generated = r["counters"]
+        delta = MetricsSnapshot(SpecCounters(drafts, draft_tokens, accepted, list(per_pos)), generated)
+        outputs = {int(i): [int(t) for t in ids] for i, ids in r.get("outputs", {}).items()}
+        out[category] = to_measurement(
+            delta, r["num_prompts"], r["output_tokens"], r["wall_s"], num_speculative_tokens, outputs
+        )
+    return out
+
+
+class OfflineBackend:
+    """measure(method, prompts): vLLM's offline LLM with the method, every prompt handed over at once."""
+
+    name = "vllm-offline"
+    interleave = False  # an engine start per configuration
+
+    def __init__(
+        self, verifier: VllmVerifier, setup: VllmSetup, max_k: int, sweeping: bool, say: Callable[..., None]
+    ):
+        self.tokenizer, self.verifier, self.setup = verifier.tokenizer, verifier, setup
+        self.levels, self.max_k, self.sweeping, self.say = (setup.concurrency,), max_k, sweeping, say
+
+    def measure(self, method: Method, groups: Groups) -> list[Point]:
+        length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)
+        setup = replace(self.setup, max_model_len=length)
+        label = run_label(method, self.sweeping)
+        announce(self.say, method, self.sweeping, "offline", setup.log_path(label, "offline"))
+        categories = measure_offline(method, groups, setup, label=label)
+        return [Point(self.levels[0], MethodResult(method, categories))]
+
+
+# ---------------------------------------------------------------- the offline worker (a subprocess)
+
+# (prompts as (index, token ids), max_tokens) -> each prompt's generated ids, in order
+OfflineGenerate = Callable[[list[tuple[int, list[int]]], int], list[list[int]]]
+
+
+def run_offline_job(
+    job: dict[str, Any], generate: OfflineGenerate, counters: Callable[[], MetricsSnapshot]
+) -> dict[str, Any]:
+    """The worker's measuring loop, apart from vLLM so tests can drive it with fakes: a warm-up,
+    then per category the counter delta, the wall time and each prompt's generated ids (JSON
+    keys are strings: the prompt index). The ids are vLLM's token_ids, stop token included, so
+    their lengths add up to output_tokens as on the server."""
+    first = next(p for g in job["groups"].values() for p in g)
+    generate([(first[0], first[1])], 4)  # warm-up, not measured
+    result: dict[str, Any] = {}
+    for category, prompts in job["groups"].items():
+        before = counters()
+        start = time.perf_counter()
+        outs = generate([(i, ids) for i, ids in prompts], job["max_new_tokens"])
+        wall = time.perf_counter() - start
+        delta = counters() - before
+        d = delta.counters
+        result[category] = {
+            "num_prompts": len(prompts),
+            "output_tokens": sum(len(ids) for ids in outs),
+            "wall_s": wall,
+            "counters": [
+                d.num_drafts,
+                d.num_draft_tokens,
+                d.num_accepted_tokens,
+                list(d.accepted_per_position),
+                delta.generation_tokens,
+            ],
+            "outputs": {str(i): list(ids) for (i, _), ids in zip(prompts, outs, strict=True)},
+        }
+    return result
+
+
+def _offline_worker(job_path: str, result_path: str) -> None:
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    job = json.loads(Path(job_path).read_text())
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(job["engine_args"])
+    kwargs = {k: v for k, v in vars(ns).items() if v != parser.get_default(k)}
+    llm = LLM(disable_log_stats=False, **kwargs)
+
+    def params(index: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=job["temperature"],
+            top_p=job["top_p"],
+            seed=job["seed"] + index,
+            stop_token_ids=job["stop_token_ids"],
+        )
+
+    def counters() -> MetricsSnapshot:
+        return parse_spec_decode_metrics(generate_latest(REGISTRY).decode())
+
+    def generate(prompts: list[tuple[int, list[int]]], max_tokens: int) -> list[list[int]]:
+        outs = llm.generate(
+            [{"prompt_token_ids": ids} for _, ids in prompts],
+            [params(i, max_tokens) for i, _ in prompts],
+            use_tqdm=False,
+        )
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    result = run_offline_job(job, generate, counters)
+    write_atomic(Path(result_path), json.dumps(result))
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if len(args) != 3 or args[0] != "offline":
+        sys.exit("usage: python -m specctl.bench.offline offline JOB.json RESULT.json")
+    _offline_worker(args[1], args[2])

@@ -1,0 +1,309 @@
+"""What a benchmark measures, decided before anything decodes: pure functions over settings and files.
+
+A run compares configurations (`Method`: plain decoding, a drafter directory at one K, vLLM's
+ngram) on one verifier and one prompt set: plain decoding first (the denominator of every
+speedup), then the EAGLE-3 baseline when there is one (the reference of "vs EAGLE-3"), then the
+other drafters. A sweep expands each drafter into several K; the embedded engine's methods take
+turns prompt by prompt (`prompt_rounds`). Everything algorithm-specific -- the most K a drafter can
+draft, its vLLM speculative config -- comes from its `DrafterSpec`.
+
+A new dimension (a DSpark confidence threshold, say) is another `Method` field that
+`plan_sweep` expands and the backends read; nothing else changes shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from specctl.bench.prompts import BenchPrompt
+from specctl.errors import SpecctlError
+from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe
+
+BACKENDS = ("embedded", "vllm", "vllm-offline")
+BASELINE = "eagle3"  # the reference algorithm of "vs EAGLE-3" (--baseline names another directory)
+PLAIN = "none"  # the `algo` of plain decoding, the denominator of every speedup
+PLAIN_NAME = "no-spec"
+NGRAM = "ngram"
+NGRAM_METHOD = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+Groups = dict[str, list[tuple[int, BenchPrompt]]]  # category -> (prompt index, prompt)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One configuration to benchmark: plain decoding, a drafter directory, or vLLM's ngram."""
+
+    name: str  # unique in a report; what `--require NAME.field>=x` refers to
+    algo: str  # speculators_model_type, "ngram", or "none"
+    num_speculative_tokens: int = 0
+    drafter: Path | None = None
+    verifier: str | None = None  # the verifier the drafter records (speculators_config.verifier)
+
+
+# ---------------------------------------------------------------- settings and methods
+
+
+def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSection, str]:
+    """The recipe's bench section (or the defaults) with the non-None command-line values on top,
+    and the backend name."""
+    base = recipe.bench.model_dump() if recipe is not None else BenchSection().model_dump()
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    if base["backend"] not in BACKENDS:
+        raise SpecctlError(f"--backend {base['backend']!r}: choose one of {', '.join(BACKENDS)}")
+    try:
+        settings = BenchSection.model_validate(base)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        raise SpecctlError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
+    return settings, settings.backend
+
+
+def drafter_method(path: Path) -> Method:
+    """A Method for a speculators-format directory (ours or a third party's)."""
+    from specctl.validate import read_config
+
+    _, config = read_config(Path(path))
+    algo = config.speculators_model_type
+    return Method(algo, algo, config.speculative_tokens, Path(path), config.verifier_name)
+
+
+def exported_drafters(run_dir: Path) -> list[Path]:
+    """Every runs/<name>/drafters/<algo>/export that holds a config.json."""
+    return sorted(p for p in (run_dir / "drafters").glob("*/export") if (p / "config.json").is_file())
+
+
+def _unique_names(methods: list[Method]) -> list[Method]:
+    seen: dict[str, int] = {}
+    out = []
+    for m in methods:
+        seen[m.name] = seen.get(m.name, 0) + 1
+        out.append(m if seen[m.name] == 1 else replace(m, name=f"{m.name}-{seen[m.name]}"))
+    return out
+
+
+def plan_methods(
+    drafters: Sequence[Path], baseline: Path | None, ngram: int | None = None
+) -> tuple[list[Method], str | None]:
+    """[no-spec, baseline, drafters..., ngram] with unique names, and the baseline's name.
+
+    Without --baseline, an EAGLE-3 drafter among `drafters` is the reference.
+    """
+    methods = [Method(PLAIN_NAME, PLAIN)]
+    base = drafter_method(baseline) if baseline is not None else None
+    if base is not None:
+        methods.append(base)
+    methods += [
+        drafter_method(d) for d in drafters if base is None or Path(d).resolve() != base.drafter.resolve()
+    ]
+    if base is None:  # an EAGLE-3 drafter among the drafters is the reference; list it first
+        base = next((m for m in methods if m.algo == BASELINE), None)
+        if base is not None:
+            methods.remove(base)
+            methods.insert(1, base)
+    if ngram is not None:
+        methods.append(Method(NGRAM, NGRAM, ngram))
+    methods = _unique_names(methods)
+    base_name = None
+    if base is not None:
+        base_name = next(m.name for m in methods if m.drafter is not None and m.drafter == base.drafter)
+    return methods, base_name
+
+
+def display_name(method: Method, sweeping: bool) -> str:
+    """How progress and errors name a configuration: the method, and its K in a sweep."""
+    if sweeping and method.algo != PLAIN:
+        return f"{method.name} K={method.num_speculative_tokens}"
+    return method.name
+
+
+# ---------------------------------------------------------------- vLLM's view of a method
+
+
+def speculative_config(method: Method) -> dict[str, Any] | None:
+    """vLLM's --speculative-config for a method (None = plain decoding), from the drafter's spec."""
+    from specctl.drafters import DRAFTERS
+
+    if method.algo == PLAIN:
+        return None
+    by_type = {s.speculators_model_type: s.vllm_method for s in DRAFTERS.values() if s.vllm_method}
+    by_type[NGRAM] = NGRAM_METHOD
+    if method.algo not in by_type:
+        known = ", ".join(sorted(k for k in by_type if k != NGRAM))
+        raise SpecctlError(
+            f"{method.drafter or method.name}: vLLM has no method for speculators_model_type "
+            f"{method.algo!r} (known: {known})"
+        )
+    cfg = dict(by_type[method.algo])
+    if method.drafter is not None:
+        cfg["model"] = str(Path(method.drafter).resolve())
+    cfg["num_speculative_tokens"] = method.num_speculative_tokens
+    return cfg
+
+
+# ---------------------------------------------------------------- the K sweep
+
+
+def parse_int_list(text: str, option: str) -> list[int]:
+    """`1,4,16` or `1-4,7` -> sorted distinct positive integers (a command-line list)."""
+    values: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise SpecctlError(
+                f"{option} {text!r}: expected positive integers like 1,2,4 or a range like 1-4"
+            ) from None
+        if first < 1 or last < first:
+            raise SpecctlError(
+                f"{option} {text!r}: {part.strip()!r} is not a positive integer or rising range"
+            )
+        values.update(range(first, last + 1))
+    return sorted(values)
+
+
+def parse_sweep_k(text: str) -> bool | list[int]:
+    """--sweep-k: `all` (True: every K each drafter can draft) or the K values to measure."""
+    return True if text.strip().lower() == "all" else parse_int_list(text, "--sweep-k")
+
+
+def k_range(method: Method) -> tuple[int | None, int]:
+    """(the most K the method can draft or None, the top of its default sweep), as its drafter's
+    spec says: block drafters fill one block per pass, P-EAGLE has its trained depths, EAGLE-3
+    drafts any K (the acceptance past its training depth falls, which is what a sweep shows). The
+    default sweep stops at the limit, else at the exported K or the trained depth, whichever is
+    larger; an explicit --sweep-k list can go further."""
+    if method.drafter is None:  # ngram drafts from the prompt: any K, default up to --ngram K
+        return None, method.num_speculative_tokens
+    from specctl.validate import read_config
+
+    spec, config = read_config(method.drafter)
+    drafter = spec.config_from_format(config)
+    limit = drafter.max_speculative_tokens()
+    if limit is not None:
+        return limit, limit
+    return None, max(method.num_speculative_tokens, drafter.trained_speculative_tokens())
+
+
+def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tuple[list[Method], list[str]]:
+    """The configurations to measure, in order, and one line per requested K a drafter cannot draft.
+
+    sweep_k: False = each method at its exported K; True = each drafter at 1..its default top
+    (k_range); a list = those K, minus those above a drafter's limit. Plain decoding is measured
+    once. A drafter left with no K fails here, before any decoding.
+    """
+    if not isinstance(sweep_k, bool) and (not sweep_k or min(sweep_k) < 1):
+        raise SpecctlError(f"--sweep-k {list(sweep_k)}: give K values of 1 or more, or all")
+    configs: list[Method] = []
+    skipped: list[str] = []
+    for m in methods:
+        if m.algo == PLAIN or sweep_k is False:
+            configs.append(m)
+            continue
+        limit, top = k_range(m)
+        ks = list(range(1, top + 1)) if sweep_k is True else sorted(set(sweep_k))
+        over = [k for k in ks if limit is not None and k > limit]
+        if len(over) == len(ks):
+            raise SpecctlError(
+                f"--sweep-k: {m.name} ({m.drafter}) drafts at most {limit} tokens per step; "
+                f"include a K in 1..{limit}"
+            )
+        if over:
+            skipped.append(
+                f"{m.name}: K={','.join(map(str, over))} not measured, it drafts at most {limit} per step"
+            )
+        configs += [replace(m, num_speculative_tokens=k) for k in ks if k not in over]
+    return configs, skipped
+
+
+# ---------------------------------------------------------------- the verifier
+
+
+def _same_verifier(a: str, b: str) -> bool:
+    from specctl.verifier import builtin_alias
+
+    def norm(x: str) -> str:
+        p = Path(x).expanduser()
+        return builtin_alias(x) or (str(p.resolve()) if p.is_dir() else x.lower())
+
+    return norm(a) == norm(b)
+
+
+def choose_verifier(
+    recipe: Recipe | None, methods: Sequence[Method], override: str | None, warn: Callable[[str], None]
+) -> str:
+    """--verifier, else the recipe's, else the one the drafters record (they must agree)."""
+    recorded = [(m, m.verifier) for m in methods if m.drafter is not None]
+    if override is None and recipe is None:
+        missing = [str(m.drafter) for m, v in recorded if not v]
+        if missing:
+            raise SpecctlError(
+                f"{missing[0]}: config.json records no speculators_config.verifier.name_or_path; "
+                "pass --verifier"
+            )
+        chosen = recorded[0][1]
+        for m, v in recorded[1:]:
+            if not _same_verifier(v, chosen):
+                raise SpecctlError(
+                    f"the drafters were trained for different verifiers ({recorded[0][0].drafter}: {chosen}; "
+                    f"{m.drafter}: {v}); benchmark them separately or pass --verifier"
+                )
+        return chosen
+    chosen = override if override is not None else recipe.verifier.name_or_path
+    for m, v in recorded:
+        if v and not _same_verifier(v, chosen):
+            warn(f"warning: {m.drafter} was trained for {v}, benchmarking it on {chosen}")
+    return chosen
+
+
+def no_drafter_message(recipe: Recipe) -> str:
+    ref = recipe.name if (BUILTIN_RECIPES / f"{recipe.name}.yaml").is_file() else "RECIPE.yaml"
+    return (
+        f"no drafter to benchmark in {recipe.run_dir}/drafters/*/export; make one with "
+        f"`specctl collect-hidden-states {ref} && specctl train {ref} --algo dflash && "
+        f"specctl export {recipe.run_dir}`, or pass --drafter DIR"
+    )
+
+
+# ---------------------------------------------------------------- prompts and rounds
+
+
+def group_prompts(prompts: Sequence[BenchPrompt]) -> Groups:
+    """category -> [(index, prompt)]; one "" group when no prompt has a category."""
+    categorized = any(p.category for p in prompts)
+    groups: Groups = {}
+    for i, p in enumerate(prompts):
+        key = (p.category or "uncategorized") if categorized else ""
+        groups.setdefault(key, []).append((i, p))
+    return dict(sorted(groups.items()))
+
+
+def prompt_rounds(groups: Groups, interleave: bool) -> list[Groups]:
+    """The rounds the methods take turns on. Interleaved (the embedded engine, where switching
+    methods is free): one prompt a round, every method decodes it before the next prompt, so a slow
+    spell of the machine (another job, CPU steal) falls on every method alike rather than on
+    whichever ran then. A vLLM engine costs a start per method: one round of every prompt."""
+    if not interleave:
+        return [groups]
+    flat = sorted((i, category, p) for category, prompts in groups.items() for i, p in prompts)
+    return [{category: [(i, p)]} for i, category, p in flat]
+
+
+def reported_rounds(rounds_done: Sequence[int]) -> int:
+    """How many rounds a report covers, given the rounds each configuration still measured has
+    finished: those all of them finished, so every method compares on the same prompts; before
+    any round is complete, the first (the configurations that finished it)."""
+    return max(1, min(rounds_done, default=0))
+
+
+def max_model_len(groups: Groups, max_new_tokens: int, max_k: int, limit: int | None) -> int:
+    """Context vLLM must hold: the longest prompt, the answer, a draft block of slack (rounded up)."""
+    need = max(len(p.prompt_ids) for g in groups.values() for _, p in g) + max_new_tokens + max_k + 16
+    need = -(-need // 256) * 256
+    return min(need, limit) if limit else need
