@@ -500,6 +500,65 @@ def _bench_seq(
     return figures
 
 
+VERIFY_TOKENS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+
+
+def verify_costs(
+    models: dict[str, torch.nn.Module], prefix: int = 200, rounds: int = 9
+) -> dict[str, dict[int, float]]:
+    """Median ms of one KV-cached forward over n new tokens after `prefix` cached ones, per model
+    and n (the embedded engine's verify step: n = K + 1). Models and n take turns within each
+    round, so a slow spell of a shared machine lands on all of them alike."""
+    import statistics
+
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(0)
+    times: dict[tuple[str, int], list[float]] = {(k, n): [] for k in models for n in VERIFY_TOKENS}
+    with torch.inference_mode():
+        caches = {}
+        for name, model in models.items():
+            caches[name] = DynamicCache(config=model.config)
+            vocab = model.config.vocab_size
+            model(input_ids=torch.randint(0, vocab, (1, prefix), generator=gen), past_key_values=caches[name])
+        for _ in range(rounds):
+            for n in VERIFY_TOKENS:
+                for name, model in models.items():
+                    x = torch.randint(0, model.config.vocab_size, (1, n), generator=gen)
+                    start = time.perf_counter()
+                    model(input_ids=x, past_key_values=caches[name], use_cache=True, logits_to_keep=n)
+                    times[(name, n)].append((time.perf_counter() - start) * 1000)
+                    caches[name].crop(-n)
+    return {name: {n: statistics.median(times[(name, n)]) for n in VERIFY_TOKENS} for name in models}
+
+
+def bench_verify(workdir: Path) -> dict[str, float]:
+    """The verify curve: what a SmolLM2 forward over n = 1..16 new tokens costs, in the engine's
+    dtype (`verifier.dtype` of the quickstart recipe) and, where this CPU has native bf16, in
+    bfloat16 too. `verify_cost_ratio_8_vs_1` (a K=7 verify over a decode step) is the figure
+    that decides whether a parallel drafter's long block can pay (docs/performance.md)."""
+    from specctl.devices import cpu_has_native_bf16
+    from specctl.recipe import load_recipe, resolve_recipe_path
+    from specctl.verifier import load_verifier
+
+    verifier = load_verifier(load_recipe(resolve_recipe_path("quickstart.yaml")).verifier)
+    dtype = next(verifier.model.parameters()).dtype
+    models = {str(dtype).removeprefix("torch."): verifier.model}
+    if dtype != torch.bfloat16 and verifier.device.type == "cpu" and cpu_has_native_bf16():
+        import copy
+
+        models["bfloat16"] = copy.deepcopy(verifier.model).to(torch.bfloat16)
+    curves = verify_costs(models)
+    figures: dict[str, float] = {}
+    for i, (name, curve) in enumerate(curves.items()):
+        suffix = "" if i == 0 else f".{name}"  # the engine's own dtype first, unsuffixed
+        for n, ms in curve.items():
+            figures[f"verify_cost_ms_n{n}{suffix}"] = round(ms, 1)
+        figures[f"verify_cost_ratio_8_vs_1{suffix}"] = round(curve[8] / curve[1], 3)
+        figures[f"verify_cost_ratio_16_vs_1{suffix}"] = round(curve[16] / curve[1], 3)
+    return figures
+
+
 def bench_engine(
     workdir: Path, run_dir: Path = Path("runs/quickstart"), num_prompts: int = 3, max_new_tokens: int = 64
 ) -> dict[str, float]:
@@ -627,6 +686,7 @@ BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "train": bench_train,
     "seq": bench_seq,
     "engine": bench_engine,
+    "verify": bench_verify,
     "features": bench_features,
 }
 
