@@ -8,6 +8,10 @@ killed run resumes where it stopped and produces the same bytes.
 The recipe's layout (`features.target` / `aux_dtype`) is applied where the states are computed
 (`encode_features`: on the verifier's device for the HF backend), so a GPU does the top-k over
 the vocabulary and the fp8 scaling, and only the compact tensors travel to the host.
+
+Before capturing, the store's size (tokens x the layout's bytes per token) is checked against the
+free space where it goes (estimate.py): collect refuses to start a store that will not fit unless
+forced, once from the generation warm-up's estimate and again on the exact data.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 
 from specctl.data import load_samples, prepare_data
 from specctl.drafters.targets import verifier_topk
-from specctl.errors import DataError, SpecctlError
+from specctl.errors import SpecctlError
+from specctl.estimate import StoreEstimate, check_store_fits, human_count
 from specctl.features import (
     FP8,
     TENSOR_DTYPES,
@@ -30,12 +35,13 @@ from specctl.features import (
     StorePlan,
     finalize_store,
     init_store,
+    layout_bytes_per_token,
     plan_shards,
     quantize_fp8,
     shard_done,
     write_shard,
 )
-from specctl.progress import progress_bar
+from specctl.progress import duration, note, progress_bar
 from specctl.recipe import Recipe
 from specctl.verifier import (
     Verifier,
@@ -190,9 +196,16 @@ def forward_samples(
 
 
 def collect(
-    recipe: Recipe, shard: str | None = None, progress: bool = True, verifier: Verifier | None = None
+    recipe: Recipe,
+    shard: str | None = None,
+    progress: bool = True,
+    verifier: Verifier | None = None,
+    force: bool = False,
 ) -> CollectSummary:
-    """Make (or finish) runs/<name>/features for the recipe; see module docstring."""
+    """Make (or finish) runs/<name>/features for the recipe; see module docstring.
+
+    `force` starts even when the estimate says the store will not fit on the disk.
+    """
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
@@ -206,21 +219,29 @@ def collect(
             verifier = load_verifier(recipe.verifier)
     L = verifier.num_layers
     aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    layout = Layout.from_section(recipe.features)
+    bytes_per_token = layout_bytes_per_token(
+        layout, verifier.config.hidden_size, len(aux_ids), verifier.config.vocab_size
+    )
+    path = run_dir / "features"
+    say = lambda text: note(text, enabled=progress)  # noqa: E731
 
-    try:
-        prepare_data(
-            recipe.data, verifier.tokenizer, run_dir / "data", model=verifier.model, progress=progress
+    def on_plan(samples: int, tokens: int) -> None:  # the generation warm-up's estimate
+        check_store_fits(
+            StoreEstimate(path, samples, tokens, bytes_per_token, layout, exact=False), force, say
         )
-    except DataError:
-        if verifier.model is None:  # the vLLM backend holds no HF model to generate with
-            raise DataError(
-                "the vLLM backend cannot generate conversations; prepare the data once with --backend hf "
-                "(or use a dataset source), then rerun with --backend vllm"
-            ) from None
-        raise
+
+    prepare_data(
+        recipe.data,
+        verifier.tokenizer,
+        run_dir / "data",
+        model=verifier.model,  # None for the vLLM backend: generation then loads what it needs
+        progress=progress,
+        verifier=recipe.verifier,
+        on_plan=on_plan,
+    )
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
-    layout = Layout.from_section(recipe.features)
     plan = StorePlan(
         verifier=verifier.hub_id or verifier.name_or_path,
         verifier_config_hash=config_hash(verifier.config),
@@ -235,12 +256,15 @@ def collect(
         target=layout.target,
         topk=layout.topk,
     )
-    path = run_dir / "features"
     init_store(path, plan)
 
     mine = [j for j in range(len(plan.shards)) if j % world == rank]
     todo = [j for j in mine if not shard_done(path, j)]
     total = sum(sum(lengths[a:b]) for a, b in (plan.shards[j] for j in todo))
+    if todo:
+        written = sum(f.stat().st_size for f in path.glob("shard-*.safetensors"))
+        estimate = StoreEstimate(path, len(samples), sum(lengths), bytes_per_token, layout, written)
+        check_store_fits(estimate, force, say)
     done_tokens = 0
     forward_start = time.perf_counter()
     with ExitStack() as stack:
@@ -271,9 +295,14 @@ def collect(
 
         bar = stack.enter_context(progress_bar("tok", enabled=progress))
         task = bar.add_task("collect hidden states", total=total)
+        loop_start = time.perf_counter()
 
         def advance(n: int) -> None:
             nonlocal done_tokens
+            if done_tokens == 0:  # the first batch is the warm-up: the estimate from its speed
+                seconds = time.perf_counter() - loop_start
+                eta = duration((total - n) * seconds / n) if n < total else "done"
+                say(f"collect: warm-up {n / seconds:,.0f} tok/s -> ~{eta} for {human_count(total)} tokens")
             done_tokens += n
             bar.advance(task, n)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,6 +109,16 @@ QUICKSTART_SMALL = [
 ]
 
 
+# A plain progress line (specctl.progress.LogProgress: stderr is not a terminal) and a stage's plan
+# or estimate note: what stderr holds beside a one-line error.
+PROGRESS_LINE = re.compile(r"^\[\d\d:\d\d:\d\d\] |^(data|collect): ")
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without progress lines and plan notes: a known failure leaves exactly one line."""
+    return [line for line in stderr.strip().splitlines() if line.strip() and not PROGRESS_LINE.match(line)]
+
+
 def specctl(cwd: Path, *args: str, timeout: int = 1200) -> subprocess.CompletedProcess:
     """`python -m specctl ARGS` in `cwd`, output captured."""
     return subprocess.run(
@@ -192,6 +204,11 @@ def quickstart_run(tmp_path_factory) -> Path:
     result = collect_quickstart(cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "complete" in result.stdout
+    # data.engine auto: where vllm(-cpu) is installed, its offline engine wrote the conversations
+    # (the SmolLM2 + vLLM integration test of the data stage's generation)
+    manifest = json.loads((cwd / "runs" / "quickstart" / "data" / "manifest.json").read_text())
+    if importlib.util.find_spec("vllm") is not None:
+        assert (manifest["engine"], manifest["conversations_generated"]) == ("vllm", 4), manifest
     return cwd
 
 
