@@ -139,6 +139,27 @@ def test_vllm_worker_loop_adds_then_steps_until_a_request_finishes():
     assert results == [1]
 
 
+def test_log_progress_prints_done_total_rate_eta_and_fields_at_an_interval():
+    """What a log file gets instead of a rich bar (train's live view: its fields, a resumed start)."""
+    import io
+
+    from specctl.progress import LogProgress
+
+    out = io.StringIO()
+    bar = LogProgress("step", [("loss", "loss"), ("tau", "tau")], interval=0.05, out=out)
+    task = bar.add_task("train", total=110, completed=10, loss="-", tau="-")
+    with bar:
+        time.sleep(0.2)
+        bar.update(task, completed=60, loss="1.2345")
+        time.sleep(0.2)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 4  # every interval, and the final state
+    last = lines[-1]
+    assert "train: 60/110 step (54.5%)" in last and "step/s" in last and "ETA" in last
+    assert last.endswith("loss 1.2345 tau -")
+    assert "ETA" not in lines[0]  # nothing done yet in this run: no rate, no ETA
+
+
 # ---------------------------------------------------------------- hf engine, journal, multi-turn
 
 
