@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -98,8 +97,12 @@ def tiny_verifier_dir(tmp_path_factory) -> Path:
 ROOT = Path(__file__).resolve().parents[1]
 
 # 4 self-generated conversations with short greedy answers: minutes on 2 cores, not the 64 of the
-# quickstart. The SmolLM2 tests (features, serving with vLLM) share one collect.
+# quickstart. The SmolLM2 tests (features, serving with vLLM) share one collect. Written by HF
+# generate, the data the serving checks were calibrated on (a drafter trained on vLLM's own bf16
+# answers reached acceptance 2.84 instead of ~1.9); test_generate.py runs the vLLM data path.
 QUICKSTART_SMALL = [
+    "--set",
+    "data.engine=hf",
     "--set",
     "data.max_samples=4",
     "--set",
@@ -204,11 +207,6 @@ def quickstart_run(tmp_path_factory) -> Path:
     result = collect_quickstart(cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "complete" in result.stdout
-    # data.engine auto: where vllm(-cpu) is installed, its offline engine wrote the conversations
-    # (the SmolLM2 + vLLM integration test of the data stage's generation)
-    manifest = json.loads((cwd / "runs" / "quickstart" / "data" / "manifest.json").read_text())
-    if importlib.util.find_spec("vllm") is not None:
-        assert (manifest["engine"], manifest["conversations_generated"]) == ("vllm", 4), manifest
     return cwd
 
 

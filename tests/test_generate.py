@@ -542,3 +542,44 @@ def test_server_engine_against_a_real_vllm_server(tmp_path, vllm_verifier):
     convs = check_accepted(tok, tmp_path / "data")
     old = [m["content"] for conv in CONVS * 2 for m in conv if m["role"] == "assistant"]
     assert [m["content"] for conv in convs for m in conv if m["role"] == "assistant"] != old
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_smollm2_quickstart_generates_through_vllm_by_default(tmp_path):
+    """The real verifier through the user's command: data.engine auto picks vLLM here, the plan and
+    log-file progress are printed, the data stage and collect accept what it wrote, and a rerun
+    starts no engine."""
+    pytest.importorskip("vllm")
+    from conftest import QUICKSTART_SMALL, ROOT
+
+    settings = [*QUICKSTART_SMALL, "--set", "data.engine=auto"]  # the later --set wins
+    cmd = [
+        sys.executable,
+        "-m",
+        "specctl",
+        "collect-hidden-states",
+        str(ROOT / "recipes" / "quickstart.yaml"),
+    ]
+    done = subprocess.run(
+        [*cmd, *settings], cwd=tmp_path, capture_output=True, text=True, env=CHILD_ENV, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "starting 1 vLLM worker" in done.stderr and "generating 4 of 4 conversations with vllm" in done.stderr
+    )
+    assert "collect: 4 samples" in done.stderr and " conv (" in done.stderr
+    out = tmp_path / "runs" / "quickstart" / "data"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["engine"], manifest["conversations_generated"]) == ("vllm", 4)
+    from transformers import AutoTokenizer
+
+    from specctl.verifier import locate_verifier
+
+    convs = check_accepted(AutoTokenizer.from_pretrained(locate_verifier("smollm2-135m-instruct")[0]), out)
+    assert all(len(conv[-1]["content"]) > 20 for conv in convs)  # real answers, not empty turns
+    again = subprocess.run(
+        [*cmd, *settings], cwd=tmp_path, capture_output=True, text=True, env=CHILD_ENV, timeout=900
+    )
+    assert again.returncode == 0 and "vLLM worker" not in again.stderr, again.stderr[-2000:]

@@ -593,7 +593,7 @@ def open_server_engine(
         import httpx
         from openai import AsyncOpenAI
     except ImportError:
-        raise DataError("data.engine server needs the openai client: pip install openai") from None
+        raise DataError("data.engine server needs the openai client: pip install 'specctl[server]'") from None
     base = api_base(url)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="specctl-server-client", daemon=True)

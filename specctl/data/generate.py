@@ -81,6 +81,7 @@ class Conversation:
     """One conversation being generated: `next_request` names what it needs, `accept` takes the answer."""
 
     key: int
+    messages: list[Message]  # the conversation so far
     done: bool = False
     skipped: str | None = None
     new_tokens: int = 0
@@ -105,11 +106,17 @@ class Conversation:
             return {"key": self.key, "skipped": self.skipped}
         return {"key": self.key, "messages": self.messages, "new_tokens": self.new_tokens}
 
+    def next_request(self, tokenizer) -> Request | None:
+        """What it needs next; None when it is finished (`done` is then set)."""
+        raise NotImplementedError
+
+    def accept(self, text: str, num_tokens: int) -> None:
+        """The decoded answer to its last request, and the tokens the engine generated for it."""
+        raise NotImplementedError
+
     def max_new_tokens(self) -> int:
         """An upper bound of the tokens generating it takes (for the plan)."""
         raise NotImplementedError
-
-    messages: list[Message]
 
 
 class MagpieConversation(Conversation):

@@ -428,7 +428,8 @@ def _generate(cfg: DataSection, tokenizer, gen: _Generation, keys: list[int], ma
     gfp, config = generation_fingerprint(cfg, tokenizer, gen.identity)
     journal, message = Journal.open(gen.out_dir.parent / f"{gen.out_dir.name}.journal", gfp, config)
     with journal:
-        note(message or "", enabled=gen.progress and message is not None)
+        if message is not None:
+            note(message, enabled=gen.progress)
         todo = [k for k in keys if k not in journal.records]
         gen.reused = len(keys) - len(todo)
         if todo:
