@@ -202,9 +202,13 @@ class HFEngine:
     """Batched HF generate: each poll runs one batch of the oldest pending kind, FIFO.
 
     A batch holds requests of one kind and sampling (user turns: generate.batch_size, answers:
-    data.batch_size) and generates up to its longest cap; each row is cut at its own. Batch b is
-    seeded from (data.seed, b): the same requests in the same order give the same ids.
+    data.batch_size) and generates up to its longest cap; each row is cut at its own. The b-th
+    batch of a kind is seeded from (data.seed, the kind's stage, b), the stages the batched
+    self-generation before this engine used (user turns 100, answers 0): the same requests in the
+    same order give the same ids, and a run that fits one batch per kind writes what it wrote.
     """
+
+    STAGES = {"user": 100, "answer": 0}
 
     name = "hf"
     lanes = 1
@@ -215,7 +219,7 @@ class HFEngine:
         self.stop_ids = stop_token_ids(tokenizer, model)
         self.capacity = max(batch_sizes.values())
         self.pending: list[Request] = []
-        self.batches = 0
+        self.batches = dict.fromkeys(self.STAGES, 0)  # per kind
 
     def submit(self, requests: Sequence[Request]) -> None:
         self.pending.extend(requests)
@@ -235,10 +239,10 @@ class HFEngine:
             [r.prompt for r in batch],
             longest,
             first.sampling,
-            _seed_for(self.seed, 0, self.batches),
+            _seed_for(self.seed, self.STAGES[first.kind], self.batches[first.kind]),
             self.stop_ids,
         )
-        self.batches += 1
+        self.batches[first.kind] += 1
         done = []
         for r, ids in zip(batch, outs, strict=True):
             kept, n = cut_at_stop(ids[: r.max_new_tokens], self.stop_ids)
