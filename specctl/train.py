@@ -405,20 +405,15 @@ class MetricsLog:
 
 @contextlib.contextmanager
 def live_view(enabled: bool, total: int, start: int) -> Iterator[Callable[..., None]]:
-    """A rich progress line: step/max, loss, lr, tokens/s and the last tau_hat; yields update(**fields)."""
+    """Step/max, loss, lr, tokens/s and the last tau_hat: a rich bar on a terminal, plain lines at a
+    steady interval in a log file (specctl.progress); yields update(**fields)."""
     if not enabled:
         yield lambda **_: None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from specctl.progress import progress_bar
 
-    from specctl.progress import console
-
-    columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn()]
-    columns += [
-        TextColumn(f"{name} {{task.fields[{key}]}}")
-        for name, key in (("loss", "loss"), ("lr", "lr"), ("tok/s", "tps"), ("tau", "tau"))
-    ]
-    with Progress(*columns, TimeRemainingColumn(), console=console) as bar:
+    fields = (("loss", "loss"), ("lr", "lr"), ("tok/s", "tps"), ("tau", "tau"))
+    with progress_bar("step", fields=fields) as bar:
         task = bar.add_task("train", total=total, completed=start, loss="-", lr="-", tps="-", tau="-")
         yield lambda **fields: bar.update(task, **fields)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import error_lines
 from reliability_matrix import fault
 
 from specctl.batching import length_buckets
@@ -299,7 +300,7 @@ def test_disk_full_in_the_data_stage_leaves_nothing_half_written(tmp_path, tiny_
     # below tokens.safetensors (24 tokenized conversations), above the empty lock file
     result = collect_with_file_limit(path, 1000)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "Traceback" not in result.stderr and len(error_lines(result.stderr)) == 1, result.stderr
     assert "disk full" in result.stderr
     data = recipe.run_dir / "data"
     assert not data.exists()

@@ -265,7 +265,7 @@ def test_non_finite_features_are_named_before_training(
     samples[-1][key] = samples[-1][key].clone()
     samples[-1][key][0, 0] = bad
     (features / "manifest.json").unlink()
-    write_shard(features, 1, samples, "float32")  # a valid shard, checksum and all, holding `bad`
+    write_shard(features, 1, samples, store.layout)  # a valid shard, checksum and all, holding `bad`
     finalize_store(features)
 
     from specctl.drafters.dflash import DFlashDrafter

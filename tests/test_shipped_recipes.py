@@ -157,3 +157,39 @@ def test_every_algorithm_has_a_recipe_for_each_8b_verifier():
     }
     for verifier in ("meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3-8B"):
         assert {a for v, a in algos if v == verifier} >= set(DRAFTERS), verifier
+
+
+# One 8-GPU node's local disk: 8 TB, the smallest size common on such nodes (AWS p4d.24xlarge:
+# 8 x 1 TB NVMe; DGX H100 and AWS p5: ~30 TB). The store may take 80% of it: the rest is for the
+# data directory, the generation journal, the hub cache (16 GB per 8B model) and checkpoints.
+NODE_DISK_BYTES = 8 * 10**12
+STORE_SHARE = 0.8
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in SHIPPED if not n.startswith("quickstart") and n != "results.yaml"]
+)
+def test_8b_recipe_feature_store_fits_one_node_even_at_max_length(name, monkeypatch):
+    """Runnable as shipped: collect's disk estimate for the 8-GPU recipes passes on one node's disk
+    even if every conversation grew to data.max_length (and refuses on a quarter of it)."""
+    import specctl.estimate as estimate
+    from specctl.estimate import DiskSpaceError, StoreEstimate, check_store_fits
+    from specctl.features import Layout, layout_bytes_per_token
+
+    recipe = load_recipe(RECIPES / name)
+    config, _ = VERIFIERS[recipe.verifier.name_or_path]
+    L = config.num_hidden_layers
+    aux = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    layout = Layout.from_section(recipe.features)
+    bytes_per_token = layout_bytes_per_token(layout, config.hidden_size, len(aux), config.vocab_size)
+    assert recipe.train.mode == "offline" and layout.aux_dtype == "fp8" and layout.target == "topk"
+    tokens = recipe.data.max_samples * recipe.data.max_length
+    assert tokens * bytes_per_token <= STORE_SHARE * NODE_DISK_BYTES, (name, tokens * bytes_per_token)
+    plan = StoreEstimate(Path("runs"), recipe.data.max_samples, tokens, bytes_per_token, layout, exact=False)
+    monkeypatch.setattr(estimate, "free_bytes", lambda path: NODE_DISK_BYTES)
+    check_store_fits(plan, force=False)
+    monkeypatch.setattr(estimate, "free_bytes", lambda path: NODE_DISK_BYTES // 4)
+    with pytest.raises(DiskSpaceError, match="needs ~5.08 TB more"):
+        check_store_fits(plan, force=False)
+    # generation grows no conversation past max_length, and the answers fit in it
+    assert recipe.data.regenerate and recipe.data.max_new_tokens < recipe.data.max_length

@@ -172,6 +172,15 @@ def pre_query_prefix(tokenizer, system_prompt: str | None = None) -> str:
     With system_prompt None the template adds its own default system turn, if it has one.
     """
     messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    return next_user_prefix(tokenizer, messages)
+
+
+def next_user_prefix(tokenizer, messages: Sequence[Message]) -> str:
+    """The conversation so far, rendered, plus what the template writes before the next user's words.
+
+    Multi-turn Magpie: the verifier continues this text with the next user turn, so it sees the
+    conversation exactly as its template shows it (earlier answers included).
+    """
     text = render(tokenizer, [*messages, {"role": "user", "content": SENTINEL}])
     if text.count(SENTINEL) != 1:
         raise DataError(

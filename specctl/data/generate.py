@@ -1,42 +1,54 @@
-"""The verifier writes its own training data.
+"""The verifier writes its own training data, one conversation at a time, through any engine.
 
 Self-generation (Magpie, arXiv 2406.08464): an aligned chat model fed only the text its
 template puts before a user's words (`<|im_start|>system ...<|im_end|>\\n<|im_start|>user\\n`)
-writes a plausible user question; the same model then answers it. A team can train a
-drafter with no dataset at all, and the answers are exactly the verifier's distribution.
+writes a plausible user question; the same model then answers it. Multi-turn: the next user turn
+is written the same way from the conversation so far (rendered, plus the text before a user
+message), then answered, `num_turns` times. A team can train a drafter with no dataset at all,
+and the answers are exactly the verifier's distribution.
 
-Regeneration replaces a dataset's assistant turns with the verifier's own answers, so the
-drafter learns what this verifier says rather than what another model said.
+Regeneration replaces a dataset's assistant turns with the verifier's own answers, in order, so
+a later answer sees the verifier's earlier ones, as it would when serving.
 
-Generation is batched and left-padded HF `generate`; greedy at temperature 0, else sampled
-with top_p. Each batch is seeded from (seed, stage, batch index) inside a forked RNG, so the
-same recipe gives the same conversations and the caller's RNG state is untouched.
+Each conversation is a small state machine (`MagpieConversation`, `RegeneratedConversation`)
+that names its next request and takes the answer back. `run_conversations` keeps up to
+`engine.capacity` conversations in flight per lane (vLLM worker): when a request finishes, its
+conversation's next request is submitted at once, and a finished conversation is handed to
+`on_finished` (the journal) straight away. Conversations stop growing near `limit` tokens
+(data.max_length): what lies past it would be truncated away anyway.
+
+What is reproducible: the requests and their order depend only on the conversations and on what
+the engine returned, so an engine that computes the same ids for the same requests in the same
+order (hf: per-batch seeds; vllm: a seeded engine stepped in lock-step) gives the same
+conversations for the same recipe, engine and number of lanes. A resumed run starts from another
+batch plan: its new sampled conversations differ from the ones an uninterrupted run would have
+written (each is still a sample of the same recipe); the finished ones are kept as they are.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
-import torch
-
-from specctl.data.chat import Message, end_of_turn_ids, pre_query_prefix, render
+from specctl.data.chat import Message, next_user_prefix, render
+from specctl.data.engines import (  # noqa: F401  (stop_token_ids: re-exported for bench)
+    Engine,
+    Request,
+    Sampling,
+    stop_token_ids,
+)
 from specctl.errors import DataError
 
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float  # 0 = greedy
-    top_p: float
-    batch_size: int
-    seed: int
+MAX_USER_ATTEMPTS = 4  # an empty user turn (the model ended it at once) is resampled this often
+MARGIN = 8  # tokens kept free below the limit: the template's text after an answer, re-encoding
 
 
 @dataclass
 class GenerationStats:
-    """Totals over one stage's generate calls (tokens/s for the progress line and the report)."""
+    """Totals over one stage's generation (tokens/s for the progress line and the report)."""
 
     new_tokens: int = 0
     seconds: float = 0.0
@@ -46,187 +58,225 @@ class GenerationStats:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """Ids that end a turn: the model's eos ids, the tokenizer's eos, the template's end-of-turn tokens."""
-    ids: list[int] = []
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for t in [
-        *(eos if isinstance(eos, list) else [eos]),
-        tokenizer.eos_token_id,
-        *end_of_turn_ids(tokenizer),
-    ]:
-        if t is not None and int(t) not in ids:
-            ids.append(int(t))
-    if not ids:
-        raise DataError(
-            f"tokenizer {tokenizer.name_or_path!r} and its model define no end-of-turn token; "
-            "generation would never stop"
+@dataclass(frozen=True)
+class GenerationSpec:
+    user: Sampling
+    answer: Sampling
+    num_turns: int
+    system_prompt: str | None
+    limit: int  # tokens a conversation may grow to (data.max_length, or the engine's context if less)
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Generated ids -> the turn's text; ids past the tokenizer (model vocabulary padding) are dropped."""
+    n = len(tokenizer)
+    return tokenizer.decode([t for t in ids if t < n], skip_special_tokens=True).strip()
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class Conversation:
+    """One conversation being generated: `next_request` names what it needs, `accept` takes the answer."""
+
+    key: int
+    messages: list[Message]  # the conversation so far
+    done: bool = False
+    skipped: str | None = None
+    new_tokens: int = 0
+    seconds: float = 0.0  # from its first request to its last answer (set by run_conversations)
+
+    def __init__(self, key: int, spec: GenerationSpec):
+        self.key, self.spec, self.step = key, spec, 0
+
+    def _request(self, tokenizer, text: str, sampling: Sampling, kind: str) -> Request | None:
+        prompt = _encode(tokenizer, text)
+        budget = self.spec.limit - len(prompt) - MARGIN
+        if budget <= 0:
+            return None
+        self.step += 1
+        return Request(
+            f"{self.key}:{self.step}", prompt, min(sampling.max_new_tokens, budget), sampling, kind
         )
-    return ids
+
+    def record(self) -> dict[str, Any]:
+        """The journal line of a finished conversation."""
+        if self.skipped is not None:
+            return {"key": self.key, "skipped": self.skipped}
+        return {"key": self.key, "messages": self.messages, "new_tokens": self.new_tokens}
+
+    def next_request(self, tokenizer) -> Request | None:
+        """What it needs next; None when it is finished (`done` is then set)."""
+        raise NotImplementedError
+
+    def accept(self, text: str, num_tokens: int) -> None:
+        """The decoded answer to its last request, and the tokens the engine generated for it."""
+        raise NotImplementedError
+
+    def max_new_tokens(self) -> int:
+        """An upper bound of the tokens generating it takes (for the plan)."""
+        raise NotImplementedError
 
 
-def _model_vocab_size(model) -> int:
-    return int(model.get_output_embeddings().weight.shape[0])
+class MagpieConversation(Conversation):
+    """Self-generated: user turn from the bare prefix, answer, next user turn from the conversation..."""
+
+    def __init__(self, key: int, spec: GenerationSpec):
+        super().__init__(key, spec)
+        system = spec.system_prompt
+        self.messages = [{"role": "system", "content": system}] if system is not None else []
+        self.turn, self.phase, self.attempts = 0, "user", 0
+
+    def next_request(self, tokenizer) -> Request | None:
+        if self.phase == "user":
+            text, sampling = next_user_prefix(tokenizer, self.messages), self.spec.user
+        else:
+            text, sampling = render(tokenizer, self.messages, add_generation_prompt=True), self.spec.answer
+        request = self._request(tokenizer, text, sampling, self.phase)
+        if request is None:
+            self._end("overlong")
+        return request
+
+    def accept(self, text: str, num_tokens: int) -> None:
+        self.new_tokens += num_tokens
+        if self.phase == "user":
+            if not text:
+                self.attempts += 1
+                if self.attempts >= MAX_USER_ATTEMPTS:
+                    self._end("empty user turn")
+                return
+            self.messages.append({"role": "user", "content": text})
+            self.phase, self.attempts = "answer", 0
+            return
+        self.messages.append({"role": "assistant", "content": text})
+        self.turn += 1
+        if self.turn >= self.spec.num_turns:
+            self.done = True
+        else:
+            self.phase = "user"
+
+    def _end(self, why: str) -> None:
+        """Stop here: keep the turns answered so far (a question without its answer is dropped)."""
+        self.done = True
+        if self.phase == "answer":
+            self.messages.pop()
+        if not any(m["role"] == "assistant" for m in self.messages):
+            self.skipped = why
+
+    def max_new_tokens(self) -> int:
+        return self.spec.num_turns * (self.spec.user.max_new_tokens + self.spec.answer.max_new_tokens)
 
 
-def _seed_for(seed: int, stage: int, batch: int) -> int:
-    return (seed * 1_000_003 + stage * 10_007 + batch) % (2**63)
+class RegeneratedConversation(Conversation):
+    """A dataset conversation whose assistant turns are replaced by the verifier's, first to last."""
+
+    def __init__(self, key: int, messages: Sequence[Message], spec: GenerationSpec):
+        super().__init__(key, spec)
+        self.messages = [dict(m) for m in messages]
+        self.slots = [j for j, m in enumerate(self.messages) if m["role"] == "assistant"]
+        self.k = 0
+
+    def next_request(self, tokenizer) -> Request | None:
+        if self.k >= len(self.slots):
+            self.done = True
+            return None
+        j = self.slots[self.k]
+        text = render(tokenizer, self.messages[:j], add_generation_prompt=True)
+        request = self._request(tokenizer, text, self.spec.answer, "answer")
+        if request is None:  # this turn starts past the limit: keep what was answered before it
+            self.done = True
+            kept = self.messages[:j]
+            while kept and kept[-1]["role"] != "assistant":
+                kept.pop()
+            self.messages = kept
+            if not kept:
+                self.skipped = "overlong"
+        return request
+
+    def accept(self, text: str, num_tokens: int) -> None:
+        self.new_tokens += num_tokens
+        self.messages[self.slots[self.k]] = {"role": "assistant", "content": text}
+        self.k += 1
+
+    def max_new_tokens(self) -> int:
+        return len(self.slots) * self.spec.answer.max_new_tokens
 
 
-def sample_continuations(
-    model,
+def split_lanes(n: int, lanes: int) -> list[list[int]]:
+    """Conversation positions 0..n-1 dealt round-robin to `lanes` lanes (vLLM workers): lane l gets
+    l, l + lanes, ...; counts differ by at most one, and a conversation never changes lane."""
+    return [list(range(lane, n, lanes)) for lane in range(lanes)]
+
+
+def run_conversations(
+    engine: Engine,
     tokenizer,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams,
-    stage: int,
-    stats: GenerationStats,
-    progress=None,
-    description: str = "generating",
-) -> list[list[int]]:
-    """New tokens for each prompt (up to, excluding, the first stop token).
+    conversations: Sequence[Conversation],
+    on_finished: Callable[[list[Conversation], GenerationStats], None],
+    stats: GenerationStats | None = None,
+) -> GenerationStats:
+    """Generate every conversation through `engine`; `on_finished(batch, stats)` gets each batch of
+    finished conversations as soon as their last answer is in (see the module docstring)."""
+    stats = stats or GenerationStats()
+    queues = [deque(conversations[i] for i in lane) for lane in split_lanes(len(conversations), engine.lanes)]
+    active = [0] * engine.lanes
+    in_flight: dict[str, tuple[Conversation, int]] = {}
+    finished: list[Conversation] = []
+    start = time.perf_counter()
 
-    Prompts are batched by length (less padding) and left-padded so every row's last
-    prompt token sits at the same position; ids the tokenizer cannot decode (model vocab
-    padding) are suppressed.
-    """
-    device = next(model.parameters()).device
-    stop_ids = stop_token_ids(tokenizer, model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    vocab = _model_vocab_size(model)
-    suppress = list(range(len(tokenizer), vocab)) or None
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    outputs: list[list[int]] = [[] for _ in prompts]
-    task = progress.add_task(description, total=len(prompts)) if progress is not None else None
-    for b, lo in enumerate(range(0, len(order), params.batch_size)):
-        idx = order[lo : lo + params.batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)  # [B, T] left-padded
-        attention_mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            n = len(prompts[i])
-            input_ids[r, width - n :] = torch.tensor(prompts[i], dtype=torch.long)
-            attention_mask[r, width - n :] = 1
-        greedy = params.temperature == 0
-        kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=params.temperature)
-        if not greedy and params.top_p < 1:
-            kwargs["top_p"] = params.top_p
-        start = time.perf_counter()
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.inference_mode():
-            torch.manual_seed(_seed_for(params.seed, stage, b))
-            out = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                max_new_tokens=params.max_new_tokens,
-                eos_token_id=stop_ids,
-                pad_token_id=pad_id,
-                suppress_tokens=suppress,
-                top_k=None,
-                **kwargs,
+    def start_more() -> list[Request]:
+        new = []
+        for lane, waiting in enumerate(queues):
+            while active[lane] < engine.capacity and waiting:
+                conv = waiting.popleft()
+                conv.seconds = -time.perf_counter()  # its latency, completed when it finishes
+                request = conv.next_request(tokenizer)
+                if request is None:
+                    finished.append(conv)
+                    continue
+                new.append(replace(request, lane=lane))
+                in_flight[request.id] = (conv, lane)
+                active[lane] += 1
+        return new
+
+    engine.submit(start_more())
+    while in_flight or finished:
+        if finished:
+            now = time.perf_counter()
+            for conv in finished:
+                conv.seconds += now
+            stats.seconds = now - start
+            on_finished(finished, stats)
+            finished = []
+            continue
+        completions = engine.poll()
+        if not completions:
+            raise RuntimeError(
+                f"the {engine.name} engine returned nothing with {len(in_flight)} requests in flight"
             )
-        new = out[:, width:].tolist()  # [B, <=max_new_tokens]
-        for r, i in enumerate(idx):
-            cut = next((k for k, t in enumerate(new[r]) if t in stop_ids), len(new[r]))
-            outputs[i] = new[r][:cut]
-            stats.new_tokens += min(cut + 1, len(new[r]))
-        stats.seconds += time.perf_counter() - start
-        if task is not None:
-            progress.update(
-                task, advance=len(idx), description=f"{description} ({stats.tokens_per_s:.0f} tok/s)"
-            )
-    return outputs
+        follow = []
+        for c in completions:
+            conv, lane = in_flight.pop(c.id)
+            conv.accept(decode(tokenizer, c.token_ids) if c.text is None else c.text, c.num_tokens)
+            stats.new_tokens += c.num_tokens
+            request = None if conv.done else conv.next_request(tokenizer)
+            if request is None:
+                finished.append(conv)
+                active[lane] -= 1
+            else:
+                follow.append(replace(request, lane=lane))
+                in_flight[request.id] = (conv, lane)
+        engine.submit(follow + start_more())
+    stats.seconds = time.perf_counter() - start
+    return stats
 
 
-def _decode(tokenizer, ids: Sequence[int]) -> str:
-    return tokenizer.decode(list(ids), skip_special_tokens=True).strip()
-
-
-def answer(
-    model,
-    tokenizer,
-    conversations: Sequence[Sequence[Message]],
-    params: SamplingParams,
-    stage: int,
-    stats: GenerationStats,
-    progress=None,
-    description: str = "writing answers",
-) -> list[str]:
-    """The verifier's answer to each conversation (which ends with a user turn)."""
-    prompts = [
-        tokenizer(render(tokenizer, conv, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        for conv in conversations
-    ]
-    outs = sample_continuations(model, tokenizer, prompts, params, stage, stats, progress, description)
-    return [_decode(tokenizer, ids) for ids in outs]
-
-
-def self_generate(
-    model,
-    tokenizer,
-    num_conversations: int,
-    user: SamplingParams,
-    assistant: SamplingParams,
-    system_prompt: str | None,
-    stats: GenerationStats,
-    progress=None,
-) -> list[list[Message]]:
-    """Magpie: user turns sampled from the bare pre-query prefix, then answered by the same model.
-
-    Empty user turns (the model ended the turn at once) are dropped and resampled, up to
-    four rounds.
-    """
-    prefix = pre_query_prefix(tokenizer, system_prompt)
-    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    questions: list[str] = []
-    for attempt in range(4):
-        need = num_conversations - len(questions)
-        if need <= 0:
-            break
-        outs = sample_continuations(
-            model, tokenizer, [prefix_ids] * need, user, 100 + attempt, stats, progress, "writing user turns"
-        )
-        questions.extend(q for q in (_decode(tokenizer, ids) for ids in outs) if q)
-    if not questions:
+def check_self_generated(records: Sequence[dict[str, Any]]) -> None:
+    """DataError when self-generation wrote no usable conversation at all."""
+    if records and all("skipped" in r for r in records):
+        reasons = sorted({r["skipped"] for r in records})
         raise DataError(
-            "self-generation: the verifier wrote only empty user turns; raise data.generate.user_temperature "
-            "or use a chat/instruct verifier"
+            f"self-generation: every conversation was dropped ({', '.join(reasons)}); raise "
+            "data.generate.user_temperature or data.max_length, or use a chat/instruct verifier"
         )
-    conversations = [[*system, {"role": "user", "content": q}] for q in questions[:num_conversations]]
-    answers = answer(model, tokenizer, conversations, assistant, 0, stats, progress)
-    return [
-        [*conv, {"role": "assistant", "content": a}] for conv, a in zip(conversations, answers, strict=True)
-    ]
-
-
-def regenerate(
-    model,
-    tokenizer,
-    conversations: Sequence[Sequence[Message]],
-    params: SamplingParams,
-    stats: GenerationStats,
-    progress=None,
-) -> list[list[Message]]:
-    """Replace every assistant turn with the verifier's answer to the conversation before it.
-
-    Turns are regenerated in order (all first answers, then all second answers, ...) so a
-    later answer sees the verifier's own earlier answers, as it would when serving.
-    """
-    convs = [[dict(m) for m in conv] for conv in conversations]
-    slots = [[j for j, m in enumerate(conv) if m["role"] == "assistant"] for conv in convs]
-    depth = max((len(s) for s in slots), default=0)
-    for k in range(depth):
-        jobs = [(c, s[k]) for c, s in enumerate(slots) if len(s) > k]
-        answers = answer(
-            model,
-            tokenizer,
-            [convs[c][:j] for c, j in jobs],
-            params,
-            k,
-            stats,
-            progress,
-            f"regenerating answers (turn {k + 1}/{depth})",
-        )
-        for (c, j), a in zip(jobs, answers, strict=True):
-            convs[c][j] = {"role": "assistant", "content": a}
-    return convs

