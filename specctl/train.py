@@ -39,7 +39,7 @@ from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
-from specctl.optim import build_optimizer, build_scheduler
+from specctl.optim import build_optimizer, build_scheduler, restore_scheduler
 from specctl.recipe import Recipe, dump_recipe
 from specctl.verifier import (
     capture_hidden_states,
@@ -468,7 +468,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, ctx)
-        scheduler.load_state_dict(state["scheduler"])
+        restore_scheduler(scheduler, state["scheduler"])
         step, cursor = state["step"], state["cursor"]
         seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
     start = step

@@ -154,9 +154,16 @@ def test_ddp_two_ranks_match_one_rank_with_the_same_global_batch(runs):
     assert [r["lr"] for r in ddp if "lr" in r] == pytest.approx([r["lr"] for r in ref if "lr" in r])
 
 
+# torch.optim.Muon runs its Newton-Schulz iteration in bfloat16, and on FSDP2's DTensor shards its
+# reductions (norm, X @ X.T) run in another order than on one rank: the updates agree to bf16
+# precision (measured on 2 gloo ranks, a 1536x576 matrix: largest difference 6.5e-4 against an
+# update of 3.3e-2), so the losses agree to 1e-4 (1.6e-5 seen), not to float32's 1e-5.
+MUON_SHARDED_REL = 1e-4
+
+
 def test_fsdp2_with_muon_matches_one_rank(runs):
-    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["ref-muon"]), rel=1e-5)
-    assert val_losses(runs["fsdp"]) == pytest.approx(val_losses(runs["ref-muon"]), rel=1e-5)
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["ref-muon"]), rel=MUON_SHARDED_REL)
+    assert val_losses(runs["fsdp"]) == pytest.approx(val_losses(runs["ref-muon"]), rel=MUON_SHARDED_REL)
 
 
 @fault(
@@ -166,10 +173,13 @@ def test_fsdp2_with_muon_matches_one_rank(runs):
 )
 def test_resume_on_a_different_world_size(runs):
     # 1 rank -> 2 ranks (FSDP2, Muon state resharded) and 2 ranks (DDP) -> 1 rank
-    for resumed, ref in (("muon-resumed", "ref-muon"), ("ddp-resumed", "ref-adamw")):
+    for resumed, ref, rel in (
+        ("muon-resumed", "ref-muon", MUON_SHARDED_REL),
+        ("ddp-resumed", "ref-adamw", 1e-5),
+    ):
         assert [r["step"] for r in runs[resumed] if "loss" in r] == [1, 2, 3, 4]
-        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=1e-5)
-        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=1e-5)
+        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=rel)
+        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=rel)
 
 
 @fault(
