@@ -8,7 +8,6 @@ drafters.
 from __future__ import annotations
 
 import copy
-
 import dataclasses
 import functools
 import json
