@@ -173,6 +173,12 @@ class TrainSection(Section):
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Under torchrun: ddp replicates the drafter; fsdp (FSDP2) shards it across ranks."
     )
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = Field(
+        "none",
+        description="Experiment tracker that also gets every metrics.jsonl line (rank 0; accelerate's "
+        "trackers; `pip install 'specctl[tensorboard]'` etc.). tensorboard writes "
+        "drafters/<algo>/tensorboard/.",
+    )
 
 
 class ExportSection(Section):

@@ -809,28 +809,59 @@ def test_collect_then_offline_and_online_training_see_the_same_batches(tmp_path,
     assert meta["verifier"]["aux_layer_ids"] == list(AUX) and meta["verifier"]["vocab_size"] == 320
 
 
-def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, offline, toy, monkeypatch):
-    written = []
+def test_report_to_tensorboard_gets_every_metrics_line(tmp_path, offline, toy):
+    """train.report_to=tensorboard (accelerate's TensorBoardTracker): the event files hold the
+    same loss / tau_hat / per-position accuracy as metrics.jsonl, at the same steps, and the
+    recipe as hyperparameters."""
+    pytest.importorskip("tensorboard")  # the dev extra installs it (make test)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    class SummaryWriter:  # stands in for torch.utils.tensorboard's (tensorboard is optional)
-        def __init__(self, log_dir, purge_step=None):
-            written.append(("open", log_dir, purge_step))
-
-        def add_scalar(self, tag, value, step):
-            written.append((tag, value, step))
-
-        def flush(self):
-            pass
-
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = SummaryWriter
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
-    recipe = tiny_recipe(tmp_path, max_steps=3)
+    recipe = tiny_recipe(tmp_path, max_steps=3, report_to="tensorboard")
     run_training(recipe, progress=False)
-    assert written[0] == ("open", str(recipe.run_dir / "drafters" / "dflash" / "tensorboard"), 1)
-    losses = {step: value for tag, value, step in written[1:] if tag == "loss"}
-    assert losses == {r["step"]: r["loss"] for r in train_lines(read_metrics(recipe))}
-    assert any(tag == "tau_hat" and step == 3 for tag, _, step in written[1:])
+    logdir = recipe.run_dir / "drafters" / "dflash" / "tensorboard"
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    series = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    records = read_metrics(recipe)
+    assert series["loss"] == pytest.approx({r["step"]: r["loss"] for r in train_lines(records)})
+    val = val_lines(records)
+    assert series["tau_hat"] == pytest.approx({r["step"]: r["tau_hat"] for r in val})
+    acc = val[-1]["val_acc_per_position"]
+    for i, a in enumerate(acc):
+        assert series[f"val_acc_per_position/{i + 1}"][val[-1]["step"]] == pytest.approx(a)
+    assert "step" not in series
+    assert list(logdir.glob("*/hparams.yml"))  # the recipe, flattened
+
+
+def test_report_to_a_missing_tracker_fails_before_training(tmp_path, offline, toy, monkeypatch):
+    import importlib.util
+
+    from specctl import tracking
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        tracking.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    recipe = tiny_recipe(tmp_path, report_to="wandb")
+    with pytest.raises(SpecctlError, match=r"train.report_to: wandb needs the wandb package: pip install"):
+        run_training(recipe, progress=False)
+    assert not (recipe.run_dir / "drafters").exists()  # nothing trained, nothing written
+    with pytest.raises(Exception, match="report_to"):
+        tiny_recipe(tmp_path, report_to="mlflow")  # not a choice: the recipe refuses it
+
+
+def test_tracker_scalars_and_flat_config():
+    from specctl.tracking import flat_config, scalars
+
+    record = {"step": 4, "loss": 2.5, "val_acc_per_position": [0.5, 0.25], "bad": float("nan"), "ok": True}
+    assert scalars(record) == {"loss": 2.5, "val_acc_per_position/1": 0.5, "val_acc_per_position/2": 0.25}
+    tree = {"train": {"lr": 1e-3, "betas": [0.9, 0.95]}, "name": "x", "data": {"subset": None}}
+    assert flat_config(tree) == {
+        "train.lr": 1e-3,
+        "train.betas": "[0.9, 0.95]",
+        "name": "x",
+        "data.subset": None,
+    }
 
 
 @fault(
