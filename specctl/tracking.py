@@ -5,8 +5,9 @@ use). metrics.jsonl stays the record every specctl tool reads; a tracker gets a 
 The tracker runs on the rank that writes metrics.jsonl (`main_process_only = False`: specctl
 decides the rank). accelerate's tracker classes log through its logger, which needs accelerate's
 process state: `PartialState()` is created then, after specctl has set up torch.distributed, so
-it adopts that process group rather than starting one. The packages are optional (`pip install specctl[tensorboard]`, `[wandb]`,
-`[trackio]`); a missing one fails before training starts, with the install line.
+it adopts that process group rather than starting one. The packages are optional
+(`pip install specctl[tensorboard]`, `[wandb]`, `[trackio]`); a missing one fails before training
+starts, with the install line.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ import dataclasses
 import functools
 import json
 import math
-import sys
-import types
 
 import pytest
 import torch
