@@ -21,10 +21,15 @@ class SpecctlError(Exception):
     exit_code = 1
 
 
-class RecipeError(SpecctlError):
-    """The recipe (or a --set override) is invalid; exit code 2 like any usage error."""
+class UsageError(SpecctlError):
+    """What the user typed is wrong: a flag's value, flags that do not go together, a path that
+    does not exist. Exit code 2, as for a bad recipe (docs/troubleshooting.md)."""
 
     exit_code = 2
+
+
+class RecipeError(UsageError):
+    """The recipe (or a --set override) is invalid; exit code 2 like any usage error."""
 
 
 class DataError(SpecctlError):
