@@ -212,7 +212,8 @@ FAKE_SERVER = textwrap.dedent(
         # exactly for k >= 2, 2 for k = 1; k = 0 (plain decoding) drafts nothing
         with lock:
             d, acc = (n // 3 if a.k else 0), min(2, a.k)
-            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += acc * d; c["gen"] += n + a.phantom
+            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += acc * d
+            c["gen"] += n + a.phantom
             for i in range(acc):
                 c["pos"][i] += d
 
@@ -288,7 +289,7 @@ FAKE_SERVER = textwrap.dedent(
                 choice = {"index": 0, "text": "x", "finish_reason": None}
                 if body.get("return_token_ids"):
                     choice["token_ids"] = ids[start : start + a.chunk]
-                event = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [choice]}
+                event = {"id": "c", "object": "text_completion", "model": "m", "choices": [choice]}
                 self.wfile.write(f"data: {json.dumps(event)}\\n\\n".encode())
                 self.wfile.flush()
             usage = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [],
