@@ -13,7 +13,6 @@ from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.validate import ExportDir, validate_export
 
 CARD_FILE = "README.md"
-CARD_MARK = "<!-- written by specctl export --push-to-hub; edit freely, specctl keeps an edited card -->"
 
 
 def human_bytes(n: int) -> str:
@@ -33,9 +32,11 @@ class PushPlan:
     pushed: bool = False
     url: str | None = None
     warnings: list[str] = field(default_factory=list)
+    card: str | None = None  # the model card written for the upload (None: the directory's README.md)
 
     def rows(self) -> list[tuple[str, str]]:
-        rows = [("repo", self.repo), ("from", str(self.path))]
+        card = "README.md written by specctl" if self.card is not None else "README.md of the directory"
+        rows = [("repo", self.repo), ("from", str(self.path)), ("model card", card)]
         rows += [(name, human_bytes(size)) for name, size in self.files]
         rows.append(("total", human_bytes(sum(size for _, size in self.files))))
         rows.append(("status", f"uploaded: {self.url}" if self.pushed else "dry run: nothing uploaded"))
@@ -121,7 +122,6 @@ def model_card(export: ExportDir, repo: str) -> str:
         "---",
         data.to_yaml(),
         "---",
-        CARD_MARK,
         "",
         f"# {repo.split('/')[-1]}",
         "",
@@ -173,16 +173,6 @@ def model_card(export: ExportDir, repo: str) -> str:
     return "\n".join(lines)
 
 
-def write_model_card(export: ExportDir, repo: str) -> Path | None:
-    """README.md in the export directory, unless one is there that specctl did not write (an
-    edited card is kept). Returns the path written, or None."""
-    path = export.path / CARD_FILE
-    if path.is_file() and CARD_MARK not in path.read_text(errors="replace"):
-        return None
-    path.write_text(model_card(export, repo))
-    return path
-
-
 def push_to_hub(
     path: str | Path,
     repo: str,
@@ -191,21 +181,21 @@ def push_to_hub(
     token: str | None = None,
     commit_message: str | None = None,
 ) -> PushPlan:
-    """Upload an export directory to a hub model repo (created if needed) with huggingface_hub.
+    """Upload an export directory to a hub model repo (created if needed) in one commit, with a
+    model card: the directory's own README.md when it has one, else one written from the export
+    and its run (`model_card`). The export directory itself is not changed.
 
     `dry_run` validates the directory and lists what would be uploaded, touching no network.
     """
     path = Path(path)
     check_repo_id(repo)
     export = validate_export(path)
-    if write_model_card(export, repo) is None:
-        warnings = [f"{path / CARD_FILE} was edited by hand: uploaded as it is"]
-    else:
-        warnings = []
     files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-    plan = PushPlan(
-        repo, path, [(str(p.relative_to(path)), p.stat().st_size) for p in files], warnings=warnings
-    )
+    listed = [(str(p.relative_to(path)), p.stat().st_size) for p in files]
+    card = None if (path / CARD_FILE).is_file() else model_card(export, repo)
+    if card is not None:
+        listed = sorted([*listed, (CARD_FILE, len(card.encode()))])
+    plan = PushPlan(repo, path, listed, card=card)
     verifier = export.config.verifier_name or ""
     if verifier.startswith(("/", ".", "~")):
         plan.warnings.append(
@@ -215,18 +205,19 @@ def push_to_hub(
         )
     if dry_run:
         return plan
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
+    operations = [
+        CommitOperationAdd(path_in_repo=str(p.relative_to(path)), path_or_fileobj=str(p)) for p in files
+    ]
+    if card is not None:
+        operations.append(CommitOperationAdd(path_in_repo=CARD_FILE, path_or_fileobj=card.encode()))
     api = HfApi(token=token)
     message = commit_message or f"specctl export: {export.spec.name} drafter for {verifier}"
     try:
         api.create_repo(repo_id=repo, repo_type="model", private=private, exist_ok=True)
-        commit = api.upload_folder(
-            folder_path=str(path),
-            repo_id=repo,
-            repo_type="model",
-            commit_message=message,
-            allow_patterns=[name for name, _ in plan.files],
+        commit = api.create_commit(
+            repo_id=repo, repo_type="model", operations=operations, commit_message=message
         )
     except Exception as e:  # network, auth, quota, offline: all end the same way, on one line
         raise SpecctlError(f"push to {repo} failed: {first_line(e)}") from None

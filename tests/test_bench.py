@@ -812,6 +812,65 @@ def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engin
     assert fake_generate.calls == [] and not (tmp_path / "o").exists()
 
 
+@fault(
+    stage="bench",
+    fault="a drafter with truncated weights, a tensor missing, or built for another verifier, listed "
+    "after a good one",
+    result="fails naming the directory before anything decodes (plain decoding is not run first)",
+)
+def test_every_drafter_is_checked_before_decoding(tmp_path, tiny_verifier_dir, fake_engine):
+    from safetensors.torch import load_file, save_file
+
+    good = _write_drafter(tmp_path / "good", "eagle3", 3, str(tiny_verifier_dir))
+    cut = _write_drafter(tmp_path / "cut", "dflash", 3, str(tiny_verifier_dir))
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(SpecctlError, match=f"{weights}: not a readable safetensors file"):
+        run_bench(drafters=[good, cut], output=tmp_path / "o", **fake_engine)
+    short = _write_drafter(tmp_path / "short", "dflash", 3, str(tiny_verifier_dir))
+    tensors = load_file(short / "model.safetensors")
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(short / "model.safetensors"))
+    with pytest.raises(SpecctlError, match=f"missing tensor '{dropped}'"):
+        run_bench(drafters=[good, short], output=tmp_path / "o", **fake_engine)
+    other = tmp_path / "other-verifier"  # hidden 64, vocabulary 256: not the drafters' 320
+    from conftest import make_tiny_tokenizer, make_tiny_verifier
+
+    make_tiny_verifier(vocab_size=256).save_pretrained(other)
+    make_tiny_tokenizer().save_pretrained(other)
+    with pytest.raises(
+        SpecctlError, match=r"drafts for a verifier with vocabulary 320 and hidden size 64, .* 256"
+    ):
+        run_bench(drafters=[good], verifier=str(other), output=tmp_path / "o", **fake_engine)
+    assert fake_generate.calls == [] and not (tmp_path / "o").exists()
+
+
+def test_report_records_provenance(tmp_path, tiny_verifier_dir, fake_engine):
+    """report.json's provenance: versions, commit, hardware, time, the resolved recipe's hash;
+    report.md shows it on one line."""
+    import hashlib
+    import re
+
+    from specctl.recipe import dump_recipe
+
+    d = _write_drafter(tmp_path / "d", "dflash", 3, str(tiny_verifier_dir))
+    recipe = _recipe(tmp_path, tiny_verifier_dir, num_prompts=1, max_new_tokens=4)
+    out = tmp_path / "o"
+    run_bench(recipe, drafters=[d], output=out, **fake_engine)
+    p = json.loads((out / "report.json").read_text())["provenance"]
+    assert set(p["versions"]) == {"specctl", "torch", "transformers", "vllm"}
+    assert p["versions"]["specctl"] == __import__("specctl").__version__
+    assert p["versions"]["torch"] == torch.__version__
+    assert re.fullmatch(r"[0-9a-f]{40}", p["git_commit"])  # the tests run from a checkout
+    assert p["cpu"] and p["cpu_count"] >= 1 and p["gpu_count"] == torch.cuda.device_count()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["timestamp"])
+    assert p["recipe_sha256"] == hashlib.sha256(dump_recipe(recipe).encode()).hexdigest()
+    assert p["server"] is None
+    line = [x for x in (out / "report.md").read_text().splitlines() if x.startswith("- provenance: ")]
+    assert len(line) == 1 and f"recipe sha256 {p['recipe_sha256'][:12]}" in line[0]
+    assert f"specctl {p['versions']['specctl']}" in line[0] and p["git_commit"][:12] in line[0]
+
+
 @fault(stage="bench", fault="Ctrl-C mid-benchmark", result="exit 130 with a partial report marked INCOMPLETE")
 def test_interrupt_writes_partial_report(tmp_path, tiny_verifier_dir, fake_engine):
     d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
