@@ -207,6 +207,38 @@ def export(
         _summary("push-to-hub", push(dirs[0], push_to_hub, dry_run=dry_run, private=private).rows())
 
 
+BaseUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--base-url",
+        metavar="URL",
+        help="Bench an OpenAI-compatible server that is already running, e.g. http://127.0.0.1:8000 "
+        "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set.",
+    ),
+]
+DatasetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="builtin, mt-bench, humaneval, gsm8k, spec-bench, speed-bench (local: SPEED_BENCH_DIR or "
+        "its directory), a hub dataset id, or a .jsonl/.json file (messages, ShareGPT, prompt, turns)."
+    ),
+]
+DatasetSplitOpt = Annotated[
+    str | None, typer.Option(help="Hub dataset split (default train) / SPEED-Bench subset.")
+]
+DatasetSubsetOpt = Annotated[str | None, typer.Option(help="Hub dataset configuration name.")]
+DatasetColumnOpt = Annotated[str | None, typer.Option(help="Column holding the prompt text or chat turns.")]
+SweepKOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sweep-k",
+        metavar="all|K,...",
+        help="Measure each drafter at several K and recommend the fastest: 'all' (every K it can "
+        "draft) or a list such as 1,2,4,7 or 1-4.",
+    ),
+]
+
+
 @app.command()
 def bench(
     recipe: Annotated[
@@ -222,29 +254,11 @@ def bench(
     backend: Annotated[
         str | None, typer.Option(help="embedded | vllm | vllm-offline (default: the recipe's bench.backend).")
     ] = None,
-    base_url: Annotated[
-        str | None,
-        typer.Option(
-            "--base-url",
-            metavar="URL",
-            help="Bench an OpenAI-compatible server that is already running, e.g. http://127.0.0.1:8000 "
-            "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set.",
-        ),
-    ] = None,
-    dataset: Annotated[
-        str | None,
-        typer.Option(
-            help="builtin, mt-bench, humaneval, gsm8k, spec-bench, speed-bench (local: SPEED_BENCH_DIR or "
-            "its directory), a hub dataset id, or a .jsonl/.json file (messages, ShareGPT, prompt, turns)."
-        ),
-    ] = None,
-    dataset_split: Annotated[
-        str | None, typer.Option(help="Hub dataset split (default train) / SPEED-Bench subset.")
-    ] = None,
-    dataset_subset: Annotated[str | None, typer.Option(help="Hub dataset configuration name.")] = None,
-    dataset_column: Annotated[
-        str | None, typer.Option(help="Column holding the prompt text or chat turns.")
-    ] = None,
+    base_url: BaseUrlOpt = None,
+    dataset: DatasetOpt = None,
+    dataset_split: DatasetSplitOpt = None,
+    dataset_subset: DatasetSubsetOpt = None,
+    dataset_column: DatasetColumnOpt = None,
     num_prompts: Annotated[int | None, typer.Option(help="Prompts per method.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Output tokens per prompt.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
@@ -267,15 +281,7 @@ def bench(
     ngram: Annotated[
         int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
     ] = None,
-    sweep_k: Annotated[
-        str | None,
-        typer.Option(
-            "--sweep-k",
-            metavar="all|K,...",
-            help="Measure each drafter at several K and recommend the fastest: 'all' (every K it can "
-            "draft) or a list such as 1,2,4,7 or 1-4.",
-        ),
-    ] = None,
+    sweep_k: SweepKOpt = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
