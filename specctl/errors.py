@@ -36,6 +36,11 @@ class DataError(SpecctlError):
     """Conversation data is missing, empty or malformed."""
 
 
+class MissingDataError(UsageError, DataError):
+    """The data file a recipe or flag names does not exist: bad input (exit 2), and a DataError to
+    the code that handles data errors."""
+
+
 class VerifierError(SpecctlError):
     """The verifier cannot be found or loaded."""
 

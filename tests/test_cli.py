@@ -84,7 +84,7 @@ def _recipe(tmp_path: Path, verifier_dir: Path, source: str) -> Path:
 @fault(
     stage="data",
     fault="through the CLI: data.source missing, empty, or without any assistant turn",
-    result="exit 1 and one line on stderr naming the file",
+    result="one line on stderr naming the file; exit 2 for a file that is not there, 1 for its content",
 )
 @pytest.mark.parametrize(
     "make_source, needle",
@@ -108,7 +108,7 @@ def _recipe(tmp_path: Path, verifier_dir: Path, source: str) -> Path:
 def test_bad_data_is_one_line(monkeypatch, capsys, tmp_path, tiny_verifier_dir, make_source, needle):
     path = _recipe(tmp_path, tiny_verifier_dir, make_source(tmp_path))
     code, _, err = run_main(monkeypatch, capsys, "collect-hidden-states", str(path))
-    assert code == 1, err
+    assert code == (2 if needle == "missing.jsonl" else 1), err
     assert needle in err.lower() or needle in err
     assert err.strip().count("\n") == 0
 
