@@ -269,9 +269,10 @@ class DuplicateKeyError(yaml.YAMLError):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (with both line numbers)."""
+    """yaml.SafeLoader (what yaml.safe_load uses: plain types only) that refuses a key given twice
+    in one mapping, with both line numbers; PyYAML itself keeps the last value silently."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may repeat keys on purpose
@@ -284,6 +285,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if first != key_node.start_mark.line:
                 raise DuplicateKeyError(key, first + 1, key_node.start_mark.line + 1)
         return super().construct_mapping(node, deep=deep)
+
+
+def _safe_load_unique(text: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys (the same steps as yaml.load with the loader)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -303,7 +313,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or type(e).__name__})") from None
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        data = _safe_load_unique(text)
     except DuplicateKeyError as e:
         raise RecipeError(
             f"{path}:{e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
