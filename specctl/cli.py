@@ -26,6 +26,12 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
+
+def Flag(*names: str, help: str) -> typer.models.OptionInfo:
+    """A boolean flag: shown without a value in --help (typer would print `<bool>`)."""
+    return typer.Option(*names, help=help, metavar="")
+
+
 RecipeArg = Annotated[
     str, typer.Argument(help="Recipe YAML file, or a built-in recipe name such as 'quickstart'.")
 ]
@@ -44,7 +50,10 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Show the version and exit.", metavar=""
+        ),
     ] = False,
 ) -> None:
     """specctl: the toolchain that gives a served LLM a parallel drafter."""
@@ -117,7 +126,7 @@ def train(
         typer.Option(help="A registered algorithm, e.g. dflash (default: the recipe's drafter.algo)."),
     ] = None,
     set_: SetOpt = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest checkpoint.")] = False,
+    resume: Annotated[bool, Flag("--resume", help="Continue from the latest checkpoint.")] = False,
 ) -> None:
     """Train a drafter on the recipe's feature store (or online, with train.mode=online).
 
@@ -154,8 +163,8 @@ def export(
     source: Annotated[
         Path,
         typer.Argument(
-            help="runs/<name>, runs/<name>/drafters/<algo>, a checkpoint, "
-            "or an export directory (with --check)."
+            help="runs/<name>, runs/<name>/drafters/<algo>, a checkpoint, or an export directory "
+            "(validated; --dtype / --output re-export it)."
         ),
     ],
     output: Annotated[
@@ -164,29 +173,36 @@ def export(
     dtype: Annotated[
         str | None, typer.Option(help="bf16 | fp16 | fp32 (default: the recipe's export.dtype).")
     ] = None,
-    check: Annotated[
-        bool, typer.Option("--check", help="Validate with vLLM's own config parser too.")
-    ] = False,
-    push_to_hub: Annotated[str | None, typer.Option(help="Upload the export to this hub repo.")] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="With --push-to-hub: list, upload nothing.")
-    ] = False,
-    private: Annotated[
-        bool, typer.Option("--private", help="With --push-to-hub: create a private repo.")
-    ] = False,
+    check: Annotated[bool, Flag("--check", help="Validate with vLLM's own config parser too.")] = False,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(help="Upload the export to this hub repo (user/name), with a model card (README.md)."),
+    ] = None,
+    dry_run: Annotated[bool, Flag("--dry-run", help="With --push-to-hub: list, upload nothing.")] = False,
+    private: Annotated[bool, Flag("--private", help="With --push-to-hub: create a private repo.")] = False,
 ) -> None:
     """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors).
 
     Example: specctl export runs/quickstart --check
+
+    Example: specctl export runs/quickstart/drafters/dflash/export --dtype fp16 --output dflash-fp16
     """
-    from specctl.errors import SpecctlError
-    from specctl.export import export_drafters
+    from specctl.errors import SpecctlError, UsageError
+    from specctl.export import convert_export, export_drafters, names_export
+    from specctl.hub import check_repo_id
     from specctl.hub import push_to_hub as push
-    from specctl.validate import is_export_dir
     from specctl.vllm_check import check_export
 
-    if is_export_dir(source):
-        _summary("export check", check_export(source, use_vllm=True).rows())
+    if push_to_hub:
+        check_repo_id(push_to_hub)  # before any work
+    elif dry_run or private:
+        raise UsageError("--dry-run and --private go with --push-to-hub REPO")
+    if names_export(source) and (dtype is not None or output is not None):
+        r = convert_export(source, output, dtype, check_vllm=check)
+        _summary(f"re-export {r.algo}", r.rows())
+        dirs = [r.output]
+    elif names_export(source):
+        _summary("export check", check_export(source, use_vllm=check).rows())
         dirs = [source]
     else:
         results = export_drafters(source, output, dtype, check_vllm=check)
@@ -197,6 +213,38 @@ def export(
         if len(dirs) != 1:
             raise SpecctlError("--push-to-hub uploads one drafter: pass runs/<name>/drafters/<algo>")
         _summary("push-to-hub", push(dirs[0], push_to_hub, dry_run=dry_run, private=private).rows())
+
+
+BaseUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--base-url",
+        metavar="URL",
+        help="Bench an OpenAI-compatible server that is already running, e.g. http://127.0.0.1:8000 "
+        "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set.",
+    ),
+]
+DatasetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="builtin, mt-bench, humaneval, gsm8k, spec-bench, speed-bench (local: SPEED_BENCH_DIR or "
+        "its directory), a hub dataset id, or a .jsonl/.json file (messages, ShareGPT, prompt, turns)."
+    ),
+]
+DatasetSplitOpt = Annotated[
+    str | None, typer.Option(help="Hub dataset split (default train) / SPEED-Bench subset.")
+]
+DatasetSubsetOpt = Annotated[str | None, typer.Option(help="Hub dataset configuration name.")]
+DatasetColumnOpt = Annotated[str | None, typer.Option(help="Column holding the prompt text or chat turns.")]
+SweepKOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sweep-k",
+        metavar="all|K,...",
+        help="Measure each drafter at several K and recommend the fastest: 'all' (every K it can "
+        "draft) or a list such as 1,2,4,7 or 1-4.",
+    ),
+]
 
 
 @app.command()
@@ -214,9 +262,11 @@ def bench(
     backend: Annotated[
         str | None, typer.Option(help="embedded | vllm | vllm-offline (default: the recipe's bench.backend).")
     ] = None,
-    dataset: Annotated[
-        str | None, typer.Option(help="builtin, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl file.")
-    ] = None,
+    base_url: BaseUrlOpt = None,
+    dataset: DatasetOpt = None,
+    dataset_split: DatasetSplitOpt = None,
+    dataset_subset: DatasetSubsetOpt = None,
+    dataset_column: DatasetColumnOpt = None,
     num_prompts: Annotated[int | None, typer.Option(help="Prompts per method.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Output tokens per prompt.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
@@ -239,20 +289,12 @@ def bench(
     ngram: Annotated[
         int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
     ] = None,
-    sweep_k: Annotated[
-        str | None,
-        typer.Option(
-            "--sweep-k",
-            metavar="all|K,...",
-            help="Measure each drafter at several K and recommend the fastest: 'all' (every K it can "
-            "draft) or a list such as 1,2,4,7 or 1-4.",
-        ),
-    ] = None,
+    sweep_k: SweepKOpt = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
     ] = None,
-    json_: Annotated[bool, typer.Option("--json", help="Print report.json to stdout.")] = False,
+    json_: Annotated[bool, Flag("--json", help="Print report.json to stdout.")] = False,
     set_: SetOpt = None,
 ) -> None:
     """Benchmark drafters against plain decoding and EAGLE-3: acceptance length and throughput.
@@ -260,6 +302,8 @@ def bench(
     Example: specctl bench recipes/quickstart.yaml --backend vllm --require 'dflash.acceptance_length>=2'
 
     Example: specctl bench RECIPE --backend vllm --sweep-k all --concurrency 1,4,16
+
+    Example: specctl bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16
     """
     from specctl.bench.plan import parse_int_list, parse_sweep_k
     from specctl.bench.run import run_bench
@@ -268,6 +312,8 @@ def bench(
 
     r = load_recipe(recipe, list(set_ or [])) if recipe is not None else None
     if r is None and set_:
+        if base_url is not None:
+            raise RecipeError("--set needs a RECIPE with --base-url; pass the bench flags themselves")
         if drafter or baseline is not None:
             raise RecipeError("--set needs a RECIPE when benchmarking --drafter directories")
         r = load_recipe("quickstart", list(set_))
@@ -289,15 +335,39 @@ def bench(
         ngram=ngram,
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
         vllm_args=vllm_arg or [],
+        base_url=base_url,
+        dataset_split=dataset_split,
+        dataset_subset=dataset_subset,
+        dataset_column=dataset_column,
     )
     _print_bench(report, json_)
     if not report.ok:
         raise typer.Exit(1)
 
 
+recipe_app = typer.Typer(
+    help="Inspect recipes.\n\nExample: specctl recipe show quickstart --set train.lr=1e-4",
+    no_args_is_help=True,
+)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("show")
+def recipe_show(recipe: RecipeArg, set_: SetOpt = None) -> None:
+    """Print the resolved recipe as YAML: `extends` merged, --set applied, every default filled in.
+
+    The output is itself a recipe: save it to pin a run's settings.
+
+    Example: specctl recipe show quickstart --set train.max_steps=200 > my-recipe.yaml
+    """
+    from specctl.recipe import dump_recipe, load_recipe
+
+    typer.echo(dump_recipe(load_recipe(recipe, list(set_ or []))), nl=False)
+
+
 def _print_bench(report, as_json: bool) -> None:
     """The summary (or report.json), the files written, and one line per error or unmet requirement."""
-    from specctl.bench.render import rich_sweep, rich_table
+    from specctl.bench.render import rich_latency, rich_sweep, rich_table
 
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -306,8 +376,11 @@ def _print_bench(report, as_json: bool) -> None:
         sweep = rich_sweep(report)
         if sweep is not None:
             out.print(sweep)
+        latency = rich_latency(report)
+        if latency is not None:
+            out.print(latency)
         out.print(f"report: {report.output_dir}/report.md")
-        for figure in ("acceptance.png", "sweep.png"):
+        for figure in ("acceptance.png", "sweep.png", "latency.png"):
             if report.output_dir is not None and (report.output_dir / figure).is_file():
                 out.print(f"figure: {report.output_dir / figure}")
     for e in report.errors:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specctl.data import load_samples, prepare_data
-from specctl.errors import SpecctlError
+from specctl.errors import UsageError
 from specctl.estimate import StoreEstimate, check_store_fits, human_count
 from specctl.features import (
     Layout,
@@ -76,9 +76,9 @@ def parse_shard(spec: str | None) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in spec.split("/"))
     except ValueError:
-        raise SpecctlError(f"--shard {spec!r}: expected I/N, e.g. --shard 0/4") from None
+        raise UsageError(f"--shard {spec!r}: expected I/N, e.g. --shard 0/4") from None
     if not (n >= 1 and 0 <= i < n):
-        raise SpecctlError(f"--shard {spec!r}: need 0 <= I < N")
+        raise UsageError(f"--shard {spec!r}: need 0 <= I < N")
     return i, n
 
 

@@ -21,14 +21,24 @@ class SpecctlError(Exception):
     exit_code = 1
 
 
-class RecipeError(SpecctlError):
-    """The recipe (or a --set override) is invalid; exit code 2 like any usage error."""
+class UsageError(SpecctlError):
+    """What the user typed is wrong: a flag's value, flags that do not go together, a path that
+    does not exist. Exit code 2, as for a bad recipe (docs/troubleshooting.md)."""
 
     exit_code = 2
 
 
+class RecipeError(UsageError):
+    """The recipe (or a --set override) is invalid; exit code 2 like any usage error."""
+
+
 class DataError(SpecctlError):
     """Conversation data is missing, empty or malformed."""
+
+
+class MissingDataError(UsageError, DataError):
+    """The data file a recipe or flag names does not exist: bad input (exit 2), and a DataError to
+    the code that handles data errors."""
 
 
 class VerifierError(SpecctlError):

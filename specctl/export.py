@@ -13,6 +13,7 @@ checkpoint is specctl.checkpoint.drafter_from_checkpoint.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,12 +62,13 @@ class ExportResult:
     dtype: str
     size_bytes: int
     check: CheckResult
+    reexport: bool = False  # `checkpoint` is an export directory (convert_export)
 
     def rows(self) -> list[tuple[str, str]]:
         step = f" (step {self.step})" if self.step is not None else ""
         rows = [
             ("algorithm", self.algo),
-            ("checkpoint", f"{self.checkpoint}{step}"),
+            ("re-exported from" if self.reexport else "checkpoint", f"{self.checkpoint}{step}"),
             ("output", str(self.output)),
             ("dtype", self.dtype),
             ("size", human_bytes(self.size_bytes)),
@@ -136,6 +138,57 @@ def save_drafter(drafter: nn.Module, output: str | Path, dtype: str = "bfloat16"
 
     _replace_dir(output, write)
     return output
+
+
+def names_export(path: str | Path) -> bool:
+    """`path` holds a config.json that is a speculators export's, or that does not parse at all:
+    either way the user named an export directory (its validation says what is wrong), not a
+    training run. A model directory's config.json (no speculators_model_type) is not one."""
+    import json
+
+    config = Path(path) / CONFIG_FILE
+    if not config.is_file():
+        return False
+    try:
+        data = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return True
+    return not isinstance(data, dict) or "speculators_model_type" in data
+
+
+def convert_export(
+    source: str | Path, output: str | Path | None, dtype: str | None, check_vllm: bool = False
+) -> ExportResult:
+    """Re-export an export directory: its weights cast to `dtype` (default: as they are) and
+    written to `output` (default: in place), config.json's dtype updated; validated before it
+    replaces anything, like every export. Works on third-party directories too."""
+    import json
+
+    export = validate_export(source)
+    target = Path(output) if output is not None else export.path
+    torch_dtype = export_dtype(dtype) if dtype is not None else None
+    config = json.loads((export.path / CONFIG_FILE).read_text())
+    tensors = load_tensors(export.files)
+    if torch_dtype is not None:
+        tensors = {n: t.to(torch_dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+        config["dtype"] = _dtype_name(torch_dtype)
+    state = {n: t.contiguous() for n, t in tensors.items()}
+    text = json.dumps(config, indent=2) + "\n"
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_FILE).write_text(text)
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for f in export.path.iterdir():  # a model card, a tokenizer: kept (the weights are rewritten)
+            if f.is_file() and f.name != CONFIG_FILE and not f.name.startswith(WEIGHTS_FILE.split(".")[0]):
+                shutil.copy2(f, tmp / f.name)
+        validate_export(tmp)
+
+    _replace_dir(target, write)
+    written = validate_export(target, check_values=False)
+    floating = sorted({_dtype_name(d) for _, d in written.headers.values() if d.is_floating_point})
+    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
+    check = check_result(written, check_vllm)
+    return ExportResult(export.spec.name, export.path, None, target, ", ".join(floating), size, check, True)
 
 
 # ---------------------------------------------------------------- loading

@@ -760,6 +760,72 @@ def bench_data(
         figures["generate_ratio_vllm_vs_hf"] = round(vllm / hf, 2) if hf else 0.0
         same = sum(a == b for a, b in zip(answers["hf"], answers["vllm"], strict=True))
         figures["generate_same_answers_vllm_vs_hf"] = round(same / len(answers["hf"]), 3)
+
+
+def _fp32_newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The float32 quintic Newton-Schulz iteration specctl ran before torch.optim.Muon (the baseline)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = G.float().T if G.shape[0] > G.shape[1] else G.float()
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if G.shape[0] > G.shape[1] else X
+
+
+def bench_optim(
+    workdir: Path, shapes: tuple[tuple[int, int], ...] = ((576, 1536), (2048, 2048))
+) -> dict[str, float]:
+    """Why specctl.optim is torch's: torch.optim.Muon (bfloat16 Newton-Schulz) against the float32
+    iteration specctl had (time per step and how far the updates differ), and the torch schedulers
+    build_scheduler chains against the closed form lr_at (and transformers' nearest schedulers)."""
+    import warnings
+
+    from specctl.optim import build_scheduler, lr_at
+    from specctl.recipe import TrainSection
+
+    figures: dict[str, float] = {}
+    for rows, cols in shapes:
+        torch.manual_seed(0)
+        grads = [torch.randn(rows, cols) for _ in range(3)]
+        start = time.perf_counter()
+        ours = [_fp32_newton_schulz(g) for g in grads]
+        fp32_s = (time.perf_counter() - start) / len(grads)
+        p = torch.nn.Parameter(torch.zeros(rows, cols))
+        opt = torch.optim.Muon([p], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)
+        elapsed, diffs = 0.0, []
+        for g, ref in zip(grads, ours, strict=True):
+            p.data.zero_()
+            p.grad = g
+            start = time.perf_counter()
+            opt.step()
+            elapsed += time.perf_counter() - start
+            diffs.append(((-p.detach()) - ref).norm().item() / ref.norm().item())  # lr 1: p = -update
+        key = f"{rows}x{cols}"
+        figures[f"muon_step_s_fp32_newton_schulz.{key}"] = round(fp32_s, 4)
+        figures[f"muon_step_s_torch.{key}"] = round(elapsed / len(grads), 4)
+        figures[f"muon_speedup_torch_vs_fp32.{key}"] = round(fp32_s / (elapsed / len(grads)), 2)
+        figures[f"muon_update_rel_diff_torch_vs_fp32.{key}"] = round(max(diffs), 5)
+    cfg = TrainSection(lr=3e-4, warmup_steps=50, max_steps=1000, schedule="cosine", min_lr_ratio=0.1)
+    closed = [lr_at(s, cfg.lr, 50, 1000, "cosine", 0.1) for s in range(cfg.max_steps)]
+
+    def deviation(make) -> float:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        sched, worst = make(opt), 0.0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for want in closed:
+                worst = max(worst, abs(opt.param_groups[0]["lr"] - want) / cfg.lr)
+                opt.step()
+                sched.step()
+        return worst
+
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    figures["lr_max_deviation_torch_schedulers"] = deviation(lambda o: build_scheduler(o, cfg))
+    figures["lr_max_deviation_transformers_cosine_with_min_lr"] = round(
+        deviation(lambda o: get_cosine_with_min_lr_schedule_with_warmup(o, 50, 1000, min_lr_rate=0.1)), 5
+    )
     return figures
 
 
@@ -771,6 +837,7 @@ BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
     "verify": bench_verify,
     "features": bench_features,
     "data": bench_data,
+    "optim": bench_optim,
 }
 
 

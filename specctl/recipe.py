@@ -6,6 +6,7 @@ and a test keeps it in sync, so the documented defaults are the ones the code us
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -216,6 +217,12 @@ class TrainSection(Section):
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Under torchrun: ddp replicates the drafter; fsdp (FSDP2) shards it across ranks."
     )
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = Field(
+        "none",
+        description="Experiment tracker that also gets every metrics.jsonl line (rank 0; accelerate's "
+        "trackers; `pip install 'specctl[tensorboard]'` etc.). tensorboard writes "
+        "drafters/<algo>/tensorboard/.",
+    )
 
 
 class ExportSection(Section):
@@ -227,7 +234,18 @@ class BenchSection(Section):
         "embedded", description="embedded engine, a vLLM server per method, or vLLM's offline LLM."
     )
     dataset: str = Field(
-        "builtin", description="`builtin`, mt-bench, humaneval, gsm8k, spec-bench, or a .jsonl."
+        "builtin",
+        description="`builtin`, mt-bench, humaneval, gsm8k, spec-bench, `speed-bench` (its local "
+        "directory: SPEED_BENCH_DIR, or the directory itself), a hub dataset id, or a .jsonl/.json file "
+        "(messages, ShareGPT conversations, prompt or turns rows).",
+    )
+    dataset_split: str | None = Field(
+        None,
+        description="Split of a hub dataset (default train) or SPEED-Bench subset (default qualitative).",
+    )
+    dataset_subset: str | None = Field(None, description="Configuration name of a hub dataset.")
+    dataset_column: str | None = Field(
+        None, description="Column holding the prompt text or the chat turns (default: recognised by name)."
     )
     num_prompts: int = Field(16, ge=1, description="Prompts per method.")
     max_new_tokens: int = Field(128, ge=1, description="Output tokens per prompt.")
@@ -237,6 +255,11 @@ class BenchSection(Section):
     seed: int = Field(0, description="Sampling seed.")
     require: list[str] = Field(
         default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."
+    )
+    base_url: str | None = Field(
+        None,
+        description="Bench an OpenAI-compatible server that is already running (`http://host:port`) "
+        "instead of `backend`: nothing is started; acceptance from its /metrics when it is vLLM.",
     )
     ready_timeout_s: float = Field(
         900.0,
@@ -280,11 +303,52 @@ def _is_file(path: Path) -> bool:
         return False
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names a key twice: YAML would keep the last value silently."""
+
+    def __init__(self, key: Any, first_line: int, line: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (what yaml.safe_load uses: plain types only) that refuses a key given twice
+    in one mapping, with both line numbers; PyYAML itself keeps the last value silently."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may repeat keys on purpose
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: SafeLoader says so below
+                continue
+            if first != key_node.start_mark.line:
+                raise DuplicateKeyError(key, first + 1, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _safe_load_unique(text: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys (the same steps as yaml.load with the loader)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise RecipeError(f"{path}: recipe not found; pass a YAML file (see recipes/ for examples)") from None
+        names = builtin_recipe_names()
+        close = difflib.get_close_matches(path.stem, names, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise RecipeError(
+            f"{path}: recipe not found; {hint}pass a YAML file or a built-in recipe: {', '.join(names)}"
+        ) from None
     except UnicodeDecodeError:
         raise RecipeError(f"{path}: not a text file; a recipe is UTF-8 YAML") from None
     except ValueError:  # a NUL in the name
@@ -292,7 +356,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise RecipeError(f"{path}: cannot read the recipe ({e.strerror or type(e).__name__})") from None
     try:
-        data = yaml.safe_load(text)
+        data = _safe_load_unique(text)
+    except DuplicateKeyError as e:
+        raise RecipeError(
+            f"{path}:{e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
+            "keep one, YAML would silently use the last"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -305,6 +374,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def builtin_recipe_names() -> list[str]:
+    """The recipes shipped with specctl, by the name `specctl train NAME` takes."""
+    return sorted(p.stem for p in BUILTIN_RECIPES.glob("*.yaml"))
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -364,7 +438,8 @@ def _describe(err: dict[str, Any]) -> str:
     loc = loc or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":
-        return f"{loc}: unknown key"
+        close = suggest_key(tuple(str(p) for p in err["loc"]))
+        return f"{loc}: unknown key" + (f"; did you mean {close}?" if close else "")
     if kind == "missing":
         return f"{loc}: required field is missing"
     if kind == "value_error":  # our own validators: their message already says what and why
@@ -374,22 +449,79 @@ def _describe(err: dict[str, Any]) -> str:
     return f"{loc}: {' '.join(err['msg'].split())} (got {got})"
 
 
-def recipe_from_dict(tree: dict[str, Any], source: str = "<recipe>") -> Recipe:
+# names other trainers give these fields (transformers' TrainingArguments, SpecForge's flags):
+# an unknown key that is one of them is pointed at specctl's field
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "lr_scheduler_type": "schedule",
+    "scheduler": "schedule",
+    "warmup": "warmup_steps",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_grad_norm": "grad_clip",
+    "num_steps": "max_steps",
+}
+
+
+def _section_at(path: tuple[str, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Recipe
+    for name in path:
+        field = model.model_fields.get(name)
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def suggest_key(loc: tuple[str, ...]) -> str | None:
+    """The recipe field an unknown key most likely meant (`train.learning_rate` -> `train.lr`)."""
+    section = _section_at(loc[:-1])
+    if section is None or not loc:
+        return None
+    names = list(section.model_fields)
+    wanted = KEY_ALIASES.get(loc[-1])
+    close = [wanted] if wanted in names else difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    return ".".join([*loc[:-1], close[0]]) if close else None
+
+
+def recipe_from_dict(
+    tree: dict[str, Any], source: str = "<recipe>", overrides: dict[tuple[str, ...], str] | None = None
+) -> Recipe:
+    """Validate a recipe tree. An error at a path a --set override wrote (`overrides`: path ->
+    the assignment) is blamed on that flag, not on the file."""
     try:
         return Recipe.model_validate(tree)
     except ValidationError as e:
         errors = e.errors()
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+        loc = tuple(str(p) for p in errors[0]["loc"])
+        for path, assignment in (overrides or {}).items():
+            n = min(len(path), len(loc))
+            if path[:n] == loc[:n]:
+                source = f"--set {_printable(assignment)}"
         raise RecipeError(f"{source}: {_describe(errors[0])}{more}") from None
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a recipe file (or a built-in recipe name such as `quickstart`) with --set overrides."""
+def resolved_tree(
+    path: str | Path, overrides: list[str] | tuple[str, ...] = ()
+) -> tuple[Path, dict[str, Any]]:
+    """A recipe file (or built-in name) read, its `extends` chain merged, the --set overrides
+    applied: the tree `load_recipe` validates, and the path it came from."""
     path = resolve_recipe_path(path)
     tree = _load_tree(path)
     for assignment in overrides:
         _set(tree, assignment)
-    return recipe_from_dict(tree, str(path))
+    return path, tree
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe file (or a built-in recipe name such as `quickstart`) with --set overrides."""
+    path, tree = resolved_tree(path, overrides)
+    written = {}
+    for assignment in overrides:
+        key = assignment.partition("=")[0].strip()
+        written[tuple(key.split("."))] = assignment
+    return recipe_from_dict(tree, str(path), written)
 
 
 def resolve_recipe_path(path: str | Path) -> Path:

@@ -4,7 +4,7 @@ The loop only sees the drafter contract (`specctl.drafters.api`): build it from 
 call `forward(batch) -> (loss, metrics)`, and read `metrics["correct"]` / `["count"]` at
 validation. Everything else is shared: token-budget batching, gradient accumulation, AdamW or
 Muon, warmup + decay, clipping, bf16 autocast (train.precision), DDP/FSDP2 under torchrun, checkpoints
-with exact resume, metrics.jsonl, TensorBoard and a live progress view.
+with exact resume, metrics.jsonl (copied to the `train.report_to` tracker) and a live progress view.
 
 Reproducibility: the torch RNG is reseeded from (train.seed, global micro-batch index) before
 each micro-batch, so whatever a drafter samples (anchors, sparsified rows) depends only on which
@@ -39,8 +39,9 @@ from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
-from specctl.optim import build_optimizer, build_scheduler
+from specctl.optim import build_optimizer, build_scheduler, restore_scheduler
 from specctl.recipe import Recipe, dump_recipe
+from specctl.tracking import Tracker, check_tracker, open_tracker
 from specctl.verifier import (
     capture_hidden_states,
     check_aux_layer_ids,
@@ -280,6 +281,7 @@ def preflight(recipe: Recipe) -> None:
     """
     from transformers import AutoConfig
 
+    check_tracker(recipe.train.report_to)
     section = recipe.verifier
     source, _ = locate_verifier(section.name_or_path, section.revision)
     try:
@@ -359,7 +361,8 @@ def _json_line(line: str) -> dict[str, Any] | None:
 
 @dataclass
 class MetricsLog:
-    """metrics.jsonl (one JSON object per line) + TensorBoard when installed; rank 0 only.
+    """metrics.jsonl (one JSON object per line), each line also sent to the `train.report_to`
+    tracker; rank 0 only.
 
     On resume, lines after the resumed step (written by the interrupted run) are dropped so
     the file reads as one uninterrupted run.
@@ -368,7 +371,7 @@ class MetricsLog:
     path: Path
     enabled: bool
     last: dict[str, Any] = field(default_factory=dict)  # latest values seen, for the summary
-    writer: Any = None
+    tracker: Tracker | None = None
 
     def open(self, keep_until: int | None) -> MetricsLog:
         if not self.enabled:
@@ -382,12 +385,6 @@ class MetricsLog:
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), durable=False)
         for r in kept:
             self.last.update(r)
-        with contextlib.suppress(ImportError):
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(
-                str(self.path.parent / "tensorboard"), purge_step=(keep_until or 0) + 1
-            )
         return self
 
     def write(self, record: dict[str, Any]) -> None:
@@ -396,11 +393,12 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for k, v in record.items():
-                if isinstance(v, float | int) and k != "step":
-                    self.writer.add_scalar(k, v, record["step"])
-            self.writer.flush()
+        if self.tracker is not None:
+            self.tracker.log(record)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 @contextlib.contextmanager
@@ -463,11 +461,16 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer, ctx)
-        scheduler.load_state_dict(state["scheduler"])
+        restore_scheduler(scheduler, state["scheduler"])
         step, cursor = state["step"], state["cursor"]
         seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
     start = step
-    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main).open(keep_until=step if resume else None)
+    tracker = None
+    if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
+        config = recipe.model_dump(mode="json")
+        tracker = open_tracker(cfg.report_to, out_dir, recipe.name, algo, config, first_step=step + 1)
+    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker)
+    log.open(keep_until=step if resume else None)
     dtype = devices.compute_dtype(ctx.device, cfg.precision)
     meta = {
         "algo": algo,
@@ -560,6 +563,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
                 tokens_since, busy = 0.0, 0.0
             live(completed=step)
 
+    log.close()
     if not ctx.is_main:
         return None
     if log.path.is_file():

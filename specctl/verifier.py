@@ -26,7 +26,7 @@ import torch
 from specctl.batching import length_buckets
 from specctl.devices import resolve_device, resolve_dtype
 from specctl.drafters import VerifierSpec, VerifierWeights
-from specctl.errors import VerifierError, first_line
+from specctl.errors import RecipeError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.recipe import VerifierSection
 
@@ -327,12 +327,12 @@ def check_aux_layer_ids(ids: list[int] | tuple[int, ...], num_layers: int) -> tu
     ids = tuple(int(i) for i in ids)
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad or not ids:
-        raise VerifierError(
+        raise RecipeError(
             f"features.aux_layer_ids {list(ids)}: each must be in 0..{num_layers} for this "
             f"{num_layers}-layer verifier (0 = embeddings, k = after k layers)"
         )
     if len(set(ids)) != len(ids):
-        raise VerifierError(f"features.aux_layer_ids {list(ids)}: ids must be distinct")
+        raise RecipeError(f"features.aux_layer_ids {list(ids)}: ids must be distinct")
     return ids
 
 
@@ -345,7 +345,7 @@ def resolve_mask_token_id(tokenizer: Any, config: Any, override: int | None) -> 
     vocab = config.vocab_size
     if override is not None:
         if not 0 <= override < vocab:
-            raise VerifierError(
+            raise RecipeError(
                 f"drafter.mask_token_id {override}: out of the verifier's vocabulary 0..{vocab - 1}"
             )
         return override

@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from reliability_matrix import fault
 
 from specctl.bench.plan import (
@@ -47,7 +48,7 @@ from specctl.bench.report import (
 )
 from specctl.bench.run import BenchInterrupted, run_bench, summed
 from specctl.counters import SpecCounters
-from specctl.errors import DataError, SpecctlError
+from specctl.errors import DataError, SpecctlError, UsageError
 from specctl.recipe import recipe_from_dict
 
 # ---------------------------------------------------------------- report figures
@@ -393,10 +394,10 @@ def test_bad_prompt_file_is_one_line_error(tmp_path, content, message):
 @fault(
     stage="bench",
     fault="unknown `--dataset`; a hub benchmark while offline",
-    result="DataError listing the choices, or suggesting builtin or a local .jsonl",
+    result="UsageError (exit 2) listing the choices, or DataError suggesting builtin or a local .jsonl",
 )
 def test_unknown_dataset_and_offline_hub(monkeypatch):
-    with pytest.raises(DataError, match="no such file and not a known set; use one of builtin, mt-bench"):
+    with pytest.raises(UsageError, match="no such file and not a known set; use one of builtin, mt-bench"):
         load_prompt_rows("nope.jsonl")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(
@@ -443,6 +444,80 @@ def test_hub_sets_map_rows(monkeypatch):
         DataError, match=r"offline, use --dataset builtin or a local .jsonl \(ConnectionError: down\)"
     ):
         load_prompt_rows("gsm8k")
+
+
+def test_hub_dataset_id_with_split_subset_and_column(monkeypatch):
+    """`--dataset org/name` (vLLM's `--dataset-name hf --dataset-path`): the split and subset go to
+    `datasets`, the column holds the prompt (text or turns); offline and missing datasets fail
+    naming the dataset and what to pass instead."""
+    import datasets
+
+    calls = []
+
+    def fake_load(path, subset=None, split=None):
+        calls.append((path, subset, split))
+        return [
+            {"question": "What is 2+3?", "category": "math", "other": 1},
+            {"question": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+        ]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    rows, desc = load_prompt_rows("org/qa", split="test", subset="v2", column="question")
+    assert calls == [("org/qa", "v2", "test")] and desc == "org/qa[v2:test]"
+    assert rows[0] == PromptRow(({"role": "user", "content": "What is 2+3?"},), "math")
+    assert rows[1].messages == ({"role": "user", "content": "Hi"},)  # turns up to the last user turn
+    with pytest.raises(DataError, match=r"org/qa\[train\]: row 1: no column 'prompt_text' \(columns: "):
+        load_prompt_rows("org/qa", column="prompt_text")
+    with pytest.raises(DataError, match="row has keys"):  # no column: the recognised row styles only
+        load_prompt_rows("org/qa")
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'org/qa' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError) as e:
+        load_prompt_rows("org/qa")
+    msg = str(e.value)
+    assert msg.startswith("--dataset org/qa: not available (HF_HUB_OFFLINE is set and it is not in the local")
+    assert "pass --dataset builtin or a local .jsonl/.json file" in msg
+
+
+def test_sharegpt_file_and_speed_bench_directory(tmp_path, monkeypatch):
+    """A ShareGPT .json file (a list, from/value turns) reads as it is; SPEED-Bench reads from its
+    local directory (NeMo-Skills' prepare script output), the subset by --dataset-split."""
+    share = tmp_path / "sharegpt.json"
+    convo = [
+        {"from": "human", "value": "Q1"},
+        {"from": "gpt", "value": "A1"},
+        {"from": "human", "value": "Q2"},
+    ]
+    share.write_text(
+        json.dumps([{"id": "a", "conversations": convo}, {"id": "b", "conversations": convo[:2]}])
+    )
+    rows, desc = load_prompt_rows(str(share))
+    assert desc == str(share) and len(rows) == 2
+    assert [m["content"] for m in rows[0].messages] == ["Q1", "A1", "Q2"] and rows[1].messages[-1][
+        "content"
+    ] == "Q1"
+
+    speed = tmp_path / "speed-bench"
+    speed.mkdir()
+    lines = [{"messages": [{"role": "user", "content": f"q{i}"}], "category": c} for i, c in enumerate("ab")]
+    (speed / "qualitative.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows, desc = load_prompt_rows(str(speed))
+    assert desc == "speed-bench[qualitative]" and [r.category for r in rows] == ["a", "b"]
+    monkeypatch.setenv("SPEED_BENCH_DIR", str(speed))
+    assert load_prompt_rows("speed-bench")[0] == rows
+    with pytest.raises(UsageError, match="--dataset-split 'throughput_1k': .* holds SPEED-Bench qualitative"):
+        load_prompt_rows("speed-bench", split="throughput_1k")
+    monkeypatch.delenv("SPEED_BENCH_DIR")
+    with pytest.raises(DataError) as e:
+        load_prompt_rows("speed-bench")
+    assert "no local SPEED-Bench data (SPEED_BENCH_DIR is not set)" in str(e.value)
+    assert "speed-bench/prepare.py | python3 -" in str(e.value) and "pass --dataset <the directory" in str(
+        e.value
+    )
 
 
 def test_encode_without_chat_template(tiny_tokenizer):
@@ -494,13 +569,13 @@ def test_rounds_sum_per_level_and_reported_rounds():
 
 
 def _write_drafter(path: Path, algo: str, k: int, verifier: str | None, drop=(), **fields) -> Path:
-    """A complete speculators config.json (no weights: the fake engine never loads any) of a small
-    drafter built on the meta device; `fields` are its recipe settings (block_size, ttt_steps, ...:
-    what the K limits are read from), `drop` top-level fields a third-party file may leave out."""
-    from accelerate import init_empty_weights
+    """A speculators directory (config.json + random weights; the fake engine loads neither, bench
+    checks both before decoding) of a small drafter shaped for the tiny verifier (vocab 320, hidden
+    64); `fields` are its recipe settings (block_size, ttt_steps, ...: what the K limits are read
+    from), `drop` top-level fields a third-party file may leave out."""
+    from safetensors.torch import save_file
 
-    from specctl.drafters import DRAFTERS, VerifierSpec
-    from specctl.validate import meta_weights
+    from specctl.drafters import DRAFTERS, VerifierSpec, VerifierWeights
 
     spec = DRAFTERS[algo]
     geometry = dict(hidden_size=64, vocab_size=320, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
@@ -519,14 +594,23 @@ def _write_drafter(path: Path, algo: str, k: int, verifier: str | None, drop=(),
     if "block_size" in spec.config_cls.model_fields:
         fields.setdefault("block_size", k + 1)  # a block long enough for K drafts
     config = spec.config_cls(**{**spec.tiny, **fields, "num_speculative_tokens": k})
-    with init_empty_weights():
-        drafter = spec.build(config, verifier_spec, meta_weights(320, 64), None, "kl")
+    g = torch.Generator().manual_seed(0)
+    weights = VerifierWeights(
+        embed_tokens=torch.randn(320, 64, generator=g),
+        lm_head=torch.randn(320, 64, generator=g),
+        norm=torch.ones(64),
+    )
+    drafter = spec.build(config, verifier_spec, weights, None, "kl")
     data = drafter.export_config().to_json()
     data["speculators_config"]["verifier"]["name_or_path"] = verifier
+    if verifier is None:  # a third-party file that records no verifier has no specctl block either
+        drop = (*drop, "specctl")
     for key in drop:
         data.pop(key)
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(data))
+    state = {n: t.detach().contiguous() for n, t in drafter.export_state().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
@@ -716,7 +800,7 @@ def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engin
         run_bench(drafters=[d], requires=["peagle.speedup>1"], output=tmp_path / "o", **fake_engine)
     with pytest.raises(SpecctlError, match="--backend 'tpu': choose one of embedded, vllm, vllm-offline"):
         run_bench(drafters=[d], backend="tpu", **fake_engine)
-    with pytest.raises(SpecctlError, match="bench.num_prompts: Input should be greater than or equal to 1"):
+    with pytest.raises(SpecctlError, match="--num-prompts 0: Input should be greater than or equal to 1"):
         run_bench(drafters=[d], num_prompts=0, **fake_engine)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -726,6 +810,65 @@ def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engin
     with pytest.raises(SpecctlError, match="ngram speculation runs in vLLM only"):
         run_bench(drafters=[d], ngram=3, **fake_engine)
     assert fake_generate.calls == [] and not (tmp_path / "o").exists()
+
+
+@fault(
+    stage="bench",
+    fault="a drafter with truncated weights, a tensor missing, or built for another verifier, listed "
+    "after a good one",
+    result="fails naming the directory before anything decodes (plain decoding is not run first)",
+)
+def test_every_drafter_is_checked_before_decoding(tmp_path, tiny_verifier_dir, fake_engine):
+    from safetensors.torch import load_file, save_file
+
+    good = _write_drafter(tmp_path / "good", "eagle3", 3, str(tiny_verifier_dir))
+    cut = _write_drafter(tmp_path / "cut", "dflash", 3, str(tiny_verifier_dir))
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(SpecctlError, match=f"{weights}: not a readable safetensors file"):
+        run_bench(drafters=[good, cut], output=tmp_path / "o", **fake_engine)
+    short = _write_drafter(tmp_path / "short", "dflash", 3, str(tiny_verifier_dir))
+    tensors = load_file(short / "model.safetensors")
+    dropped = sorted(tensors)[0]
+    save_file({k: v for k, v in tensors.items() if k != dropped}, str(short / "model.safetensors"))
+    with pytest.raises(SpecctlError, match=f"missing tensor '{dropped}'"):
+        run_bench(drafters=[good, short], output=tmp_path / "o", **fake_engine)
+    other = tmp_path / "other-verifier"  # hidden 64, vocabulary 256: not the drafters' 320
+    from conftest import make_tiny_tokenizer, make_tiny_verifier
+
+    make_tiny_verifier(vocab_size=256).save_pretrained(other)
+    make_tiny_tokenizer().save_pretrained(other)
+    with pytest.raises(
+        SpecctlError, match=r"drafts for a verifier with vocabulary 320 and hidden size 64, .* 256"
+    ):
+        run_bench(drafters=[good], verifier=str(other), output=tmp_path / "o", **fake_engine)
+    assert fake_generate.calls == [] and not (tmp_path / "o").exists()
+
+
+def test_report_records_provenance(tmp_path, tiny_verifier_dir, fake_engine):
+    """report.json's provenance: versions, commit, hardware, time, the resolved recipe's hash;
+    report.md shows it on one line."""
+    import hashlib
+    import re
+
+    from specctl.recipe import dump_recipe
+
+    d = _write_drafter(tmp_path / "d", "dflash", 3, str(tiny_verifier_dir))
+    recipe = _recipe(tmp_path, tiny_verifier_dir, num_prompts=1, max_new_tokens=4)
+    out = tmp_path / "o"
+    run_bench(recipe, drafters=[d], output=out, **fake_engine)
+    p = json.loads((out / "report.json").read_text())["provenance"]
+    assert set(p["versions"]) == {"specctl", "torch", "transformers", "vllm"}
+    assert p["versions"]["specctl"] == __import__("specctl").__version__
+    assert p["versions"]["torch"] == torch.__version__
+    assert re.fullmatch(r"[0-9a-f]{40}", p["git_commit"])  # the tests run from a checkout
+    assert p["cpu"] and p["cpu_count"] >= 1 and p["gpu_count"] == torch.cuda.device_count()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["timestamp"])
+    assert p["recipe_sha256"] == hashlib.sha256(dump_recipe(recipe).encode()).hexdigest()
+    assert p["server"] is None
+    line = [x for x in (out / "report.md").read_text().splitlines() if x.startswith("- provenance: ")]
+    assert len(line) == 1 and f"recipe sha256 {p['recipe_sha256'][:12]}" in line[0]
+    assert f"specctl {p['versions']['specctl']}" in line[0] and p["git_commit"][:12] in line[0]
 
 
 @fault(stage="bench", fault="Ctrl-C mid-benchmark", result="exit 130 with a partial report marked INCOMPLETE")

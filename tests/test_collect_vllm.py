@@ -32,7 +32,7 @@ from specctl.collect_vllm import (
     read_target_head,
     split_captured,
 )
-from specctl.errors import SpecctlError, VerifierError
+from specctl.errors import RecipeError, SpecctlError, VerifierError
 from specctl.features import Layout, encode_features
 
 NUM_LAYERS = 4
@@ -301,7 +301,7 @@ def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
     assert verifier.local_path == str(hd32_dir) and len(verifier.tokenizer) == 259
     with pytest.raises(SpecctlError, match="needs an open engine"):
         forward_samples_vllm(verifier, _samples([3]), (1,))
-    with pytest.raises(VerifierError, match="aux_layer_ids"), open_vllm_verifier(verifier, (1, 9)):
+    with pytest.raises(RecipeError, match="aux_layer_ids"), open_vllm_verifier(verifier, (1, 9)):
         pass
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
 

@@ -34,8 +34,36 @@ def recipe(out: Path, name: str, grad_accum: int, optimizer: str = "adamw", para
     return tiny_recipe(out, name=name, **train)
 
 
+def float32_newton_schulz() -> None:
+    """Every Muon run of this module (both sides of each comparison) orthogonalises in float32.
+
+    torch.optim.Muon runs its Newton-Schulz iteration in bfloat16, and on FSDP2's DTensor shards
+    its reductions (norm, X @ X.T) run in another order than on one rank, so bf16 rounding alone
+    moved a 1536x576 update by 6.5e-4 (of 3.3e-2) between them. What these tests check is that
+    sharding and resharding leave the math alone, so the iteration is torch's, step for step, in
+    float32. The bf16 iteration itself is compared with float32 in `python -m specctl.perf --only
+    optim` (within 1.1 %).
+    """
+    import torch
+    from torch.optim import _muon
+
+    def zeropower_float32(grad, ns_coefficients, ns_steps, eps):  # _muon._zeropower_via_newtonschulz
+        a, b, c = ns_coefficients
+        tall = grad.size(0) > grad.size(1)
+        x = grad.float().T if tall else grad.float()
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return (x.T if tall else x).to(grad.dtype)
+
+    _muon._zeropower_via_newtonschulz = zeropower_float32
+
+
 def use_tiny_world():
-    """Train on the in-memory samples (the store/verifier are exercised in test_train.py)."""
+    """Train on the in-memory samples (the store/verifier are exercised in test_train.py), with
+    Muon's iteration in float32 (float32_newton_schulz)."""
+    float32_newton_schulz()
     from test_train import tiny_source
 
     from specctl import train as train_mod
@@ -166,10 +194,13 @@ def test_fsdp2_with_muon_matches_one_rank(runs):
 )
 def test_resume_on_a_different_world_size(runs):
     # 1 rank -> 2 ranks (FSDP2, Muon state resharded) and 2 ranks (DDP) -> 1 rank
-    for resumed, ref in (("muon-resumed", "ref-muon"), ("ddp-resumed", "ref-adamw")):
+    for resumed, ref, rel in (
+        ("muon-resumed", "ref-muon", 1e-5),
+        ("ddp-resumed", "ref-adamw", 1e-5),
+    ):
         assert [r["step"] for r in runs[resumed] if "loss" in r] == [1, 2, 3, 4]
-        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=1e-5)
-        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=1e-5)
+        assert losses(runs[resumed]) == pytest.approx(losses(runs[ref]), rel=rel)
+        assert val_losses(runs[resumed]) == pytest.approx(val_losses(runs[ref]), rel=rel)
 
 
 @fault(

@@ -665,12 +665,15 @@ def test_push_dry_run_lists_files_without_network(exports, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "HfApi", NoNetwork)
     _, path = exports["dflash", False]
+    before = sorted(p.name for p in path.iterdir())
     plan = push_to_hub(path, "me/tiny-dflash", dry_run=True)
     assert plan.repo == "me/tiny-dflash" and not plan.pushed
     assert plan.files == [
+        ("README.md", len(plan.card.encode())),
         (CONFIG_FILE, (path / CONFIG_FILE).stat().st_size),
         (WEIGHTS_FILE, (path / WEIGHTS_FILE).stat().st_size),
     ]
+    assert sorted(p.name for p in path.iterdir()) == before  # the card is uploaded, not written here
     rows = dict(plan.rows())
     assert rows["repo"] == "me/tiny-dflash" and rows["status"] == "dry run: nothing uploaded"
     assert any("local path" in w for w in plan.warnings)  # the tiny verifier is a directory, not a hub id
@@ -690,8 +693,8 @@ def test_push_uploads_the_folder(exports, monkeypatch):
         def create_repo(self, **kwargs):
             calls.append(("create_repo", kwargs))
 
-        def upload_folder(self, **kwargs):
-            calls.append(("upload_folder", kwargs))
+        def create_commit(self, **kwargs):
+            calls.append(("create_commit", kwargs))
             return type("Commit", (), {"commit_url": "https://huggingface.co/me/x/commit/abc"})()
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
@@ -703,9 +706,85 @@ def test_push_uploads_the_folder(exports, monkeypatch):
         "create_repo",
         {"repo_id": "me/x", "repo_type": "model", "private": True, "exist_ok": True},
     )
-    upload = calls[2][1]
-    assert upload["folder_path"] == str(path) and upload["repo_id"] == "me/x"
-    assert upload["allow_patterns"] == [CONFIG_FILE, WEIGHTS_FILE]
+    commit = calls[2][1]
+    assert commit["repo_id"] == "me/x" and commit["repo_type"] == "model"
+    added = {op.path_in_repo: op.path_or_fileobj for op in commit["operations"]}
+    assert added[CONFIG_FILE] == str(path / CONFIG_FILE) and added[WEIGHTS_FILE] == str(path / WEIGHTS_FILE)
+    assert added["README.md"] == plan.card.encode()  # one commit: the files and the model card
+
+
+def test_model_card_says_what_how_and_measured(verifier, tmp_path):
+    """The card: the hub's metadata block (base_model when the verifier is a hub id), the drafter,
+    its training data and steps, the held-out tau_hat, the tau a bench measured, and the vLLM
+    command that serves it; a README.md already in the directory is uploaded instead."""
+    import yaml
+
+    from specctl.hub import model_card
+
+    (verifier["path"] / "specctl.json").write_text(json.dumps({"hub_id": "org/tiny-llama"}))
+    try:
+        run = fake_run(tmp_path, verifier, ["dflash"])
+        [result] = export_drafters(run)
+    finally:
+        (verifier["path"] / "specctl.json").unlink()
+    algo_dir = run / "drafters" / "dflash"
+    (algo_dir / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n{"step": 4, "tau_hat": 1.37}\n')
+    (run / "bench").mkdir()
+    entry = {"drafter": str(result.output), "acceptance_length": 2.25, "num_speculative_tokens": 3}
+    report = {"backend": "vllm", "dataset": "builtin", "results": [{**entry, "speedup": 1.4}]}
+    (run / "bench" / "report.json").write_text(json.dumps(report))
+    card = model_card(validate_export(result.output), "me/tiny-dflash")
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["base_model"] == "org/tiny-llama" and meta["library_name"] == "speculators"
+    assert {"speculative-decoding", "dflash"} <= set(meta["tags"])
+    assert "| verifier | `org/tiny-llama` |" in card and "| training steps |" in card
+    assert "| held-out tau_hat (training estimate) | 1.370 (step 4) |" in card
+    assert "2.250 at K=3, speedup 1.40x" in card
+    serve = json.loads(card.split("--speculative-config '")[1].split("'")[0])
+    k = result.check.speculative_tokens
+    assert serve == {"method": "dflash", "model": "me/tiny-dflash", "num_speculative_tokens": k}
+    assert "vllm serve org/tiny-llama" in card
+    (result.output / "README.md").write_text("# mine\n")
+    plan = push_to_hub(result.output, "me/tiny-dflash", dry_run=True)
+    assert plan.card is None and dict(plan.rows())["model card"] == "README.md of the directory"
+
+
+@fault(
+    stage="export",
+    fault="an export directory with a corrupt config.json; --dtype / --output on an export directory",
+    result="the JSON error itself (not 'no training checkpoint'); a re-export: weights cast, written "
+    "atomically to --output (or in place), validated, other files kept",
+)
+def test_export_directory_errors_and_reexport(exports, tmp_path):
+    from specctl.export import convert_export, names_export
+    from specctl.validate import load_tensors
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / CONFIG_FILE).write_text('{"speculators_model_type": ')
+    assert names_export(broken)
+    with pytest.raises(SpecctlError, match="config.json: not valid JSON"):
+        convert_export(broken, None, "bf16")
+    model_dir = tmp_path / "hf-model"
+    model_dir.mkdir()
+    (model_dir / CONFIG_FILE).write_text('{"model_type": "llama"}')  # a model, not an export
+    assert not names_export(model_dir)
+
+    _, source = exports["eagle3", False]
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    (copy / "README.md").write_text("my notes\n")
+    half = convert_export(copy, tmp_path / "half", "fp16")
+    assert half.reexport and half.dtype == "float16" and dict(half.rows())["re-exported from"] == str(copy)
+    assert json.loads((tmp_path / "half" / CONFIG_FILE).read_text())["dtype"] == "float16"
+    assert (tmp_path / "half" / "README.md").read_text() == "my notes\n"
+    ours = load_tensors(validate_export(copy).files)
+    theirs = load_tensors(validate_export(tmp_path / "half").files)
+    for name, t in ours.items():
+        want = t.to(torch.float16) if t.is_floating_point() else t
+        assert torch.equal(theirs[name], want), name
+    in_place = convert_export(copy, None, "bf16")  # no --output: the directory itself
+    assert in_place.output == copy and validate_export(copy).config.dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------- vLLM: its parser, its model classes

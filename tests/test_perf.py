@@ -31,6 +31,14 @@ def test_address_space_limit_turns_a_too_large_allocation_into_an_error():
     assert torch.empty(2**28, dtype=torch.uint8).numel() == 2**28  # lifted on exit
 
 
+def test_bench_optim_reports_its_figures(tmp_path):
+    figures = perf.bench_optim(tmp_path, shapes=((8, 12),))
+    assert figures["muon_step_s_torch.8x12"] > 0 and figures["muon_speedup_torch_vs_fp32.8x12"] > 0
+    assert 0 <= figures["muon_update_rel_diff_torch_vs_fp32.8x12"] < 0.1  # bf16 vs float32 iteration
+    assert figures["lr_max_deviation_torch_schedulers"] < 1e-9
+    assert figures["lr_max_deviation_transformers_cosine_with_min_lr"] > 0.01  # LR 0 at step 0
+
+
 def test_bench_seq_reports_every_algo_and_length(tmp_path):
     figures = perf.bench_seq(
         tmp_path, seq_lens=(32, 64), hidden_size=32, num_layers=1, vocab_size=128, tokens_per_measure=32

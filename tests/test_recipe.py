@@ -108,3 +108,70 @@ def test_builtin_recipe_by_name():
 def test_recipe_reference_doc_in_sync():
     doc = ROOT / "docs" / "recipe.md"
     assert doc.read_text() == recipe_reference_markdown(), "run `make docs` to regenerate docs/recipe.md"
+
+
+@fault(
+    stage="recipe",
+    fault="a key given twice in one mapping (top level or in a section)",
+    result="RecipeError (exit 2) naming the key and both line numbers; YAML merge keys stay allowed",
+)
+def test_duplicate_keys_name_both_lines(tmp_path):
+    p = write(tmp_path, "name: a\ntrain:\n  lr: 0.1\n  max_steps: 3\n  lr: 0.2\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert str(e.value).startswith(f"{p}:5: duplicate key 'lr' (first at line 3)") and e.value.exit_code == 2
+    top = write(tmp_path, "name: a\nname: b\n", "top.yaml")
+    with pytest.raises(RecipeError, match="top.yaml:2: duplicate key 'name' \\(first at line 1\\)"):
+        load_recipe(top)
+    merged = write(tmp_path, "name: a\nbase: &b {lr: 0.1}\n", "m.yaml")
+    merged.write_text("name: a\ntrain:\n  <<: {lr: 0.1, max_steps: 4}\n  lr: 0.3\n")
+    r = load_recipe(merged)
+    assert (r.train.lr, r.train.max_steps) == (0.3, 4)
+
+
+def test_unknown_keys_suggest_and_set_errors_name_the_flag(tmp_path):
+    p = write(tmp_path, "name: a\n")
+    cases = {
+        "train.learning_rate=1e-3": "--set train.learning_rate=1e-3: train.learning_rate: unknown key; "
+        "did you mean train.lr?",
+        "train.max_step=5": "--set train.max_step=5: train.max_step: unknown key; "
+        "did you mean train.max_steps?",
+        "trian.lr=1": "--set trian.lr=1: trian: unknown key; did you mean train?",
+        "train.lr=fast": "--set train.lr=fast: train.lr:",
+    }
+    for assignment, needle in cases.items():
+        with pytest.raises(RecipeError) as e:
+            load_recipe(p, [assignment])
+        assert str(e.value).startswith(needle) and str(p) not in str(e.value), str(e.value)
+    bad_file = write(tmp_path, "name: a\ntrain:\n  gradient_accumulation_steps: 2\n", "f.yaml")
+    with pytest.raises(RecipeError) as e:  # the file's own mistake is still blamed on the file
+        load_recipe(bad_file, ["train.lr=1e-3"])
+    assert (
+        str(e.value)
+        == f"{bad_file}: train.gradient_accumulation_steps: unknown key; did you mean train.grad_accum?"
+    )
+    with pytest.raises(
+        RecipeError, match="recipe not found; did you mean quickstart\\? .* quickstart-dflash"
+    ):
+        load_recipe("quickstrat")
+
+
+def test_recipe_show_prints_a_recipe_that_loads_back(tmp_path, monkeypatch, capsys):
+    """`specctl recipe show`: extends merged, --set applied, defaults filled in; the output is a
+    recipe that loads to the same settings."""
+    import yaml
+    from test_cli import run_main
+
+    write(tmp_path, "name: base\ntrain:\n  lr: 0.01\n  max_steps: 7\n", "base.yaml")
+    child = write(tmp_path, "extends: base.yaml\nname: child\ntrain:\n  lr: 0.02\n")
+    code, out, _ = run_main(
+        monkeypatch, capsys, "recipe", "show", str(child), "--set", "train.warmup_steps=3"
+    )
+    assert code == 0
+    shown = yaml.safe_load(out)
+    assert shown["name"] == "child" and shown["train"]["lr"] == 0.02 and shown["train"]["max_steps"] == 7
+    assert shown["train"]["warmup_steps"] == 3 and shown["bench"]["num_prompts"] == 16  # a default
+    saved = write(tmp_path, out, "saved.yaml")
+    assert load_recipe(saved) == load_recipe(child, ["train.warmup_steps=3"])
+    code, _, err = run_main(monkeypatch, capsys, "recipe", "show", "quickstart", "--set", "train.lrr=1")
+    assert code == 2 and "did you mean train.lr?" in err

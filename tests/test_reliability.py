@@ -133,13 +133,13 @@ PREFLIGHT = [
     ),
     pytest.param(
         ["--set", f"drafter.mask_token_id={TINY_VOCAB}"],
-        1,
+        2,
         f"drafter.mask_token_id {TINY_VOCAB}: out of the verifier's vocabulary 0..{TINY_VOCAB - 1}",
         id="mask-id-past-vocab",
     ),
     pytest.param(
         ["--set", "drafter.mask_token_id=-1"],
-        1,
+        2,
         f"drafter.mask_token_id -1: out of the verifier's vocabulary 0..{TINY_VOCAB - 1}",
         id="mask-id-negative",
     ),
@@ -151,13 +151,13 @@ PREFLIGHT = [
     ),
     pytest.param(
         ["--set", "features.aux_layer_ids=[1,2,5]"],
-        1,
+        2,
         f"features.aux_layer_ids [1, 2, 5]: each must be in 0..{TINY_LAYERS}",
         id="aux-layer-past-last",
     ),
     pytest.param(
         ["--set", "features.aux_layer_ids=[-1,2]"],
-        1,
+        2,
         f"features.aux_layer_ids [-1, 2]: each must be in 0..{TINY_LAYERS}",
         id="aux-layer-negative",
     ),
@@ -334,7 +334,8 @@ def test_hub_token_is_never_printed_or_written(monkeypatch, capfd, tmp_path, tin
 
 # ---------------------------------------------------------------- unsafe calls, by reading the source
 
-YAML_SAFE = {"safe_load", "safe_dump", "YAMLError"}
+# SafeLoader is what safe_load runs (plain types only): recipe.py subclasses it to refuse duplicate keys
+YAML_SAFE = {"safe_load", "safe_dump", "YAMLError", "SafeLoader"}
 SHELL_CALLS = {
     ("os", "system"),
     ("os", "popen"),

@@ -7,12 +7,11 @@ drafters.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
 import math
-import sys
-import types
 
 import pytest
 import torch
@@ -30,7 +29,15 @@ from specctl.drafters.api import DrafterSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_targets
 from specctl.errors import DataError, FeatureStoreError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, write_shard
-from specctl.optim import Muon, build_optimizer, is_hidden_matrix, lr_at, orthogonalize, param_groups
+from specctl.optim import (
+    MuonAdamW,
+    build_optimizer,
+    build_scheduler,
+    is_hidden_matrix,
+    lr_at,
+    param_groups,
+    restore_scheduler,
+)
 from specctl.recipe import Recipe, TrainSection, load_recipe, recipe_from_dict
 from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat
 from specctl.verifier import capture_hidden_states, spec_from_config
@@ -63,54 +70,125 @@ def test_lr_schedule_no_warmup_and_one_step():
     assert lr_at(0, 2.0, 0, 1, "linear", 0.5) == pytest.approx(2.0)
 
 
+def _scheduled_lrs(cfg: TrainSection) -> list[float]:
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=cfg.lr)
+    sched = build_scheduler(opt, cfg)
+    lrs = []
+    for _ in range(cfg.max_steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize(("warmup", "max_steps"), [(0, 30), (1, 2), (4, 20), (6, 3), (50, 1000)])
+def test_torch_scheduler_runs_the_closed_form(schedule, warmup, max_steps):
+    """build_scheduler (torch's LinearLR / CosineAnnealingLR / SequentialLR) against lr_at."""
+    cfg = TrainSection(lr=2e-3, warmup_steps=warmup, max_steps=max_steps, schedule=schedule, min_lr_ratio=0.1)
+    expected = [lr_at(s, cfg.lr, warmup, max_steps, schedule, 0.1) for s in range(max_steps)]
+    assert _scheduled_lrs(cfg) == pytest.approx(expected, rel=1e-9)
+
+
+def test_scheduler_resumes_from_its_state_and_from_an_old_lambda_state():
+    cfg = TrainSection(lr=1e-3, warmup_steps=5, max_steps=40)
+    expected = [lr_at(s, cfg.lr, 5, 40, "cosine", cfg.min_lr_ratio) for s in range(40)]
+
+    def resumed(state):
+        opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        sched = build_scheduler(opt, cfg)
+        restore_scheduler(sched, state)
+        opt.param_groups[0]["lr"] = sched.get_last_lr()[0]  # the optimizer state restores it in train
+        lrs = []
+        for _ in range(17, 40):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return lrs
+
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+    sched = build_scheduler(opt, cfg)
+    old = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr),
+        lambda s: lr_at(s, 1.0, 5, 40, "cosine", cfg.min_lr_ratio),
+    )
+    for _ in range(17):
+        opt.step()
+        sched.step()
+        old.optimizer.step()
+        old.step()
+    assert resumed(sched.state_dict()) == pytest.approx(expected[17:], rel=1e-9)
+    assert resumed(old.state_dict()) == pytest.approx(expected[17:], rel=1e-9)  # pre-torch-scheduler runs
+
+
 # ---------------------------------------------------------------- Muon
 
 
-@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)])
-def test_orthogonalize_approximates_polar_factor(shape):
+def _twins():
     torch.manual_seed(0)
-    G = torch.randn(shape)
-    ortho = orthogonalize(G)
-    U, _, Vh = torch.linalg.svd(G, full_matrices=False)
-    polar = U @ Vh  # the exact orthogonal factor
-    singular = torch.linalg.svdvals(ortho)
-    assert singular.min() > 0.5 and singular.max() < 1.3  # quintic NS: close to, not exactly, 1
-    cosine = (ortho * polar).sum() / (ortho.norm() * polar.norm())
-    assert cosine > 0.95
-    # same singular vectors as G: ortho = U diag(s') Vh
-    inner = U.T @ ortho @ Vh.T
-    assert torch.allclose(inner, torch.diag(torch.diagonal(inner)), atol=0.05)
-
-
-def test_muon_first_step_is_scaled_orthogonal_gradient():
-    torch.manual_seed(0)
-    layer = nn.Linear(16, 8, bias=False)
-    before = layer.weight.detach().clone()
-    opt = Muon([{"params": [layer.weight], "use_muon": True}], lr=0.01, weight_decay=0.0, momentum=0.95)
-    layer(torch.randn(5, 16)).pow(2).sum().backward()
-    g = layer.weight.grad.clone()
-    opt.step()
-    # step 1: buf = (1-m) g, update = lerp(g, buf, m) = c*g, and orthogonalize ignores the scale c
-    expected = before - 0.01 * 0.2 * math.sqrt(16) * orthogonalize(g * (1 - 0.95**2))
-    assert torch.allclose(layer.weight, expected, atol=1e-5)
-
-
-def test_muon_adamw_groups_match_torch_adamw():
-    torch.manual_seed(0)
-    a = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
-    b = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    a = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3))
+    b = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3))
     b.load_state_dict(a.state_dict())
-    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    ours = Muon([{"params": list(a.parameters()), "use_muon": False}], **kw)
-    ref = torch.optim.AdamW(b.parameters(), eps=1e-8, **kw)
-    for _ in range(5):
-        x = torch.randn(4, 8)
-        for model, opt in ((a, ours), (b, ref)):
-            opt.zero_grad()
-            model(x).pow(2).mean().backward()
-            opt.step()
+    return a, b
+
+
+def _train(model, opts, steps=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=g)
+        for o in opts:
+            o.zero_grad()
+        model(x).pow(2).mean().backward()
+        for o in opts:
+            o.step()
+
+
+def test_muon_adamw_is_torch_muon_plus_torch_adamw():
+    """The router does no math of its own: it moves parameters exactly as torch.optim.Muon (on
+    the hidden matrix) and torch.optim.AdamW (on the rest) do side by side."""
+    a, b = _twins()
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ours = MuonAdamW(
+        [
+            {"params": [a[0].weight], "use_muon": True},
+            {"params": [a[0].bias, a[1].weight, a[1].bias], "use_muon": False},
+        ],
+        betas=(0.9, 0.95),
+        **kw,
+    )
+    ref = [
+        torch.optim.Muon([b[0].weight], adjust_lr_fn="match_rms_adamw", **kw),
+        torch.optim.AdamW([b[0].bias, b[1].weight, b[1].bias], betas=(0.9, 0.95), **kw),
+    ]
+    _train(a, [ours])
+    _train(b, ref)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        assert torch.allclose(p, q, atol=1e-6)
+        assert torch.equal(p, q)
+    # one state for the checkpoint: Muon's momentum and AdamW's moments, keyed by parameter
+    assert set(ours.state[a[0].weight]) == {"momentum_buffer"}
+    assert set(ours.state[a[1].weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_muon_adamw_state_dict_round_trip_continues_identically():
+    a, b = _twins()
+
+    def make(model):
+        groups = param_groups(model, 0.0, {3})
+        return MuonAdamW(groups, lr=1e-2)
+
+    opt_a = make(a)
+    _train(a, [opt_a], steps=2)
+    b.load_state_dict(a.state_dict())
+    opt_b = make(b)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as read back from a checkpoint
+    _train(a, [opt_a], steps=3, seed=7)
+    _train(b, [opt_b], steps=3, seed=7)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # the scheduler sets LRs through the shared group dicts
+    opt_b.param_groups[0]["lr"] = 0.0
+    assert opt_b._parts[0].param_groups[0]["lr"] == 0.0
 
 
 class _Toy(nn.Module):
@@ -146,7 +224,7 @@ def test_build_optimizer_kinds():
     adamw = build_optimizer(toy, TrainSection(optimizer="adamw", weight_decay=0.1), {50})
     assert isinstance(adamw, torch.optim.AdamW)
     muon = build_optimizer(toy, TrainSection(optimizer="muon"), {50})
-    assert isinstance(muon, Muon) and muon.param_groups[0]["use_muon"]
+    assert isinstance(muon, MuonAdamW) and muon.param_groups[0]["use_muon"]
 
 
 # ---------------------------------------------------------------- batching
@@ -729,28 +807,59 @@ def test_collect_then_offline_and_online_training_see_the_same_batches(tmp_path,
     assert meta["verifier"]["aux_layer_ids"] == list(AUX) and meta["verifier"]["vocab_size"] == 320
 
 
-def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path, offline, toy, monkeypatch):
-    written = []
+def test_report_to_tensorboard_gets_every_metrics_line(tmp_path, offline, toy):
+    """train.report_to=tensorboard (accelerate's TensorBoardTracker): the event files hold the
+    same loss / tau_hat / per-position accuracy as metrics.jsonl, at the same steps, and the
+    recipe as hyperparameters."""
+    pytest.importorskip("tensorboard")  # the dev extra installs it (make test)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    class SummaryWriter:  # stands in for torch.utils.tensorboard's (tensorboard is optional)
-        def __init__(self, log_dir, purge_step=None):
-            written.append(("open", log_dir, purge_step))
-
-        def add_scalar(self, tag, value, step):
-            written.append((tag, value, step))
-
-        def flush(self):
-            pass
-
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = SummaryWriter
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
-    recipe = tiny_recipe(tmp_path, max_steps=3)
+    recipe = tiny_recipe(tmp_path, max_steps=3, report_to="tensorboard")
     run_training(recipe, progress=False)
-    assert written[0] == ("open", str(recipe.run_dir / "drafters" / "dflash" / "tensorboard"), 1)
-    losses = {step: value for tag, value, step in written[1:] if tag == "loss"}
-    assert losses == {r["step"]: r["loss"] for r in train_lines(read_metrics(recipe))}
-    assert any(tag == "tau_hat" and step == 3 for tag, _, step in written[1:])
+    logdir = recipe.run_dir / "drafters" / "dflash" / "tensorboard"
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    series = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    records = read_metrics(recipe)
+    assert series["loss"] == pytest.approx({r["step"]: r["loss"] for r in train_lines(records)})
+    val = val_lines(records)
+    assert series["tau_hat"] == pytest.approx({r["step"]: r["tau_hat"] for r in val})
+    acc = val[-1]["val_acc_per_position"]
+    for i, a in enumerate(acc):
+        assert series[f"val_acc_per_position/{i + 1}"][val[-1]["step"]] == pytest.approx(a)
+    assert "step" not in series
+    assert list(logdir.glob("*/hparams.yml"))  # the recipe, flattened
+
+
+def test_report_to_a_missing_tracker_fails_before_training(tmp_path, offline, toy, monkeypatch):
+    import importlib.util
+
+    from specctl import tracking
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        tracking.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    recipe = tiny_recipe(tmp_path, report_to="wandb")
+    with pytest.raises(SpecctlError, match=r"train.report_to: wandb needs the wandb package: pip install"):
+        run_training(recipe, progress=False)
+    assert not (recipe.run_dir / "drafters").exists()  # nothing trained, nothing written
+    with pytest.raises(Exception, match="report_to"):
+        tiny_recipe(tmp_path, report_to="mlflow")  # not a choice: the recipe refuses it
+
+
+def test_tracker_scalars_and_flat_config():
+    from specctl.tracking import flat_config, scalars
+
+    record = {"step": 4, "loss": 2.5, "val_acc_per_position": [0.5, 0.25], "bad": float("nan"), "ok": True}
+    assert scalars(record) == {"loss": 2.5, "val_acc_per_position/1": 0.5, "val_acc_per_position/2": 0.25}
+    tree = {"train": {"lr": 1e-3, "betas": [0.9, 0.95]}, "name": "x", "data": {"subset": None}}
+    assert flat_config(tree) == {
+        "train.lr": 1e-3,
+        "train.betas": "[0.9, 0.95]",
+        "name": "x",
+        "data.subset": None,
+    }
 
 
 @fault(

@@ -10,8 +10,11 @@ methods may take turns prompt by prompt (cheap to switch), `tokenizer` encodes t
     embedded      specctl.bench.embedded: the engine, batch 1, in this process
     vllm          specctl.bench.server: a vLLM OpenAI server per configuration (several levels each)
     vllm-offline  specctl.bench.offline: vLLM's offline LLM per configuration, in a worker
+    remote        specctl.bench.remote: a running OpenAI-compatible server (--base-url), built on
+                  `server.measure_at`: nothing started, the server's own configuration measured
 
-A server someone else runs (a URL) is one more backend built on `server.measure_at`.
+The server-backed ones stream every request (specctl.bench.client): their points carry TTFT,
+TPOT and ITL besides the counters.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Backend(Protocol):
 
 def open_backend(
     name: str,
-    section: VerifierSection,
+    section: VerifierSection | None,
     settings: BenchSection,
     levels: Sequence[int],
     configs: Sequence[Method],
@@ -49,9 +52,15 @@ def open_backend(
     say: Callable[..., None] = print,
     generate_fn: Callable[..., Any] | None = None,
     load_drafter_fn: Callable[..., Any] | None = None,
+    warn: Callable[[str], None] = print,
 ) -> Backend:
     """The backend `name` for this verifier and settings (the embedded one loads the verifier here;
-    the vLLM ones only its tokenizer: vLLM loads the weights)."""
+    the vLLM ones only its tokenizer: vLLM loads the weights; the remote one asks the server what
+    it serves, `section` None: tokenize with the server's model)."""
+    if name == "remote":
+        from specctl.bench.remote import RemoteBackend
+
+        return RemoteBackend(settings.base_url, section, settings, levels, on_done, warn)
     if name == "embedded":
         from specctl.bench.embedded import EmbeddedBackend
 

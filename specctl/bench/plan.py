@@ -21,10 +21,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from specctl.bench.prompts import BenchPrompt
-from specctl.errors import SpecctlError
-from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe
+from specctl.errors import SpecctlError, UsageError
+from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection
 
 BACKENDS = ("embedded", "vllm", "vllm-offline")
+REMOTE = "remote"  # --base-url: a server that is already running (specctl.bench.remote)
+SERVER = "server"  # the algo, and the name, of the one method a remote run measures: the server as it runs
 BASELINE = "eagle3"  # the reference algorithm of "vs EAGLE-3" (--baseline names another directory)
 PLAIN = "none"  # the `algo` of plain decoding, the denominator of every speedup
 PLAIN_NAME = "no-spec"
@@ -50,24 +52,39 @@ class Method:
 
 def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSection, str]:
     """The recipe's bench section (or the defaults) with the non-None command-line values on top,
-    and the backend name."""
+    and the backend name (`remote` when bench.base_url / --base-url names a running server).
+
+    Bad values are usage errors (exit 2) naming the flag they came from, else the recipe field."""
+    given = {k: v for k, v in overrides.items() if v is not None}
     base = recipe.bench.model_dump() if recipe is not None else BenchSection().model_dump()
-    base.update({k: v for k, v in overrides.items() if v is not None})
+    base.update(given)
     if base["backend"] not in BACKENDS:
-        raise SpecctlError(f"--backend {base['backend']!r}: choose one of {', '.join(BACKENDS)}")
+        raise UsageError(f"--backend {base['backend']!r}: choose one of {', '.join(BACKENDS)}")
+    if base.get("base_url") and "backend" in given:
+        raise UsageError(
+            f"--backend {given['backend']} starts its own engine; --base-url benches a server that "
+            "is already running: pass one of them"
+        )
     try:
         settings = BenchSection.model_validate(base)
     except ValidationError as e:
         err = e.errors()[0]
+        key = str(err["loc"][0])
+        if key in given:  # a command-line value: name the flag
+            raise UsageError(f"--{key.replace('_', '-')} {err.get('input')!r}: {err['msg']}") from None
         where = ".".join(map(str, err["loc"]))
-        raise SpecctlError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
-    return settings, settings.backend
+        raise UsageError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
+    return settings, REMOTE if settings.base_url else settings.backend
 
 
 def drafter_method(path: Path) -> Method:
     """A Method for a speculators-format directory (ours or a third party's)."""
     from specctl.validate import read_config
 
+    if not Path(path).exists():
+        raise UsageError(
+            f"--drafter {path}: no such directory; pass a speculators export (config.json + weights)"
+        )
     _, config = read_config(Path(path))
     algo = config.speculators_model_type
     return Method(algo, algo, config.speculative_tokens, Path(path), config.verifier_name)
@@ -157,13 +174,11 @@ def parse_int_list(text: str, option: str) -> list[int]:
         try:
             first, last = int(lo), int(hi) if sep else int(lo)
         except ValueError:
-            raise SpecctlError(
+            raise UsageError(
                 f"{option} {text!r}: expected positive integers like 1,2,4 or a range like 1-4"
             ) from None
         if first < 1 or last < first:
-            raise SpecctlError(
-                f"{option} {text!r}: {part.strip()!r} is not a positive integer or rising range"
-            )
+            raise UsageError(f"{option} {text!r}: {part.strip()!r} is not a positive integer or rising range")
         values.update(range(first, last + 1))
     return sorted(values)
 
@@ -199,7 +214,7 @@ def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tupl
     once. A drafter left with no K fails here, before any decoding.
     """
     if not isinstance(sweep_k, bool) and (not sweep_k or min(sweep_k) < 1):
-        raise SpecctlError(f"--sweep-k {list(sweep_k)}: give K values of 1 or more, or all")
+        raise UsageError(f"--sweep-k {list(sweep_k)}: give K values of 1 or more, or all")
     configs: list[Method] = []
     skipped: list[str] = []
     for m in methods:
@@ -210,7 +225,7 @@ def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tupl
         ks = list(range(1, top + 1)) if sweep_k is True else sorted(set(sweep_k))
         over = [k for k in ks if limit is not None and k > limit]
         if len(over) == len(ks):
-            raise SpecctlError(
+            raise UsageError(
                 f"--sweep-k: {m.name} ({m.drafter}) drafts at most {limit} tokens per step; "
                 f"include a K in 1..{limit}"
             )
@@ -225,7 +240,7 @@ def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tupl
 # ---------------------------------------------------------------- the verifier
 
 
-def _same_verifier(a: str, b: str) -> bool:
+def same_verifier(a: str, b: str) -> bool:
     from specctl.verifier import builtin_alias
 
     def norm(x: str) -> str:
@@ -243,23 +258,62 @@ def choose_verifier(
     if override is None and recipe is None:
         missing = [str(m.drafter) for m, v in recorded if not v]
         if missing:
-            raise SpecctlError(
+            raise UsageError(
                 f"{missing[0]}: config.json records no speculators_config.verifier.name_or_path; "
                 "pass --verifier"
             )
         chosen = recorded[0][1]
         for m, v in recorded[1:]:
-            if not _same_verifier(v, chosen):
-                raise SpecctlError(
+            if not same_verifier(v, chosen):
+                raise UsageError(
                     f"the drafters were trained for different verifiers ({recorded[0][0].drafter}: {chosen}; "
                     f"{m.drafter}: {v}); benchmark them separately or pass --verifier"
                 )
         return chosen
     chosen = override if override is not None else recipe.verifier.name_or_path
     for m, v in recorded:
-        if v and not _same_verifier(v, chosen):
+        if v and not same_verifier(v, chosen):
             warn(f"warning: {m.drafter} was trained for {v}, benchmarking it on {chosen}")
     return chosen
+
+
+def verifier_config(section: VerifierSection) -> Any | None:
+    """The verifier's config.json (AutoConfig, no weights); None when it cannot be read here (the
+    backend that loads the verifier then says why)."""
+    from transformers import AutoConfig
+
+    from specctl.verifier import locate_verifier
+
+    try:
+        source, _ = locate_verifier(section.name_or_path, section.revision)
+        return AutoConfig.from_pretrained(
+            source, revision=section.revision, trust_remote_code=section.trust_remote_code
+        )
+    except (OSError, ValueError, SpecctlError):
+        return None
+
+
+def check_drafters(methods: Sequence[Method], section: VerifierSection) -> None:
+    """Every drafter readable -- config.json parsed, weights' headers read (a truncated file
+    fails here), tensors as the config describes -- and shaped for the verifier, before anything
+    decodes: a bad drafter must not cost the plain-decoding run first."""
+    from specctl.validate import validate_export
+
+    config = verifier_config(section)
+    for m in methods:
+        if m.drafter is None:
+            continue
+        export = validate_export(m.drafter, check_values=False)
+        if config is None:
+            continue
+        layer = export.config.layer
+        want = (getattr(config, "vocab_size", None), getattr(config, "hidden_size", None))
+        if (layer.vocab_size, layer.hidden_size) != want:
+            raise SpecctlError(
+                f"{m.drafter}: drafts for a verifier with vocabulary {layer.vocab_size} and hidden size "
+                f"{layer.hidden_size}, {section.name_or_path} has {want[0]} and {want[1]}; "
+                "pass the verifier it was trained for (--verifier)"
+            )
 
 
 def no_drafter_message(recipe: Recipe) -> str:

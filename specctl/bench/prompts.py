@@ -1,8 +1,15 @@
-"""Prompt sets for `specctl bench`: the built-in set, hub benchmarks, and local .jsonl files.
+"""Prompt sets for `specctl bench`: the built-in set, named benchmarks, SPEED-Bench, any hub
+dataset, and local .json/.jsonl files (ShareGPT, messages-style, prompt or turns rows).
 
 Every source is reduced to chat turns ending in a user turn (plus an optional category),
 then rendered with the verifier's chat template and tokenized once, so every method and
 every backend decodes from exactly the same token ids.
+
+`--dataset` takes, in this order: `builtin`; a named benchmark (mt-bench, humaneval, gsm8k,
+spec-bench); `speed-bench` (NVIDIA's SPEED-Bench, read from its local directory); a local file; a
+local directory (SPEED-Bench's); else a hub dataset id, with `--dataset-split`, `--dataset-subset`
+and `--dataset-column` (the column holding the prompt text or the turns; by default the row
+styles below are recognised).
 """
 
 from __future__ import annotations
@@ -17,10 +24,26 @@ from typing import Any
 
 from specctl.data.chat import render
 from specctl.data.sources import normalize_messages, read_json_rows
-from specctl.errors import DataError, first_line
+from specctl.errors import DataError, UsageError, first_line
 
 BUILTIN = "builtin"
-ROW_STYLES = "`messages` (chat turns), `prompt` (text) or `turns` (list of user turns)"
+SPEED_BENCH = "speed-bench"
+# SPEED-Bench's prompts are assembled from their original sources by NeMo-Skills' prepare script
+# (as `vllm bench serve --dataset-name speed_bench` documents): a directory of <subset>.jsonl
+SPEED_BENCH_PREPARE = "https://raw.githubusercontent.com/NVIDIA-NeMo/Skills/refs/heads/main/nemo_skills/dataset/speed-bench/prepare.py"
+SPEED_BENCH_SUBSETS = (
+    "qualitative",
+    "throughput_1k",
+    "throughput_2k",
+    "throughput_8k",
+    "throughput_16k",
+    "throughput_32k",
+)
+ROW_STYLES = (
+    "`messages` / `conversations` (chat turns, ShareGPT's from/value too), `prompt` (text) or "
+    "`turns` (list of user turns)"
+)
+LOCAL_HINT = "offline, pass --dataset builtin or a local .jsonl/.json file"
 SPEC_BENCH_URL = "https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl"
 
 Message = dict[str, str]
@@ -86,7 +109,7 @@ HUB_PROMPT_SETS: dict[str, HubPromptSet] = {
     # Spec-Bench's questions live in its GitHub repository; `datasets` reads the JSONL by URL.
     "spec-bench": HubPromptSet("json", None, "train", _spec_bench, data_files=SPEC_BENCH_URL),
 }
-DATASET_CHOICES = ", ".join([BUILTIN, *HUB_PROMPT_SETS])
+DATASET_CHOICES = ", ".join([BUILTIN, *HUB_PROMPT_SETS, SPEED_BENCH])
 
 
 def _hub_offline() -> bool:
@@ -116,11 +139,74 @@ def load_hub_rows(name: str) -> list[PromptRow]:
         raise DataError(f"--dataset {name}: rows of {entry.path} lack the expected field {e}") from None
 
 
+def load_hub_dataset(
+    name: str, split: str | None, subset: str | None, column: str | None
+) -> tuple[list[PromptRow], str]:
+    """Any hub dataset by id (what `vllm bench serve --dataset-name hf --dataset-path ID` takes),
+    its rows read as a local file's are, or from `column`. Offline (HF_HUB_OFFLINE) `datasets`
+    reads its local cache; a dataset that is not there fails naming what to pass instead."""
+    split = split or "train"
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, subset, split=split)
+    except Exception as e:  # network, auth, unknown dataset, split or subset: one line for the user
+        offline = "HF_HUB_OFFLINE is set and it is not in the local cache; " if _hub_offline() else ""
+        raise DataError(
+            f"--dataset {name}: not available ({offline}{type(e).__name__}: {first_line(e, 160)}); check the "
+            f"id, --dataset-split / --dataset-subset, or {LOCAL_HINT} with {ROW_STYLES}"
+        ) from None
+    where = f"{name}[{split}]"
+    rows = [row_from_json(dict(r), f"{where}: row {i + 1}", column) for i, r in enumerate(ds)]
+    if not rows:
+        raise DataError(f"--dataset {name}: split {split!r} is empty; pick another with --dataset-split")
+    return rows, f"{name}[{subset + ':' if subset else ''}{split}]"
+
+
+def speed_bench_rows(directory: Path | None, split: str | None) -> tuple[list[PromptRow], str]:
+    """SPEED-Bench from its local directory (`<subset>.jsonl`, rows of `messages` + `category`, as
+    NeMo-Skills' prepare script writes them): `--dataset DIR`, or `--dataset speed-bench` with
+    SPEED_BENCH_DIR set. `split` picks the subset (default qualitative: 11 categories)."""
+    subset = split or "qualitative"
+    env = os.environ.get("SPEED_BENCH_DIR")
+    found = directory if directory is not None else Path(env).expanduser() if env else None
+    if found is not None and (found / f"{subset}.jsonl").is_file():
+        return load_jsonl_rows(found / f"{subset}.jsonl"), f"{SPEED_BENCH}[{subset}]"
+    have = [s for s in SPEED_BENCH_SUBSETS if found is not None and (found / f"{s}.jsonl").is_file()]
+    if have:
+        raise UsageError(f"--dataset-split {subset!r}: {found} holds SPEED-Bench {', '.join(have)}")
+    where = str(found) if found is not None else "SPEED_BENCH_DIR is not set"
+    raise DataError(
+        f"--dataset {SPEED_BENCH}: no local SPEED-Bench data ({where}); its prompts are assembled from their "
+        f"sources by NeMo-Skills' script (`curl -LsSf {SPEED_BENCH_PREPARE} | python3 -`): run it, then pass "
+        f"--dataset <the directory it writes> or set SPEED_BENCH_DIR; {LOCAL_HINT}"
+    )
+
+
+def is_speed_bench_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / f"{s}.jsonl").is_file() for s in SPEED_BENCH_SUBSETS)
+
+
 # ---------------------------------------------------------------- local files and the built-in set
 
 
-def row_from_json(row: dict[str, Any], where: str) -> PromptRow:
-    """A local row -> PromptRow; `messages`/`conversations` keep the turns up to the last user turn."""
+def _column_row(row: dict[str, Any], where: str, column: str) -> PromptRow:
+    """`--dataset-column`: the named column holds the prompt text or the chat turns."""
+    if column not in row:
+        columns = ", ".join(sorted(map(str, row))[:12])
+        raise DataError(f"{where}: no column {column!r} (columns: {columns}); fix --dataset-column")
+    value = row[column]
+    rest = {"category": row["category"]} if "category" in row else {}
+    if isinstance(value, str):
+        return row_from_json({"prompt": value, **rest}, where)
+    return row_from_json({"messages": value, **rest}, f"{where}: {column}")
+
+
+def row_from_json(row: dict[str, Any], where: str, column: str | None = None) -> PromptRow:
+    """A local row -> PromptRow; `messages`/`conversations` keep the turns up to the last user turn.
+    With `column`, that column holds the prompt text or the turns."""
+    if column is not None:
+        return _column_row(row, where, column)
     category = row.get("category")
     if category is not None and not isinstance(category, str | int):
         raise DataError(f"{where}: category must be text, got {type(category).__name__}")
@@ -139,9 +225,10 @@ def row_from_json(row: dict[str, Any], where: str) -> PromptRow:
     raise DataError(f"{where}: row has keys {sorted(row)[:12]}; a prompt row holds {ROW_STYLES}")
 
 
-def load_jsonl_rows(path: Path) -> list[PromptRow]:
+def load_jsonl_rows(path: Path, column: str | None = None) -> list[PromptRow]:
+    """A .jsonl or .json file (a list of rows: ShareGPT's files are one) as prompt rows."""
     rows = read_json_rows(path)
-    out = [row_from_json(r, f"{path}: row {i + 1}") for i, r in enumerate(rows)]
+    out = [row_from_json(r, f"{path}: row {i + 1}", column) for i, r in enumerate(rows)]
     if not out:
         raise DataError(f"{path}: no prompts; add rows with {ROW_STYLES}")
     return out
@@ -158,22 +245,35 @@ def builtin_rows() -> list[PromptRow]:
     return rows
 
 
-def load_prompt_rows(dataset: str) -> tuple[list[PromptRow], str]:
-    """All rows of a dataset name or file, and a description for the report."""
+def _local(dataset: str) -> Path | None:
+    try:
+        path = Path(dataset).expanduser()
+        return path if path.exists() else None
+    except (OSError, RuntimeError):  # a name too long for the OS; ~user with no such user
+        return None
+
+
+def load_prompt_rows(
+    dataset: str, split: str | None = None, subset: str | None = None, column: str | None = None
+) -> tuple[list[PromptRow], str]:
+    """All rows of a dataset name, file, directory or hub id, and a description for the report."""
     if dataset == BUILTIN:
         return builtin_rows(), BUILTIN
     if dataset in HUB_PROMPT_SETS:
         return load_hub_rows(dataset), dataset
-    try:
-        path = Path(dataset).expanduser()
-        is_file = path.is_file()
-    except (OSError, RuntimeError):  # a name too long for the OS; ~user with no such user
-        is_file = False
-    if is_file:
-        return load_jsonl_rows(path), str(path)
-    raise DataError(
-        f"--dataset {dataset!r}: no such file and not a known set; use one of {DATASET_CHOICES}, "
-        "or a .jsonl file with " + ROW_STYLES
+    if dataset == SPEED_BENCH:
+        return speed_bench_rows(None, split)
+    path = _local(dataset)
+    if path is not None and path.is_file():
+        return load_jsonl_rows(path, column), str(path)
+    if path is not None and is_speed_bench_dir(path):
+        return speed_bench_rows(path, split)
+    if path is None and dataset.count("/") == 1 and not dataset.startswith((".", "/", "~")):
+        return load_hub_dataset(dataset, split, subset, column)
+    what = "a directory without SPEED-Bench data" if path is not None else "no such file"
+    raise UsageError(
+        f"--dataset {dataset!r}: {what} and not a known set; use one of {DATASET_CHOICES}, a hub "
+        f"dataset id (org/name), or a .jsonl/.json file with {ROW_STYLES}"
     )
 
 
@@ -221,8 +321,14 @@ def encode_prompt(tokenizer: Any, row: PromptRow) -> BenchPrompt:
 
 
 def load_prompts(
-    dataset: str, tokenizer: Any, num_prompts: int, seed: int = 0
+    dataset: str,
+    tokenizer: Any,
+    num_prompts: int,
+    seed: int = 0,
+    split: str | None = None,
+    subset: str | None = None,
+    column: str | None = None,
 ) -> tuple[list[BenchPrompt], str]:
     """Prompts for a benchmark run, tokenized for `tokenizer`, and the dataset's description."""
-    rows, description = load_prompt_rows(dataset)
+    rows, description = load_prompt_rows(dataset, split, subset, column)
     return [encode_prompt(tokenizer, r) for r in select_rows(rows, num_prompts, seed)], description

@@ -1,6 +1,6 @@
-"""How a benchmark report is shown: the rich tables the CLI prints, report.md, acceptance.png and
-sweep.png; `write_report` writes them beside report.json and outputs.jsonl (rewritten whole after
-every measurement, so an interrupted run leaves a readable report)."""
+"""How a benchmark report is shown: the rich tables the CLI prints, report.md, acceptance.png,
+sweep.png and latency.png; `write_report` writes them beside report.json and outputs.jsonl
+(rewritten whole after every measurement, so an interrupted run leaves a readable report)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specctl.bench.plan import PLAIN
-from specctl.bench.report import BenchReport, fmt, outputs_lines, report_dict
+from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, report_dict
 from specctl.durable import write_atomic
 
 
@@ -78,7 +78,7 @@ def rich_table(report: BenchReport | dict[str, Any]):
 
 
 def _sweep_caption(d: dict[str, Any]) -> str | None:
-    if "sweep" not in d:
+    if not shows_sweep(d):
         return None
     return f"K sweep: each method at its recommended K, concurrency {d['concurrency']}; every point below"
 
@@ -141,6 +141,12 @@ def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
     return lines
 
 
+def shows_sweep(d: dict[str, Any]) -> bool:
+    """A K sweep to show: a remote server has one configuration (its own), so its concurrency
+    levels are the latency table's rows, with nothing to recommend."""
+    return "sweep" in d and d["backend"] != "remote"
+
+
 def rich_sweep(report: BenchReport | dict[str, Any]):
     """The sweep table and the recommended --speculative-config per drafter and level (None
     when the report is not a sweep), printed by the CLI under the summary table."""
@@ -149,7 +155,7 @@ def rich_sweep(report: BenchReport | dict[str, Any]):
     from rich.text import Text
 
     d = report if isinstance(report, dict) else report_dict(report)
-    if "sweep" not in d:
+    if not shows_sweep(d):
         return None
     table = Table(
         title="K sweep (best = highest output tok/s; a tie goes to the smaller K)", title_justify="left"
@@ -171,6 +177,97 @@ def rich_sweep(report: BenchReport | dict[str, Any]):
     return Group(*parts)
 
 
+LATENCY_HEADERS = [
+    "concurrency",
+    "method",
+    "K",
+    "tau",
+    "req/s",
+    "output tok/s",
+    "TTFT ms p50 / p90 / p99",
+    "TPOT ms p50 / p90 / p99",
+    "ITL ms p50 / p90 / p99",
+]
+LATENCY_NOTE = (
+    "TTFT = time to the first token; TPOT = time per output token after the first, per request; "
+    "ITL = time between streamed chunks (with speculation a chunk holds every token one step "
+    "accepted, so ITL > TPOT). Percentiles over requests (TTFT, TPOT) and over chunk gaps (ITL)."
+)
+
+
+def has_latency(d: dict[str, Any]) -> bool:
+    points = d["sweep"]["points"] if "sweep" in d else d["results"]
+    return any(p.get("median_ttft_ms") is not None for p in points)
+
+
+def _pcts(p: dict[str, Any], name: str) -> str:
+    return " / ".join(fmt(p[f"{stat}_{name}_ms"], 1) for stat in ("median", "p90", "p99"))
+
+
+def latency_rows(d: dict[str, Any]) -> list[list[str]]:
+    """One row per configuration and concurrency level (a sweep's points, else the results)."""
+    if "sweep" in d:
+        points = sorted(d["sweep"]["points"], key=lambda p: p["concurrency"])
+    else:
+        points = [{**r, "concurrency": d["concurrency"]} for r in d["results"]]
+    return [
+        [
+            str(p["concurrency"]),
+            p["name"],
+            str(p["num_speculative_tokens"]) if p["algo"] != PLAIN else "-",
+            fmt(p["acceptance_length"]),
+            fmt(p["request_throughput"], 2),
+            fmt(p["output_tokens_per_s"], 1),
+            _pcts(p, "ttft"),
+            _pcts(p, "tpot"),
+            _pcts(p, "itl"),
+        ]
+        for p in points
+        if p.get("median_ttft_ms") is not None
+    ]
+
+
+def rich_latency(report: BenchReport | dict[str, Any]):
+    """The latency table (None without streamed requests), printed under the summary."""
+    from rich.table import Table
+
+    d = report if isinstance(report, dict) else report_dict(report)
+    if not has_latency(d):
+        return None
+    table = Table(title="latency (streamed requests)", title_justify="left", caption=LATENCY_NOTE)
+    for i, h in enumerate(LATENCY_HEADERS):
+        table.add_column(h, justify="left" if i == 1 else "right", style="bold" if i == 1 else None)
+    level = None
+    for row in latency_rows(d):
+        if level is not None and row[0] != level:
+            table.add_section()
+        level = row[0]
+        table.add_row(*row)
+    return table
+
+
+def provenance_line(d: dict[str, Any]) -> str | None:
+    """report.json's provenance in one line: versions, commit, hardware, time, recipe hash."""
+    p = d.get("provenance")
+    if not p:
+        return None
+    versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
+    commit = (
+        f" ({p['git_commit'][:12]}{'+dirty' if p.get('git_dirty') else ''})" if p.get("git_commit") else ""
+    )
+    gpus = f"{p['gpu_count']}x {p['gpu']}" if p.get("gpu_count") else "no GPU"
+    parts = [f"{versions}{commit}", f"{p['cpu_count']}x {p['cpu']}, {gpus}", p["timestamp"]]
+    if p.get("recipe_sha256"):
+        parts.append(f"recipe sha256 {p['recipe_sha256'][:12]}")
+    server = p.get("server")
+    if server:
+        parts.append(
+            f"server {server['base_url']} ({server.get('model') or '?'}"
+            f"{', vLLM ' + server['vllm_version'] if server.get('vllm_version') else ''})"
+        )
+    return "; ".join(parts)
+
+
 def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptance.png") -> str:
     d = report if isinstance(report, dict) else report_dict(report)
     lines = [f"# {_title(d)}", ""]
@@ -182,9 +279,17 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         f"max_new_tokens {d['max_new_tokens']}",
         "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
         '- "= plain": prompts whose greedy output ids equal no-spec\'s exactly (ids in outputs.jsonl)',
-        "",
     ]
+    provenance = provenance_line(d)
+    if provenance:
+        lines.append(f"- provenance: {provenance}")
+    lines += [""]
     lines += _md_table(_headers(d), _rows(d))
+    if has_latency(d):
+        lines += ["", "## Latency", "", LATENCY_NOTE, ""]
+        lines += _md_table(LATENCY_HEADERS, latency_rows(d))
+        if image:
+            lines += ["", "![TTFT, TPOT and ITL against concurrency](latency.png)"]
     for cat in d["categories"]:
         lines += ["", f"## {cat}", ""]
         rows = []
@@ -201,7 +306,7 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
                     ]
                 )
         lines += _md_table(["method", "prompts", "tau", "output tok/s", "speedup"], rows)
-    if "sweep" in d:
+    if shows_sweep(d):
         lines += [
             "",
             "## K sweep",
@@ -313,14 +418,18 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
                 continue
             ks = [p["num_speculative_tokens"] for p in pts]
             top.plot(ks, [p["output_tokens_per_s"] for p in pts], marker="o", color=f"C{i}", label=name)
-            bottom.plot(ks, [p["acceptance_length"] for p in pts], marker="o", color=f"C{i}", label=name)
+            taus = [p["acceptance_length"] for p in pts]
+            if None not in taus:
+                bottom.plot(ks, taus, marker="o", color=f"C{i}", label=name)
             best = s["recommended"].get(name, {}).get(str(level))
             if best is not None:
                 top.plot(
                     best["num_speculative_tokens"], best["output_tokens_per_s"], "*", ms=15, color=f"C{i}"
                 )
         top.set(title=f"concurrency {level}", ylabel="output tokens/s")
-        taus = [p["acceptance_length"] for p in here if p["algo"] != PLAIN]
+        taus = [
+            p["acceptance_length"] for p in here if p["algo"] != PLAIN and p["acceptance_length"] is not None
+        ]
         bottom.set(
             xlabel="K (num_speculative_tokens)",
             ylabel="tau (acceptance length)",
@@ -332,6 +441,49 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
         if here:
             top.legend(fontsize=8)
     fig.suptitle(f"{_title(d)}\nK sweep: star = recommended K (highest output tokens/s)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
+    """latency.png: TTFT, TPOT and ITL (median solid, p99 dotted) against concurrency, one line
+    per configuration (method at K)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    d = report if isinstance(report, dict) else report_dict(report)
+    if "sweep" in d:
+        points = d["sweep"]["points"]
+    else:
+        points = [{**r, "concurrency": d["concurrency"]} for r in d["results"]]
+    points = [p for p in points if p.get("median_ttft_ms") is not None]
+    configs = list(dict.fromkeys((p["name"], p["num_speculative_tokens"]) for p in points))
+    fig = Figure(figsize=(13, 4), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    titles = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency"}
+    for ax, name in zip(axes, LATENCIES, strict=True):
+        for i, (method, k) in enumerate(configs):
+            mine = sorted(
+                (p for p in points if (p["name"], p["num_speculative_tokens"]) == (method, k)),
+                key=lambda p: p["concurrency"],
+            )
+            xs = [p["concurrency"] for p in mine]
+            label = (
+                method if k == 0 or len({c[1] for c in configs if c[0] == method}) == 1 else f"{method} K={k}"
+            )
+            ax.plot(xs, [p[f"median_{name}_ms"] for p in mine], marker="o", color=f"C{i}", label=label)
+            ax.plot(xs, [p[f"p99_{name}_ms"] for p in mine], linestyle=":", color=f"C{i}")
+        ax.set(title=f"{titles[name]} (p50, p99 dotted)", xlabel="concurrency", ylabel="ms")
+        ax.set_xscale("log", base=2)
+        levels = sorted({p["concurrency"] for p in points})
+        ax.set_xticks(levels, [str(level) for level in levels])
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    if configs:
+        axes[0].legend(fontsize=8)
+    fig.suptitle(_title(d), fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     return path
@@ -349,6 +501,8 @@ def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> di
         paths["md"] = out_dir / "report.md"
         write_atomic(paths["md"], markdown(d), durable=False)
         paths["png"] = plot(d, out_dir / "acceptance.png")
-        if "sweep" in d:
+        if shows_sweep(d):
             paths["sweep_png"] = plot_sweep(d, out_dir / "sweep.png")
+        if has_latency(d):
+            paths["latency_png"] = plot_latency(d, out_dir / "latency.png")
     return paths

@@ -25,7 +25,7 @@ from typing import Any
 
 from specctl.bench.plan import PLAIN, Method, speculative_config
 from specctl.counters import SpecCounters
-from specctl.errors import SpecctlError
+from specctl.errors import SpecctlError, UsageError
 
 
 @dataclass
@@ -45,6 +45,12 @@ class Measurement:
     # vLLM's generation-token counter over the same requests (None where nothing counts them):
     # equal to output_tokens when the server generated exactly what the answers returned
     server_generation_tokens: int | None = None
+    # streamed requests (server backends): seconds to the first token per request, per output
+    # token after the first per request, and between consecutive chunks (specctl.bench.client)
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    counted: bool = True  # False: nothing counted acceptance (a server without vLLM's /metrics)
 
     def __add__(self, other: Measurement) -> Measurement:
         return Measurement(
@@ -55,6 +61,10 @@ class Measurement:
             {**self.outputs, **other.outputs},
             {**self.failed, **other.failed},
             _add_counts(self.server_generation_tokens, other.server_generation_tokens),
+            self.ttft_s + other.ttft_s,
+            self.tpot_s + other.tpot_s,
+            self.itl_s + other.itl_s,
+            self.counted and other.counted,
         )
 
     @property
@@ -68,6 +78,11 @@ class Measurement:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def request_throughput(self) -> float:
+        """Answered requests per second."""
+        return self.num_prompts / self.wall_s if self.wall_s > 0 else 0.0
 
 
 def _add_counts(a: int | None, b: int | None) -> int | None:
@@ -126,6 +141,7 @@ class BenchReport:
     sweep: list[Point] | None = None
     sweep_levels: list[int] = field(default_factory=list)  # the concurrency levels swept, ascending
     sweep_skipped: list[str] = field(default_factory=list)  # requested K a drafter cannot draft
+    provenance: dict[str, Any] | None = None  # specctl.provenance: versions, commit, hardware, time
 
     @property
     def ok(self) -> bool:
@@ -139,25 +155,50 @@ class BenchReport:
 # ---------------------------------------------------------------- figures
 
 
-def _ratio(a: float, b: float | None) -> float | None:
-    return a / b if b else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+LATENCIES = ("ttft", "tpot", "itl")  # vllm bench serve's names: {mean,median,p90,p99}_<name>_ms
+LATENCY_STATS = (("mean", None), ("median", 50), ("p90", 90), ("p99", 99))
+LATENCY_FIELDS = tuple(f"{stat}_{name}_ms" for name in LATENCIES for stat, _ in LATENCY_STATS)
+
+
+def latency_dict(m: Measurement) -> dict[str, float | None]:
+    """TTFT, TPOT and ITL in milliseconds as `vllm bench serve` names them (None: not streamed)."""
+    import numpy as np
+
+    out: dict[str, float | None] = {}
+    for name in LATENCIES:
+        samples = np.asarray(getattr(m, f"{name}_s"), dtype=float) * 1e3
+        for stat, q in LATENCY_STATS:
+            value = None
+            if samples.size:
+                value = float(samples.mean() if q is None else np.percentile(samples, q))
+            out[f"{stat}_{name}_ms"] = value
+    return out
 
 
 def measurement_dict(m: Measurement, plain: Measurement | None, base: Measurement | None) -> dict[str, Any]:
+    """One measurement's figures; acceptance is None where nothing counted it."""
     tps, c = m.output_tokens_per_s, m.counters
+    tau = m.acceptance_length if m.counted else None
+    base_tau = (base.acceptance_length if base.counted else None) if base else None
     return {
-        "acceptance_length": m.acceptance_length,
-        "per_position_acceptance": m.per_position_acceptance,
-        "num_drafts": c.num_drafts,
-        "num_draft_tokens": c.num_draft_tokens,
-        "num_accepted_tokens": c.num_accepted_tokens,
+        "acceptance_length": tau,
+        "per_position_acceptance": m.per_position_acceptance if m.counted else [],
+        "num_drafts": c.num_drafts if m.counted else None,
+        "num_draft_tokens": c.num_draft_tokens if m.counted else None,
+        "num_accepted_tokens": c.num_accepted_tokens if m.counted else None,
         "num_prompts": m.num_prompts,
         "output_tokens": m.output_tokens,
         "wall_s": m.wall_s,
         "output_tokens_per_s": tps,
+        "request_throughput": m.request_throughput,
+        **latency_dict(m),
         "speedup": _ratio(tps, plain.output_tokens_per_s if plain else None),
         "ratio_vs_baseline": _ratio(tps, base.output_tokens_per_s if base else None),
-        "acceptance_ratio_vs_baseline": _ratio(m.acceptance_length, base.acceptance_length if base else None),
+        "acceptance_ratio_vs_baseline": _ratio(tau, base_tau) if tau is not None else None,
         "server_generation_tokens": m.server_generation_tokens,
         "num_failed": len(m.failed),
         "failed_requests": {str(i): why for i, why in sorted(m.failed.items())},
@@ -222,6 +263,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "requirements": list(report.requirements),
         "failures": list(report.failures),
         "errors": list(report.errors),
+        "provenance": report.provenance,
     }
     if report.sweep is not None:
         out["sweep"] = sweep_dict(report)
@@ -334,10 +376,12 @@ REQUIREMENT_FIELDS = (
     "num_accepted_tokens",
     "output_tokens",
     "wall_s",
+    "request_throughput",
+    *LATENCY_FIELDS,
 )
 
 
-class RequirementError(SpecctlError):
+class RequirementError(UsageError):
     """A --require / bench.require expression that cannot be parsed: a usage error."""
 
     exit_code = 2
@@ -396,11 +440,21 @@ def check_requirements(report: dict[str, Any], requirements: Sequence[Requiremen
                 continue
         got = entry.get(req.field)
         if got is None:
-            why = "no no-spec run" if req.field == "speedup" else "no baseline run"
+            why = _unmeasured(req.field)
             failures.append(f"{req.text}: {req.method}.{req.field} was not measured ({why})")
         elif not _OPS[req.op](got, req.value):
             failures.append(f"{req.text}: got {fmt(got)}")
     return failures
+
+
+def _unmeasured(name: str) -> str:
+    if name == "speedup":
+        return "no no-spec run"
+    if "baseline" in name:
+        return "no baseline run"
+    if name in LATENCY_FIELDS:
+        return "latency is measured on server backends, from streamed requests"
+    return "the server exports no vLLM spec-decode counters"
 
 
 def fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:

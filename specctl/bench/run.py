@@ -25,9 +25,12 @@ from typing import Any
 from specctl.bench.backends import Backend, open_backend
 from specctl.bench.plan import (
     PLAIN,
+    REMOTE,
+    SERVER,
     Groups,
     Method,
     bench_settings,
+    check_drafters,
     choose_verifier,
     display_name,
     exported_drafters,
@@ -52,8 +55,8 @@ from specctl.bench.report import (
     parse_requirement,
     report_dict,
 )
-from specctl.errors import SpecctlError
-from specctl.recipe import BenchSection, Recipe, VerifierSection, load_recipe
+from specctl.errors import SpecctlError, UsageError
+from specctl.recipe import BenchSection, Recipe, VerifierSection, dump_recipe, load_recipe
 
 
 class BenchInterrupted(SpecctlError):
@@ -73,10 +76,12 @@ class RunPlan:
     skipped: list[str]  # requested K a drafter cannot draft
     baseline: str | None
     requirements: list[Requirement]
-    verifier: str
-    section: VerifierSection
+    verifier: str | None  # None: a remote run whose tokenizer comes from the server's model
+    section: VerifierSection | None
     out_dir: Path
     sweeping: bool
+    backend: str  # embedded, vllm, vllm-offline, or remote (--base-url)
+    recipe_yaml: str | None = None  # the resolved recipe (its sha256 goes in the provenance)
 
 
 # ---------------------------------------------------------------- planning
@@ -84,11 +89,11 @@ class RunPlan:
 
 def _levels(backend: str, asked: list[int] | None, default: int) -> list[int]:
     levels = asked or [default]
-    if len(levels) > 1 and backend != "vllm":
+    if len(levels) > 1 and backend not in ("vllm", REMOTE):
         how = "decodes one request at a time" if backend == "embedded" else "hands vLLM every prompt at once"
-        raise SpecctlError(
+        raise UsageError(
             f"--concurrency {','.join(map(str, levels))}: the {backend} backend {how}; "
-            "sweep concurrency levels with --backend vllm"
+            "sweep concurrency levels with --backend vllm or --base-url"
         )
     return [1] if backend == "embedded" else levels
 
@@ -114,30 +119,28 @@ def plan_run(
     settings, backend = bench_settings(recipe, **overrides, concurrency=asked[0] if asked else None)
     levels = _levels(backend, asked, settings.concurrency)
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
-    drafter_dirs = [Path(d) for d in drafters]
-    if not drafter_dirs and recipe is not None:
-        drafter_dirs = exported_drafters(recipe.run_dir)
-        if not drafter_dirs and baseline is None and ngram is None:
-            raise SpecctlError(no_drafter_message(recipe))
-    methods, baseline_name = plan_methods(drafter_dirs, Path(baseline) if baseline else None, ngram)
+    if backend == REMOTE:
+        methods, baseline_name = _remote_methods(drafters, baseline, ngram, sweep_k)
+        chosen = verifier if verifier is not None else recipe.verifier.name_or_path if recipe else None
+    else:
+        methods, baseline_name = _drafter_methods(recipe, backend, drafters, baseline, ngram)
+        chosen = choose_verifier(recipe, methods, verifier, warn)
     names = [m.name for m in methods]
     for req in requirements:
         if req.method not in names:
             raise RequirementError(
                 f"--require {req.text!r}: no method {req.method!r}; this run has {', '.join(names)}"
             )
-    if backend == "embedded" and ngram is not None:
-        raise SpecctlError("ngram speculation runs in vLLM only; use --backend vllm")
-    if backend != "embedded":
-        for m in methods:
-            speculative_config(m)  # algorithms vLLM has no method for fail now, not after the first server
     configs, skipped = plan_sweep(methods, sweep_k)
-    chosen = choose_verifier(recipe, methods, verifier, warn)
-    section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
-        update={"name_or_path": chosen}
-    )
+    section = None
+    if chosen is not None:
+        section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
+            update={"name_or_path": chosen}
+        )
+        check_drafters(methods, section)
     out_dir = Path(output) if output is not None else (recipe.run_dir if recipe else Path("runs")) / "bench"
     sweeping = sweep_k is not False or len(levels) > 1
+    recipe_yaml = dump_recipe(recipe) if recipe is not None else None
     return RunPlan(
         settings,
         levels,
@@ -150,14 +153,64 @@ def plan_run(
         section,
         out_dir,
         sweeping,
+        backend,
+        recipe_yaml,
     )
 
 
-def new_report(plan: RunPlan, backend: str, num_prompts: int, dataset: str) -> BenchReport:
+def _drafter_methods(
+    recipe: Recipe | None,
+    backend: str,
+    drafters: Sequence[Path | str],
+    baseline: Path | str | None,
+    ngram: int | None,
+) -> tuple[list[Method], str | None]:
+    """no-spec, the baseline, the drafters (given, else the recipe's exports) and ngram."""
+    drafter_dirs = [Path(d) for d in drafters]
+    if not drafter_dirs and recipe is not None:
+        drafter_dirs = exported_drafters(recipe.run_dir)
+        if not drafter_dirs and baseline is None and ngram is None:
+            raise SpecctlError(no_drafter_message(recipe))
+    methods, baseline_name = plan_methods(drafter_dirs, Path(baseline) if baseline else None, ngram)
+    if backend == "embedded" and ngram is not None:
+        raise UsageError("ngram speculation runs in vLLM only; use --backend vllm")
+    if backend != "embedded":
+        for m in methods:
+            speculative_config(m)  # algorithms vLLM has no method for fail now, not after the first server
+    return methods, baseline_name
+
+
+def _remote_methods(
+    drafters: Sequence[Path | str], baseline: Path | str | None, ngram: int | None, sweep_k: Any
+) -> tuple[list[Method], None]:
+    """A running server is measured as it runs: one method, `server` (its K comes from the server)."""
+    given = [
+        flag
+        for flag, value in (
+            ("--drafter", bool(drafters)),
+            ("--baseline", baseline is not None),
+            ("--ngram", ngram is not None),
+            ("--sweep-k", sweep_k is not False),
+        )
+        if value
+    ]
+    if given:
+        raise UsageError(
+            f"--base-url benches the server as it runs, {', '.join(given)} need a server specctl "
+            "configures: use --backend vllm (or restart your server with the drafter)"
+        )
+    return [Method(SERVER, SERVER)], None
+
+
+def new_report(plan: RunPlan, engine: Backend, num_prompts: int, dataset: str) -> BenchReport:
+    """The report before any measurement: the settings, and where the figures will come from."""
+    from specctl.provenance import provenance
+
     s = plan.settings
     return BenchReport(
-        verifier=plan.verifier,
-        backend=backend,
+        verifier=getattr(engine, "verifier_name", None) or plan.verifier or "?",
+        provenance=provenance(plan.recipe_yaml, getattr(engine, "server_info", None)),
+        backend=engine.name,
         dataset=dataset,
         num_prompts=num_prompts,
         temperature=s.temperature,
@@ -197,6 +250,10 @@ def run_bench(
     sweep_k: bool | Sequence[int] = False,
     vllm_args: Sequence[str] = (),
     ready_timeout_s: float | None = None,
+    base_url: str | None = None,
+    dataset_split: str | None = None,
+    dataset_subset: str | None = None,
+    dataset_column: str | None = None,
     progress: bool = True,
     generate_fn: Callable[..., Any] | None = None,
     load_drafter_fn: Callable[..., Any] | None = None,
@@ -211,15 +268,29 @@ def run_bench(
     a list: those K); several `concurrency` levels (vLLM server only) are measured on each
     server. Either makes a sweep: report.sweep holds every point, report.results each method
     at its recommended K at the lowest level.
-    `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
+    `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
+    server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
+    else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
     Returns the report: `report.errors` names methods that failed (the others were measured),
     `report.failures` the requirements that fell short; `report.ok` is False if either is non-empty.
     """
     from specctl.progress import console
 
-    if recipe is None and not drafters and baseline is None:
+    if base_url is not None:
+        from specctl.bench.remote import normalize_base_url
+
+        base_url = normalize_base_url(base_url)
+        if vllm_args:
+            raise UsageError(
+                "--vllm-arg configures a server specctl starts; --base-url benches a running one"
+            )
+    elif recipe is None and not drafters and baseline is None:
         recipe = load_recipe("quickstart")
     overrides = dict(
+        base_url=base_url,
+        dataset_split=dataset_split,
+        dataset_subset=dataset_subset,
+        dataset_column=dataset_column,
         backend=backend,
         dataset=dataset,
         num_prompts=num_prompts,
@@ -257,7 +328,7 @@ def execute(
     bar = progress_bar(unit="prompt", enabled=progress)
     task = bar.add_task("bench", total=None)
     engine = open_backend(
-        plan.settings.backend,
+        plan.backend,
         plan.section,
         plan.settings,
         plan.levels,
@@ -269,10 +340,19 @@ def execute(
         say=say,
         generate_fn=generate_fn,
         load_drafter_fn=load_drafter_fn,
+        warn=warn,
     )
     s = plan.settings
-    prompts, dataset_desc = load_prompts(s.dataset, engine.tokenizer, s.num_prompts, s.seed)
-    report = new_report(plan, engine.name, len(prompts), dataset_desc)
+    prompts, dataset_desc = load_prompts(
+        s.dataset,
+        engine.tokenizer,
+        s.num_prompts,
+        s.seed,
+        s.dataset_split,
+        s.dataset_subset,
+        s.dataset_column,
+    )
+    report = new_report(plan, engine, len(prompts), dataset_desc)
     for line in plan.skipped:
         warn(f"warning: {line}")
     bar.reset(task, total=len(prompts) * len(plan.levels) * len(plan.configs))
@@ -281,6 +361,8 @@ def execute(
             engine, plan, group_prompts(prompts), report, lambda name: bar.update(task, description=name), say
         )
     report.complete = not report.errors
+    if report.provenance is not None and getattr(engine, "server_info", None) is not None:
+        report.provenance["server"] = engine.server_info  # what the run learnt (the prompt format)
     report.failures = check_requirements(report_dict(report), plan.requirements)
     write_report(report, plan.out_dir)
     return report
@@ -380,9 +462,18 @@ def fill_report(
 def failed_request_lines(name: str, points: Sequence[Point]) -> list[str]:
     """One report error per concurrency level at which requests failed: a measurement that
     misses prompts is not a clean result (the run exits non-zero), and the line says where
-    to find every failed prompt's reason."""
+    to find every failed prompt's reason. Likewise a server whose generation counter grew by
+    more than this run's answers: another client shares it, its counters are not this run's."""
     lines = []
     for p in points:
+        total = p.result.total
+        counted = total.server_generation_tokens
+        if counted is not None and counted > total.output_tokens:
+            lines.append(
+                f"{name}: the server generated {total.server_generation_tokens} tokens at concurrency "
+                f"{p.concurrency} while this run received {total.output_tokens}: another client is using "
+                "it, so its acceptance counters include their requests; bench a server nobody else uses"
+            )
         categories = p.result.categories.values()
         failed = {i: why for m in categories for i, why in m.failed.items()}
         if failed:

@@ -2,31 +2,27 @@
 
 `python -m vllm.entrypoints.openai.api_server` starts on 127.0.0.1 in its own process group (vLLM
 spawns EngineCore and Worker children), `/health` is polled until ready, the prompts go as token
-ids to /v1/completions with the chosen concurrency (asking for the generated ids back,
-`return_token_ids`), and the spec-decode counters are read from /metrics before and after each
-group of prompts. The whole group is stopped afterwards, on error and on Ctrl-C too (SIGTERM,
-wait, SIGKILL), and the server's log stays in the run directory; its tail is part of every
-failure message. `measure_at(base_url, ...)` is the part that needs only a URL: a backend for a
-server someone else runs calls it without starting one.
+ids to /v1/completions, streamed, with the chosen concurrency (asking for the generated ids back,
+`return_token_ids`; specctl.bench.client), and the spec-decode counters are read from /metrics
+before and after each group of prompts. The whole group is stopped afterwards, on error and on
+Ctrl-C too (SIGTERM, wait, SIGKILL), and the server's log stays in the run directory; its tail is
+part of every failure message. `measure_at(base_url, ...)` is the part that needs only a URL: the
+remote backend (specctl.bench.remote, a server someone else runs) calls it without starting one.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
+import httpx
+
+from specctl.bench.client import RequestError, RequestSettings, Sent, complete_one, send_prompts
 from specctl.bench.plan import Groups, Method, max_model_len
-from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Measurement, MethodResult, Point
 from specctl.bench.vllm import (
     MetricsSnapshot,
@@ -39,6 +35,7 @@ from specctl.bench.vllm import (
     run_label,
     to_measurement,
 )
+from specctl.counters import SpecCounters
 from specctl.errors import first_line
 from specctl.procs import HOST, free_port, log_tail, on_cpu, port_in_use, process_group, vllm_env
 
@@ -88,10 +85,9 @@ def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> None:
         if code is not None:
             raise server.failure(f"vLLM server for {server.name} exited with code {code} before it was ready")
         try:
-            with urllib.request.urlopen(server.base_url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            if httpx.get(server.base_url + "/health", timeout=5).status_code == 200:
+                return
+        except (httpx.HTTPError, OSError):
             pass
         if time.monotonic() > deadline:
             raise server.failure(f"vLLM server for {server.name} not ready after {timeout_s:.0f} s")
@@ -116,126 +112,31 @@ def serve(
         yield server
 
 
-def _post_json(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")
-        with suppress(ValueError, AttributeError):
-            detail = json.loads(detail).get("error", {}).get("message", detail) or detail
-        raise VllmError(f"{url}: HTTP {e.code} ({str(detail).strip().splitlines()[0][:200]})") from None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise VllmError(f"{url}: the answer is not JSON ({raw[:80]!r})") from None
+def request_settings(setup: VllmSetup) -> RequestSettings:
+    """What every request to a server specctl started carries (its served name, vLLM's extensions)."""
+    return RequestSettings(
+        model=SERVED_NAME,
+        max_new_tokens=setup.max_new_tokens,
+        temperature=setup.temperature,
+        top_p=setup.top_p,
+        seed=setup.seed,
+        stop_token_ids=setup.stop_token_ids,
+        timeout_s=setup.request_timeout_s,
+    )
 
 
-def completion_body(
-    prompt: BenchPrompt,
-    index: int,
-    setup: VllmSetup,
-    max_tokens: int | None = None,
-) -> dict[str, Any]:
-    """A /v1/completions request: token ids in, the same sampling and stop ids as every backend,
-    and the generated ids back (vLLM's `return_token_ids`) so outputs can be compared."""
-    return {
-        "model": SERVED_NAME,
-        "prompt": list(prompt.prompt_ids),
-        "max_tokens": max_tokens or setup.max_new_tokens,
-        "temperature": setup.temperature,
-        "top_p": setup.top_p,
-        "seed": setup.seed + index,
-        "stop_token_ids": list(setup.stop_token_ids),
-        "return_token_ids": True,
-    }
+def get_text(url: str, timeout_s: float = 30.0, api_key: str | None = None) -> str:
+    """GET a page (/metrics, /v1/models): its text, or httpx's error (an HTTP error status too)."""
+    import httpx
 
-
-def parse_completion(out: Any, url: str) -> tuple[int, list[int] | None]:
-    """(tokens generated, their ids) of a /v1/completions answer.
-
-    usage.completion_tokens is required (throughput rests on it); choices[0].token_ids is only
-    there when the server honours return_token_ids, so without it the ids are None and the
-    prompt is left out of the output comparison rather than failing the run. vLLM counts the
-    stop token in both, so the ids agree with the count.
-    """
-    try:
-        n = int(out["usage"]["completion_tokens"])
-    except (KeyError, TypeError, ValueError):
-        raise VllmError(f"{url}: answer without usage.completion_tokens") from None
-    try:
-        ids = out["choices"][0]["token_ids"]
-    except (KeyError, IndexError, TypeError):
-        ids = None
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        ids = None
-    return n, ids
-
-
-def complete(base_url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, list[int] | None]:
-    """Send one completion: the number of tokens it generated and their ids (None if absent)."""
-    url = base_url + "/v1/completions"
-    return parse_completion(_post_json(url, body, timeout_s), url)
-
-
-# What one request can fail with while the server goes on serving the others: an HTTP error
-# status or an unusable answer (VllmError), a refused or dropped connection or a timeout
-# (OSError), a broken HTTP reply (HTTPException).
-REQUEST_ERRORS = (VllmError, OSError, http.client.HTTPException)
-
-
-def request_failure(e: BaseException) -> str:
-    """One line saying why a request failed."""
-    if isinstance(e, VllmError):
-        return str(e)
-    text = first_line(str(e), 200)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def send_prompts(
-    base_url: str,
-    prompts: Sequence[tuple[int, BenchPrompt]],
-    setup: VllmSetup,
-    on_done: Callable[[int], None] | None = None,
-) -> tuple[int, float, dict[int, list[int]], dict[int, str]]:
-    """All prompts with `setup.concurrency` requests in flight: (output tokens of the answered
-    ones, wall seconds, prompt index -> generated ids for the answers that carried them,
-    prompt index -> why its request failed).
-
-    A failed request is recorded and the others go on: under load one 500 or dropped
-    connection must not throw away the answers already counted, and every prompt must end
-    up either answered or failed with its reason.
-    """
-    pool = ThreadPoolExecutor(max_workers=setup.concurrency, thread_name_prefix="specctl-bench")
-    start = time.perf_counter()
-    try:
-        futures = {
-            pool.submit(complete, base_url, completion_body(p, i, setup), setup.request_timeout_s): i
-            for i, p in prompts
-        }
-        total = 0
-        outputs: dict[int, list[int]] = {}
-        failed: dict[int, str] = {}
-        for f in as_completed(futures):
-            try:
-                n, ids = f.result()
-            except REQUEST_ERRORS as e:
-                failed[futures[f]] = request_failure(e)
-                n, ids = 0, None
-            total += n
-            if ids is not None:
-                outputs[futures[f]] = ids
-            if on_done:
-                on_done(n)
-        return total, time.perf_counter() - start, outputs, failed
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    r = httpx.get(url, timeout=timeout_s, headers=headers)
+    r.raise_for_status()
+    return r.text
 
 
 def fetch_metrics(base_url: str) -> MetricsSnapshot:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
-        return parse_spec_decode_metrics(r.read().decode())
+    return parse_spec_decode_metrics(get_text(base_url + "/metrics"))
 
 
 def settled_metrics(
@@ -253,6 +154,60 @@ def settled_metrics(
         if after.generation_tokens - before.generation_tokens >= output_tokens or time.monotonic() > deadline:
             return after
         time.sleep(0.1)
+
+
+def measure_at(
+    base_url: str,
+    settings: RequestSettings,
+    groups: Groups,
+    levels: Sequence[int],
+    k: int,
+    on_done: Callable[[int], None] | None = None,
+    counters: bool = True,
+) -> dict[int, dict[str, Measurement]]:
+    """Every group of prompts at each concurrency level against a running server, streamed; `k`
+    is the server's num_speculative_tokens (the width of the per-position counts).
+
+    A warm-up request comes first (not measured: first-request costs such as lazy allocations);
+    with `counters` (a vLLM server) its stats land before the first /metrics snapshot and each
+    group's settled snapshot starts the next. Without, acceptance is not counted.
+    """
+    first = next(p for g in groups.values() for p in g)
+    start = fetch_metrics(base_url) if counters else None
+    warm = complete_one(base_url, first[1], first[0], settings, max_tokens=4)
+    before = settled_metrics(base_url, start, warm.tokens) if counters else None
+    out: dict[int, dict[str, Measurement]] = {}
+    for level in levels:
+        out[level] = {}
+        for category, prompts in groups.items():
+            sent = send_prompts(base_url, prompts, settings, level, on_done)
+            if len(sent.failed) == len(prompts):  # nothing measured: the method failed, not a request
+                index = min(sent.failed)
+                raise VllmError(f"all {len(prompts)} requests failed; prompt {index}: {sent.failed[index]}")
+            delta = None
+            if counters:
+                after = settled_metrics(base_url, before, sent.output_tokens)
+                delta, before = after - before, after
+            out[level][category] = streamed_measurement(delta, len(prompts) - len(sent.failed), sent, k)
+    return out
+
+
+def streamed_measurement(delta: MetricsSnapshot | None, answered: int, sent: Sent, k: int) -> Measurement:
+    """`answered` prompts' figures with their latencies; the counter delta over them (None: the
+    server has no vLLM counters, acceptance not counted)."""
+    m = to_measurement(
+        delta or MetricsSnapshot(SpecCounters()),
+        answered,
+        sent.output_tokens,
+        sent.wall_s,
+        k,
+        sent.outputs,
+        sent.failed,
+    )
+    m.ttft_s, m.tpot_s, m.itl_s = list(sent.ttft_s), list(sent.tpot_s), list(sent.itl_s)
+    if delta is None:
+        m.counted, m.server_generation_tokens = False, None
+    return m
 
 
 def measure_server(
@@ -311,34 +266,13 @@ def _measure_levels(
     levels: Sequence[int],
     on_done: Callable[[int], None] | None,
 ) -> dict[int, dict[str, Measurement]]:
-    out: dict[int, dict[str, Measurement]] = {}
+    settings = request_settings(setup)
     try:
-        first = next(p for g in groups.values() for p in g)
-        # warm-up (not measured): first-request costs, e.g. lazy allocations; its stats must have
-        # landed before the first snapshot, and each group's settled snapshot starts the next
-        start = fetch_metrics(server.base_url)
-        body = completion_body(first[1], first[0], setup, max_tokens=4)
-        warm, _ = complete(server.base_url, body, setup.request_timeout_s)
-        before = settled_metrics(server.base_url, start, warm)
-        for level in levels:
-            at_level = replace(setup, concurrency=level)
-            out[level] = {}
-            for category, prompts in groups.items():
-                tokens, wall, outputs, failed = send_prompts(server.base_url, prompts, at_level, on_done)
-                if len(failed) == len(prompts):  # nothing measured: the method failed, not a request
-                    index = min(failed)
-                    raise VllmError(f"all {len(prompts)} requests failed; prompt {index}: {failed[index]}")
-                after = settled_metrics(server.base_url, before, tokens)
-                answered = len(prompts) - len(failed)
-                out[level][category] = to_measurement(
-                    after - before, answered, tokens, wall, method.num_speculative_tokens, outputs, failed
-                )
-                before = after
-    except VllmError as e:
+        return measure_at(server.base_url, settings, groups, levels, method.num_speculative_tokens, on_done)
+    except (VllmError, RequestError) as e:
         raise server.failure(f"vLLM server for {method.name}: {e}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise server.failure(f"vLLM server for {method.name} stopped answering ({e})") from None
-    return out
+    except (httpx.HTTPError, OSError) as e:
+        raise server.failure(f"vLLM server for {method.name} stopped answering ({first_line(e)})") from None
 
 
 class ServerBackend:

@@ -5,8 +5,9 @@ The server backend (specctl.bench.server) reads the counters from the server's /
 backend (specctl.bench.offline) from its worker's in-process registry; both turn a before/after
 pair into the same `Measurement`, with the engine's `SpecCounters`.
 
-Metric names, from vllm/v1/spec_decode/metrics.py (SpecDecodingProm) and
-vllm/v1/metrics/loggers.py: vllm:spec_decode_num_drafts_total,
+The exposition is parsed by prometheus_client (`text_string_to_metric_families`). Metric names,
+from vllm/v1/spec_decode/metrics.py (SpecDecodingProm) and vllm/v1/metrics/loggers.py:
+vllm:spec_decode_num_drafts_total,
 vllm:spec_decode_num_draft_tokens_total, vllm:spec_decode_num_accepted_tokens_total,
 vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}, vllm:generation_tokens_total.
 """
@@ -14,7 +15,6 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{position="i"}, vllm:generatio
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,15 +105,12 @@ def engine_args(method: Method, setup: VllmSetup, cpu: bool) -> list[str]:
 
 # ---------------------------------------------------------------- /metrics
 
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
     """vLLM's cumulative spec-decode counters (summed over engines) and generated tokens."""
 
-    counters: SpecCounters
+    counters: SpecCounters  # accepted_per_position is as long as the server's K (it exports every position)
     generation_tokens: int = 0
 
     def __sub__(self, before: MetricsSnapshot) -> MetricsSnapshot:
@@ -131,31 +128,28 @@ _COUNTERS = {
 _PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def _samples(text: str):
-    """(metric name, labels text, value) of the lines naming a spec-decode counter."""
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m or (m["name"] not in _COUNTERS and m["name"] != _PER_POSITION):
-            continue
-        try:
-            yield m["name"], m["labels"] or "", float(m["value"])
-        except ValueError:
-            continue
+def is_vllm_metrics(text: str) -> bool:
+    """Whether a /metrics page is vLLM's (it names `vllm:` families)."""
+    return "\nvllm:" in f"\n{text}" or "# TYPE vllm:" in text
 
 
 def parse_spec_decode_metrics(text: str) -> MetricsSnapshot:
-    """The spec-decode counters of a Prometheus text exposition (absent counters read as 0)."""
+    """The spec-decode counters of a Prometheus text exposition (absent counters read as 0),
+    parsed by prometheus_client; a page it cannot parse is a VllmError."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals = dict.fromkeys(_COUNTERS.values(), 0.0)
     per_pos: dict[int, float] = {}
-    for name, labels, value in _samples(text):
-        if name == _PER_POSITION:
-            position = dict(_LABEL.findall(labels)).get("position")
-            if position is not None:
-                per_pos[int(position)] = per_pos.get(int(position), 0.0) + value
-        else:
-            totals[_COUNTERS[name]] += value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == _PER_POSITION and "position" in sample.labels:
+                    position = int(sample.labels["position"])
+                    per_pos[position] = per_pos.get(position, 0.0) + sample.value
+                elif sample.name in _COUNTERS:
+                    totals[_COUNTERS[sample.name]] += sample.value
+    except ValueError as e:
+        raise VllmError(f"/metrics is not a Prometheus text exposition ({first_line(e, 120)})") from None
     width = max(per_pos) + 1 if per_pos else 0
     counters = SpecCounters(
         int(round(totals["num_drafts"])),

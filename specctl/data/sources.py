@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specctl.errors import DataError, first_line
+from specctl.errors import DataError, MissingDataError, first_line
 
 SELF_GENERATED = "self-generated"
 ROLE_ALIASES = {
@@ -62,7 +62,7 @@ def local_path(source: str) -> Path | None:
     if exists:
         return path
     if _looks_like_path(source):
-        raise DataError(
+        raise MissingDataError(  # a recipe value naming nothing: exit 2, like any bad input
             f"data.source={source!r}: file not found (cwd {Path.cwd()}); check the path, "
             "or use a hub dataset id or `self-generated`"
         )
