@@ -28,7 +28,8 @@ The engine runs in a worker process (`python -m specctl.collect_vllm FD`, a sock
 FD), started through specctl.procs like every vLLM process specctl starts: its own process group
 (vLLM's EngineCore and Worker below it), stopped when the stage ends and by the watchdog when
 specctl is killed. In specctl's own process vLLM's children would share the user's shell job's
-process group, which cannot be stopped without stopping the shell job. Messages are JSON:
+process group, which cannot be stopped without stopping the shell job. Its output (vLLM's log) goes
+to the collect stage's log file (runs/<name>/logs/collect-vllm.log). Messages are JSON:
 
   specctl -> worker  {"op": "start", "llm": {vllm.LLM kwargs}}
   worker -> specctl  {"op": "ready", "max_model_len": N, "max_num_batched_tokens": N} | {"op": "error", ...}

@@ -33,7 +33,7 @@ HOST = "127.0.0.1"
 CPU_KVCACHE_GIB = 2
 TAIL_LINES = 25
 STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL when the work is done: let vLLM free its memory and files
-INTERRUPT_GRACE_S = 5.0  # ... after Ctrl-C / SIGTERM: the user is waiting (vLLM takes < 1 s)
+INTERRUPT_GRACE_S = 5.0  # ... after Ctrl-C / SIGTERM: the user is waiting (see watchdog.GRACE_S)
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 
 
@@ -170,7 +170,8 @@ def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout_s: float, hurry:
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> list[int]:
-    """SIGTERM the process group, wait up to `grace_s`, SIGKILL what is left; reap the leader.
+    """SIGTERM the process group, wait up to `grace_s`, SIGKILL what is left (the resource tracker
+    last: `watchdog.kill_group`); reap the leader.
 
     A Ctrl-C or SIGTERM meanwhile does not cut the stop short of its end: it goes to SIGKILL at
     once. Returns those signals, for the caller to redeliver."""

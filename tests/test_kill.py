@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 ALL_DEAD_S = 15.0  # the bound: kill -> no process specctl started alive
 READY_TIMEOUT_S = 300.0
 NUM_CONVERSATIONS = 16  # one engine batch of about 4k tokens: ~10 s of prefill on 2 cores
+FULL_SAMPLES = 8  # the full-disk test's: 3 shards (its rerun collects them all)
 
 
 @dataclass
@@ -185,8 +186,11 @@ def collect_dir(tmp_path_factory) -> Path:
         f"extends: {ROOT / 'specctl' / 'recipes' / 'quickstart.yaml'}\ndata:\n  source: conversations.jsonl\n"
     )
     (cwd / "recipe.yaml").write_text(f"name: killed\n{base}features:\n  backend: vllm\n")
-    # several shards (about 3 conversations each), for a full disk after the first
-    (cwd / "full.yaml").write_text(f"name: full\n{base}features:\n  backend: vllm\n  shard_tokens: 600\n")
+    # FULL_SAMPLES of them in shards of about 3, for a full disk after the first
+    full = (
+        f"name: full\n{base}  max_samples: {FULL_SAMPLES}\nfeatures:\n  backend: vllm\n  shard_tokens: 600\n"
+    )
+    (cwd / "full.yaml").write_text(full)
     return cwd
 
 
@@ -274,6 +278,6 @@ def test_disk_full_in_the_vllm_collect(collect_dir):
     assert "shard-00000.safetensors" in kept
     done = subprocess.run(args, cwd=collect_dir, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(open_features(features)) == NUM_CONVERSATIONS
+    assert len(open_features(features)) == FULL_SAMPLES
     for name, data in kept.items():  # reused, not rewritten
         assert (features / name).read_bytes() == data
