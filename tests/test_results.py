@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from benchmarks.results import bench_is_current, recipe_hash, render, stages
 from specctl.drafters import DRAFTERS
 from specctl.recipe import load_recipe, resolve_recipe_path
-from specctl.results import bench_is_current, recipe_hash, render, stages
 
 
 @pytest.fixture
