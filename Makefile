@@ -59,19 +59,19 @@ demo: install
 # The run behind docs/results.md: four drafters, same data and budget, both backends (about 1.5 h on
 # 2 cores); a rerun reuses finished stages. Commit docs/results.md and docs/results/ afterwards.
 results: install
-	$(PY) -m specctl.results recipes/results.yaml --doc docs/results.md
+	$(PY) -m benchmarks.results recipes/results.yaml --doc docs/results.md
 
 lint: install
-	$(VENV)/bin/ruff check specctl tests
-	$(VENV)/bin/ruff format --check specctl tests || true
+	$(VENV)/bin/ruff check specctl benchmarks tests
+	$(VENV)/bin/ruff format --check specctl benchmarks tests || true
 
 bench-perf: install
-	$(PY) -m specctl.perf --output runs/bench-perf.json
+	$(PY) -m benchmarks.perf --output runs/bench-perf.json
 
 # Every drafter trained at its Llama-3.1-8B size + the embedded engine, on one CUDA GPU (< 8 min on
 # an H200); without CUDA a tiny CPU dry run of the same code. docs/performance.md says what it measures.
 gpu-check: install
-	$(PY) -m specctl.gpu_check --output runs/gpu-check.json
+	$(PY) -m benchmarks.gpu_check --output runs/gpu-check.json
 
 docs: install
 	$(PY) -m specctl.recipe --markdown > docs/recipe.md

@@ -238,6 +238,14 @@ DatasetSplitOpt = Annotated[
 ]
 DatasetSubsetOpt = Annotated[str | None, typer.Option(help="Hub dataset configuration name.")]
 DatasetColumnOpt = Annotated[str | None, typer.Option(help="Column holding the prompt text or chat turns.")]
+ThresholdOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="T,...",
+        help="Dynamic draft length for drafters with a confidence head (DSpark): verify only the "
+        "drafts whose confidence product stays >= T; several values are swept (embedded backend).",
+    ),
+]
 SweepKOpt = Annotated[
     str | None,
     typer.Option(
@@ -292,6 +300,7 @@ def bench(
         int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
     ] = None,
     sweep_k: SweepKOpt = None,
+    confidence_threshold: ThresholdOpt = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
@@ -307,7 +316,7 @@ def bench(
 
     Example: specctl bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16
     """
-    from specctl.bench.plan import parse_int_list, parse_sweep_k
+    from specctl.bench.plan import parse_float_list, parse_int_list, parse_sweep_k
     from specctl.bench.run import run_bench
     from specctl.errors import RecipeError
     from specctl.recipe import load_recipe
@@ -336,6 +345,8 @@ def bench(
         seed=seed,
         ngram=ngram,
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
+        confidence_thresholds=confidence_threshold
+        and parse_float_list(confidence_threshold, "--confidence-threshold"),
         vllm_args=vllm_arg or [],
         base_url=base_url,
         dataset_split=dataset_split,

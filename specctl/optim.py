@@ -7,7 +7,7 @@ norms and vectors on AdamW. `adjust_lr_fn="match_rms_adamw"` scales the orthogon
 0.2 * sqrt(max(rows, cols)) (Moonshot, "Muon is Scalable for LLM Training", 2025) so its RMS
 matches AdamW's and the same `train.lr` and `train.weight_decay` serve both.
 
-What is specctl's own, and why (figures: `python -m specctl.perf --only optim`, docs/performance.md):
+What is specctl's own, and why (figures: `python -m benchmarks.perf --only optim`, docs/performance.md):
 - `MuonAdamW` only routes: torch.optim.Muon refuses any parameter that is not 2-D and torch has
   no hybrid, so without it a Muon run needs two optimizers, two schedulers and two state dicts in
   every checkpoint. It is one `torch.optim.Optimizer` whose groups and state are shared with the

@@ -256,6 +256,12 @@ class BenchSection(Section):
     require: list[str] = Field(
         default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."
     )
+    confidence_thresholds: list[float] = Field(
+        default_factory=list,
+        description="Dynamic draft length for drafters with a confidence head (DSpark): verify only "
+        "the drafts whose running product of confidences stays >= T. Several values are swept, "
+        "beside each drafter's fixed K. Embedded backend only.",
+    )
     base_url: str | None = Field(
         None,
         description="Bench an OpenAI-compatible server that is already running (`http://host:port`) "

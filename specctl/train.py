@@ -431,16 +431,23 @@ def run_training(recipe: Recipe, resume: bool = False, progress: bool = True) ->
         distributed.teardown(ctx)
 
 
-def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> TrainSummary | None:
-    """The loop, on this process's rank of `ctx` (see run_training)."""
-    cfg, algo = recipe.train, recipe.drafter.algo
-    out_dir = recipe.run_dir / "drafters" / algo
-    ckpt_root = out_dir / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_root) if resume else None
-    if resume and resume_from is None:
-        raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
+@dataclass
+class Pieces:
+    """What the loop trains and with what: built once per run, identically on every rank."""
 
-    # ---- the pieces: data, drafter, optimizer (seeded init: identical weights on every rank)
+    source: Source
+    model: nn.Module  # the drafter, wrapped for DDP / FSDP2 when distributed
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    buckets: list[list[int]]  # training micro-batches (sample indices)
+    val_buckets: list[list[int]]
+    meta: dict[str, Any]  # what every checkpoint records about the run
+    autocast: Any
+
+
+def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
+    """Data, drafter (seeded init: identical weights on every rank), optimizer, schedule, batches."""
+    cfg, algo = recipe.train, recipe.drafter.algo
     source = open_source(recipe, ctx, progress)
     d2t = draft_vocab(recipe, source.spec.vocab_size)
     torch.manual_seed(cfg.seed)
@@ -448,29 +455,12 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     model = distributed.wrap(drafter.to(ctx.device), ctx, cfg.parallelism)
     vocab_sizes = {source.spec.vocab_size, source.spec.vocab_size if d2t is None else d2t.numel()}
     optimizer = build_optimizer(drafter, cfg, vocab_sizes)
-    scheduler = build_scheduler(optimizer, cfg)
     train_ids, val_ids = split_indices(len(source.lengths), cfg.val_fraction, cfg.seed)
     buckets = length_buckets(source.lengths, cfg.batch_tokens, train_ids)
-    val_buckets = length_buckets(source.lengths, cfg.batch_tokens, val_ids)
     if not buckets:
         raise DataError(
             f"no training samples ({len(source.lengths)} in all, train.val_fraction={cfg.val_fraction})"
         )
-
-    step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
-    seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, ctx)
-        restore_scheduler(scheduler, state["scheduler"])
-        step, cursor = state["step"], state["cursor"]
-        seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
-    start = step
-    tracker = None
-    if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
-        config = recipe.model_dump(mode="json")
-        tracker = open_tracker(cfg.report_to, out_dir, recipe.name, algo, config, first_step=step + 1)
-    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker)
-    log.open(keep_until=step if resume else None)
     dtype = devices.compute_dtype(ctx.device, cfg.precision)
     meta = {
         "algo": algo,
@@ -481,85 +471,138 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         "features": str(source.features_path) if source.features_path else None,
         "compute_dtype": str(dtype).removeprefix("torch."),
     }
-    autocast = devices.autocast(ctx.device, dtype)
-    recipe_yaml, keep = dump_recipe(recipe), cfg.keep_checkpoints
-    per_step = ctx.world_size * cfg.grad_accum  # micro-batches in one optimizer step, all ranks
-    checkpoint = resume_from
+    return Pieces(
+        source,
+        model,
+        optimizer,
+        build_scheduler(optimizer, cfg),
+        buckets,
+        length_buckets(source.lengths, cfg.batch_tokens, val_ids),
+        meta,
+        devices.autocast(ctx.device, dtype),
+    )
+
+
+@dataclass
+class StepFigures:
+    """One optimizer step, summed over ranks: mean micro-batch loss, counted predictions, tokens."""
+
+    loss: float
+    counted: float
+    tokens: int
+    grad_norm: float | None
+
+
+def optimizer_step(p: Pieces, cfg: Any, ctx: DistContext, cursor: int) -> StepFigures:
+    """This rank's share of the step's micro-batches (from `cursor`): forward, backward (gradients
+    synchronised on the last), clip, optimizer and scheduler step. Each micro-batch reseeds the RNG
+    from its global index, so what it samples does not depend on the rank or on a resume."""
+    per_step = ctx.world_size * cfg.grad_accum
+    p.model.train()
+    chunk = [micro_batch_at(p.buckets, cursor + i, cfg.seed) for i in range(per_step)]
+    mine = rank_share(chunk, cfg.grad_accum, ctx.rank)
+    totals = torch.zeros(3, device=ctx.device)  # loss sum, counted predictions, tokens
+    for i, indices in enumerate(mine):
+        torch.manual_seed(micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i))
+        batch = p.source.batch(indices, ctx.device, cfg.batch_tokens)
+        with distributed.gradient_sync(p.model, enabled=i == len(mine) - 1):
+            with p.autocast:
+                loss, metrics = p.model(batch)
+            (loss / cfg.grad_accum).backward()
+        counted = metrics["count"].sum().float()
+        totals += torch.stack([loss.detach().float(), counted, batch["attention_mask"].sum().float()])
+    loss_sum, counted, tokens = all_reduce_sum(totals, ctx).tolist()
+    figures = StepFigures(loss_sum / per_step, counted, int(tokens), None)
+    if not math.isfinite(figures.loss):  # before the update: the checkpoints stay finite
+        return figures
+    if cfg.grad_clip > 0:
+        norm = nn.utils.clip_grad_norm_(p.model.parameters(), cfg.grad_clip)
+        figures.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    p.optimizer.step()
+    p.scheduler.step()
+    p.optimizer.zero_grad(set_to_none=True)
+    return figures
+
+
+def check_step(s: StepFigures, step: int, first: bool) -> None:
+    """Stop on a step that cannot be trained on: a non-finite loss (before the update was applied,
+    so the last checkpoint is sound), or nothing counted in the first step of a run."""
+    if not math.isfinite(s.loss):
+        raise SpecctlError(
+            f"step {step}: training loss is {s.loss}; lower train.lr or check the features for NaN/Inf"
+        )
+    if first and s.counted == 0:
+        raise DataError(
+            f"step {step}: the drafter found nothing to train on (zero counted predictions): no "
+            "loss-masked tokens, or block/anchor settings too long for these sequences"
+        )
+
+
+def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> TrainSummary | None:
+    """The loop, on this process's rank of `ctx` (see run_training)."""
+    cfg, algo = recipe.train, recipe.drafter.algo
+    out_dir = recipe.run_dir / "drafters" / algo
+    ckpt_root = out_dir / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    if resume and resume_from is None:
+        raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
+    p = build_pieces(recipe, ctx, progress)
+
+    step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
+    seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, p.model, p.optimizer, ctx)
+        restore_scheduler(p.scheduler, state["scheduler"])
+        step, cursor = state["step"], state["cursor"]
+        seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
+    start, checkpoint = step, resume_from
+    tracker = None
+    if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
+        config = recipe.model_dump(mode="json")
+        tracker = open_tracker(cfg.report_to, out_dir, recipe.name, algo, config, first_step=step + 1)
+    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker).open(step if resume else None)
+    saved, keep = (dump_recipe(recipe), p.meta), cfg.keep_checkpoints  # what each checkpoint records
     tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
 
     with live_view(progress and ctx.is_main, cfg.max_steps, step) as live:
         while True:
             done = step >= cfg.max_steps
             # ---- periodic blocks: validate, checkpoint (not again right after resuming)
-            if step > start:
-                if step % cfg.eval_every == 0 or done:
-                    val = validate(model, source, val_buckets, ctx, cfg.batch_tokens, autocast)
-                    if val is not None:
-                        log.write({"step": step, **tokens_field(seen), **val})
-                        live(tau=f"{val['tau_hat']:.2f}")
-                if step % cfg.save_every == 0 or done:
-                    trainer_state = {
-                        "step": step,
-                        "cursor": cursor,
-                        "scheduler": scheduler.state_dict(),
-                        "tokens_seen": seen,
-                    }
-                    checkpoint = save_checkpoint(
-                        ckpt_root, step, model, optimizer, trainer_state, recipe_yaml, meta, ctx, keep
-                    )
+            if step > start and (step % cfg.eval_every == 0 or done):
+                val = validate(p.model, p.source, p.val_buckets, ctx, cfg.batch_tokens, p.autocast)
+                if val is not None:
+                    log.write({"step": step, **tokens_field(seen), **val})
+                    live(tau=f"{val['tau_hat']:.2f}")
+            if step > start and (step % cfg.save_every == 0 or done):
+                trainer = {
+                    "step": step,
+                    "cursor": cursor,
+                    "scheduler": p.scheduler.state_dict(),
+                    "tokens_seen": seen,
+                }
+                checkpoint = save_checkpoint(
+                    ckpt_root, step, p.model, p.optimizer, trainer, *saved, ctx, keep
+                )
             if done:
                 break
 
-            # ---- one optimizer step over this rank's share of per_step micro-batches
-            began = time.perf_counter()
-            model.train()
-            lr = scheduler.get_last_lr()[0]
-            chunk = [micro_batch_at(buckets, cursor + i, cfg.seed) for i in range(per_step)]
-            mine = rank_share(chunk, cfg.grad_accum, ctx.rank)
-            totals = torch.zeros(3, device=ctx.device)  # loss sum, counted predictions, tokens
-            for i, indices in enumerate(mine):
-                torch.manual_seed(micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i))
-                batch = source.batch(indices, ctx.device, cfg.batch_tokens)
-                with distributed.gradient_sync(model, enabled=i == len(mine) - 1):
-                    with autocast:
-                        loss, metrics = model(batch)
-                    (loss / cfg.grad_accum).backward()
-                counted = metrics["count"].sum().float()
-                totals += torch.stack([loss.detach().float(), counted, batch["attention_mask"].sum().float()])
-            cursor += per_step
-            loss_sum, counted, tokens = all_reduce_sum(totals, ctx).tolist()
-            seen = None if seen is None else seen + int(tokens)
-            step_loss = loss_sum / per_step
-            if not math.isfinite(step_loss):
-                raise SpecctlError(
-                    f"step {step + 1}: training loss is {step_loss}; lower train.lr or check "
-                    "the features for NaN/Inf"
-                )
-            if step == start and counted == 0:
-                raise DataError(
-                    f"step {step + 1}: the drafter found nothing to train on (zero counted "
-                    "predictions): no loss-masked tokens, or block/anchor settings too long "
-                    "for these sequences"
-                )
-            grad_norm = (
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip) if cfg.grad_clip > 0 else None
-            )
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            # ---- one optimizer step over the global batch
+            began, lr = time.perf_counter(), p.scheduler.get_last_lr()[0]
+            s = optimizer_step(p, cfg, ctx, cursor)
+            check_step(s, step + 1, first=step == start)
+            cursor += ctx.world_size * cfg.grad_accum
+            seen = None if seen is None else seen + s.tokens
             step += 1
-            tokens_since, busy = tokens_since + tokens, busy + time.perf_counter() - began
+            tokens_since, busy = tokens_since + s.tokens, busy + time.perf_counter() - began
 
             # ---- log
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                record = {"step": step, **tokens_field(seen), "loss": step_loss, "lr": lr}
+                record = {"step": step, **tokens_field(seen), "loss": s.loss, "lr": lr}
                 record["tokens_per_s"] = tokens_since / busy
-                if grad_norm is not None:
-                    record["grad_norm"] = float(
-                        grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                    )
+                if s.grad_norm is not None:
+                    record["grad_norm"] = s.grad_norm
                 log.write(record)
-                live(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tps=f"{record['tokens_per_s']:.0f}")
+                live(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}", tps=f"{record['tokens_per_s']:.0f}")
                 tokens_since, busy = 0.0, 0.0
             live(completed=step)
 
@@ -568,15 +611,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         return None
     if log.path.is_file():
         plot_curves({algo: read_curve(log.path)}, out_dir / "learning-curve.png", f"{algo}: held-out tau_hat")
-    last = log.last
+    latest = {k: log.last.get(k) for k in ("loss", "val_loss", "tau_hat", "val_acc_per_position")}
     return TrainSummary(
-        algo=algo,
-        steps=step,
-        loss=last.get("loss"),
-        val_loss=last.get("val_loss"),
-        tau_hat=last.get("tau_hat"),
-        val_acc_per_position=last.get("val_acc_per_position"),
-        run_dir=recipe.run_dir,
-        output_dir=out_dir,
-        checkpoint=checkpoint,
+        algo, step, **latest, run_dir=recipe.run_dir, output_dir=out_dir, checkpoint=checkpoint
     )

@@ -14,14 +14,18 @@ from reliability_matrix import fault
 
 from specctl.bench.plan import (
     Method,
+    display_name,
     group_prompts,
     k_range,
+    parse_float_list,
     parse_int_list,
     parse_sweep_k,
     plan_methods,
     plan_sweep,
+    plan_thresholds,
     prompt_rounds,
     reported_rounds,
+    reports_confidence,
 )
 from specctl.bench.prompts import (
     BUILTIN,
@@ -43,7 +47,7 @@ from specctl.bench.report import (
     best_results,
     check_requirements,
     parse_requirement,
-    recommend_k,
+    recommend,
     report_dict,
 )
 from specctl.bench.run import BenchInterrupted, run_bench, summed
@@ -614,7 +618,12 @@ def _write_drafter(path: Path, algo: str, k: int, verifier: str | None, drop=(),
     return path
 
 
-ACCEPT = {"eagle3": 1, "dflash": 3, "peagle": 2}  # tokens each fake drafter gets accepted per draft
+ACCEPT = {
+    "eagle3": 1,
+    "dflash": 3,
+    "peagle": 2,
+    "dspark": 2,
+}  # tokens each fake drafter gets accepted per draft
 TOKEN_COST, DRAFT_COST = 0.01, 0.012  # seconds per verifier step, plain / speculative
 
 
@@ -1017,12 +1026,17 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
 # ---------------------------------------------------------------- the K sweep
 
 
-def test_recommend_k_takes_the_fastest_and_ties_go_to_the_smaller_k():
-    assert recommend_k([(1, 10.0), (2, 12.5), (3, 11.0)]) == 2
-    assert recommend_k([(4, 12.0), (1, 9.0), (3, 12.0), (2, 12.0)]) == 2
-    assert recommend_k(iter([(5, 1.0)])) == 5
-    with pytest.raises(ValueError, match="no measured K"):
-        recommend_k([])
+def test_recommend_takes_the_fastest_and_ties_go_to_the_smaller_k_then_no_threshold():
+    none = lambda points: [((k, None), tps) for k, tps in points]  # noqa: E731
+    assert recommend(none([(1, 10.0), (2, 12.5), (3, 11.0)])) == (2, None)
+    assert recommend(none([(4, 12.0), (1, 9.0), (3, 12.0), (2, 12.0)])) == (2, None)
+    assert recommend(iter(none([(5, 1.0)]))) == (5, None)
+    # a confidence threshold wins when it is faster; on a tie, no threshold, then the lower one
+    assert recommend([((8, None), 10.0), ((8, 0.3), 11.0), ((4, None), 10.5)]) == (8, 0.3)
+    assert recommend([((8, 0.5), 11.0), ((8, None), 11.0), ((8, 0.3), 11.0)]) == (8, None)
+    assert recommend([((8, 0.5), 11.0), ((8, 0.3), 11.0)]) == (8, 0.3)
+    with pytest.raises(ValueError):
+        recommend([])
 
 
 def _sweep_report() -> BenchReport:
@@ -1065,7 +1079,9 @@ def test_sweep_report_points_and_recommendations(tmp_path):
         "dflash": {
             "1": {
                 "num_speculative_tokens": 3,
+                "confidence_threshold": None,
                 "acceptance_length": pytest.approx(1 + 18 / 10),
+                "draft_tokens_per_accepted": pytest.approx(30 / 18),
                 "output_tokens_per_s": pytest.approx(36.0),
                 "speedup": pytest.approx(36 / 16),
                 "speculative_config": {
@@ -1076,7 +1092,9 @@ def test_sweep_report_points_and_recommendations(tmp_path):
             },
             "4": {
                 "num_speculative_tokens": 2,
+                "confidence_threshold": None,
                 "acceptance_length": pytest.approx(1 + 14 / 10),
+                "draft_tokens_per_accepted": pytest.approx(20 / 14),
                 "output_tokens_per_s": pytest.approx(70.0),
                 "speedup": pytest.approx(70 / 80),
                 "speculative_config": {
@@ -1321,7 +1339,118 @@ def test_cli_parses_sweep_options(monkeypatch, tmp_path):
     CliRunner().invoke(app, ["bench", "--drafter", "x", "--sweep-k", "1-3,7"])
     assert seen["sweep_k"] == [1, 2, 3, 7]
     CliRunner().invoke(app, ["bench", "--drafter", "x"])
-    assert seen["sweep_k"] is False and seen["concurrency"] is None
+    assert seen["sweep_k"] is False and seen["concurrency"] is None and seen["confidence_thresholds"] is None
+    CliRunner().invoke(app, ["bench", "--drafter", "x", "--confidence-threshold", "0.5,0.2"])
+    assert seen["confidence_thresholds"] == [0.2, 0.5]
+    result = CliRunner().invoke(app, ["bench", "--drafter", "x", "--confidence-threshold", "high"])
+    assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
+    assert "--confidence-threshold 'high': expected numbers" in str(result.exception)
+
+
+# ---------------------------------------------------------------- the confidence threshold
+
+
+def test_plan_thresholds(tmp_path):
+    """A drafter with a confidence head gets one configuration per threshold (beside its fixed K
+    in a sweep, instead of it otherwise); the others are measured as they are, with a note."""
+    s = _write_drafter(tmp_path / "s", "dspark", 4, "v")
+    blind = _write_drafter(tmp_path / "b", "dspark", 4, "v", enable_confidence_head=False)
+    d = _write_drafter(tmp_path / "d", "dflash", 4, "v")
+    methods, _ = plan_methods([s, blind, d], None)
+    assert [m.name for m in methods] == ["no-spec", "dspark", "dspark-2", "dflash"]
+    assert [reports_confidence(m) for m in methods] == [False, True, False, False]
+
+    def settings(configs):
+        return [(m.name, m.num_speculative_tokens, m.confidence_threshold) for m in configs]
+
+    configs, notes = plan_thresholds(methods, [], sweeping=True)
+    assert configs == methods and notes == []
+    configs, notes = plan_thresholds(methods, [0.5, 0.2, 0.5], sweeping=True)
+    assert settings(configs) == [
+        ("no-spec", 0, None),
+        ("dspark", 4, None),
+        ("dspark", 4, 0.2),
+        ("dspark", 4, 0.5),
+        ("dspark-2", 4, None),
+        ("dflash", 4, None),
+    ]
+    assert notes == [
+        "dspark-2: no confidence head, --confidence-threshold does not apply",
+        "dflash: no confidence head, --confidence-threshold does not apply",
+    ]
+    configs, _ = plan_thresholds(methods[:2], [0.3], sweeping=False)  # one T, no sweep: T replaces K
+    assert settings(configs) == [("no-spec", 0, None), ("dspark", 4, 0.3)]
+    assert display_name(configs[1], False) == "dspark T=0.3"
+    assert display_name(configs[1], True) == "dspark K=4 T=0.3"
+    for bad in ([0.0], [1.0], [0.3, 1.5]):
+        with pytest.raises(UsageError, match="is a probability in \\(0, 1\\)"):
+            plan_thresholds(methods, bad, sweeping=True)
+    assert parse_float_list(" 0.4,0.2,0.4", "--confidence-threshold") == [0.2, 0.4]
+    with pytest.raises(UsageError, match="--confidence-threshold '0.2,x': expected numbers"):
+        parse_float_list("0.2,x", "--confidence-threshold")
+
+
+def _cutting_generate(verifier, drafter, *args, num_speculative_tokens, confidence_threshold=None, **kw):
+    """fake_generate, with a dynamic draft length: under a threshold the drafter verifies only its
+    confident prefix (the `accept` drafts that are kept, one more below T 0.5), and a step costs
+    less for each draft it no longer verifies."""
+    _cutting_generate.thresholds.add((getattr(drafter, "accept", None), confidence_threshold))
+    k = num_speculative_tokens
+    if confidence_threshold is None:
+        return fake_generate(verifier, drafter, *args, num_speculative_tokens=k, **kw)
+    kept = min(k, drafter.accept + (confidence_threshold < 0.5))
+    r = fake_generate(verifier, drafter, *args, num_speculative_tokens=kept, **kw)
+    r.counters.accepted_per_position += [0] * (k - kept)
+    r.wall_s *= 1 - 0.05 * (k - kept)
+    return r
+
+
+def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tiny_verifier_dir, fake_engine):
+    s = _write_drafter(tmp_path / "s", "dspark", 6, str(tiny_verifier_dir))
+    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))
+    _cutting_generate.thresholds = set()
+    out = tmp_path / "o"
+    report = run_bench(
+        drafters=[s, d],
+        output=out,
+        num_prompts=2,
+        max_new_tokens=12,
+        confidence_thresholds=[0.6, 0.3],
+        **{**fake_engine, "generate_fn": _cutting_generate},
+    )
+    dd = json.loads((out / "report.json").read_text())
+    points = dd["sweep"]["points"]
+    assert [(p["name"], p["num_speculative_tokens"], p["confidence_threshold"]) for p in points] == [
+        ("no-spec", 0, None),
+        ("dspark", 6, None),
+        ("dspark", 6, 0.3),
+        ("dspark", 6, 0.6),
+        ("dflash", 4, None),
+    ]
+    # the engine is asked for a threshold only for the DSpark (accept 2) configurations that have one
+    assert _cutting_generate.thresholds == {(None, None), (2, None), (2, 0.3), (2, 0.6), (3, None)}
+    fixed, low, high = points[1:4]
+    # the same drafts kept (tau), fewer checked: drafted per accepted falls from 6/2 to 2/2
+    assert fixed["acceptance_length"] == low["acceptance_length"] == high["acceptance_length"] == 3.0
+    assert fixed["draft_tokens_per_accepted"] == 3.0 and low["draft_tokens_per_accepted"] == 1.5
+    assert high["draft_tokens_per_accepted"] == 1.0
+    rec = dd["sweep"]["recommended"]["dspark"]["1"]
+    assert rec["confidence_threshold"] == 0.6 and rec["num_speculative_tokens"] == 6
+    assert rec["draft_tokens_per_accepted"] == 1.0 and rec["speedup"] > fixed["speedup"]
+    # results (and --require) read DSpark at its recommended threshold
+    assert [(r["name"], r["confidence_threshold"]) for r in dd["results"]] == [
+        ("no-spec", None),
+        ("dspark", 0.6),
+        ("dflash", None),
+    ]
+    assert report.sweep_skipped == ["dflash: no confidence head, --confidence-threshold does not apply"]
+    md = (out / "report.md").read_text()
+    assert "| 6, T 0.6 |" in md and "drafted per accepted" in md
+    assert "concurrency 1, dspark: K=6, confidence threshold 0.6" in md
+    with pytest.raises(UsageError, match="--confidence-threshold is measured with the embedded engine"):
+        run_bench(
+            drafters=[s], output=tmp_path / "v", backend="vllm", confidence_thresholds=[0.3], **fake_engine
+        )
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -1385,3 +1514,46 @@ def test_sweep_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         )
         assert next(r for r in d["results"] if r["name"] == name)["num_speculative_tokens"] == best_k
     assert (tmp_path / "bench" / "sweep.png").is_file()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_confidence_threshold_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
+    """A random DSpark with its confidence head on the real engine: a threshold can only cut drafts
+    (never more verified than at the fixed K), greedy outputs stay plain decoding's."""
+    from specctl.drafters import DRAFTERS
+    from specctl.export import save_drafter
+    from specctl.recipe import VerifierSection
+    from specctl.verifier import load_verifier, resolve_mask_token_id, verifier_spec, verifier_weights
+
+    verifier = load_verifier(VerifierSection(name_or_path=str(tiny_verifier_dir)))
+    spec = verifier_spec(
+        verifier, (1, 2, 3), resolve_mask_token_id(verifier.tokenizer, verifier.config, None)
+    )
+    torch.manual_seed(0)
+    cls = DRAFTERS["dspark"]
+    config = cls.config_cls(**{**cls.tiny, "block_size": 4, "num_speculative_tokens": 3})
+    export = save_drafter(cls.build(config, spec, verifier_weights(verifier), None, "kl"), tmp_path / "s")
+    report = run_bench(
+        drafters=[export],
+        output=tmp_path / "bench",
+        num_prompts=2,
+        max_new_tokens=8,
+        confidence_thresholds=[0.01, 0.99],
+        progress=False,
+    )
+    points = report.to_dict()["sweep"]["points"]
+    assert [(p["name"], p["confidence_threshold"]) for p in points] == [
+        ("no-spec", None),
+        ("dspark", None),
+        ("dspark", 0.01),
+        ("dspark", 0.99),
+    ]
+    fixed, low, high = points[1:]
+    for p in (fixed, low, high):
+        assert p["outputs_match_plain"] == 1.0 and p["output_tokens"] == points[0]["output_tokens"]
+        assert len(p["per_position_acceptance"]) == 3
+    # a drafted token is verified only while the confidence product stays >= T (a random head's
+    # confidences are far below 0.99): never more than K per step, fewer under the high threshold
+    for p in (fixed, low, high):
+        assert p["num_draft_tokens"] <= 3 * p["num_drafts"]
+    assert high["num_draft_tokens"] < fixed["num_draft_tokens"]

@@ -381,7 +381,8 @@ def assert_matches_reference(m: DFlashDrafter, batch) -> None:
 def test_training_pass_matches_per_anchor_reference(B, T, block_size, max_anchors):
     """Shared context K/V + per-block attention = the per-anchor copies it replaced: padded
     rows, rows with fewer candidates than anchor slots (invalid anchors), GQA."""
-    m = perturbed(build(block_size=block_size, max_anchors=max_anchors))
+    # the reference weighs positions by the fixed exp decay; D-PACE has its own reference test
+    m = perturbed(build(block_size=block_size, max_anchors=max_anchors, position_weights="exp"))
     batch = random_batch(B=B, T=T, seed=B + T)
     batch["loss_mask"][-1] = False
     batch["loss_mask"][-1, 5:7] = True  # two candidates only: the other anchor slots are invalid
@@ -558,7 +559,7 @@ def test_counts_match_brute_force():
 @pytest.mark.parametrize("loss", ["kl", "ce"])
 def test_loss_is_position_weighted_against_the_verifier(loss):
     """Loss = sum_k exp(-(k-1)/gamma) * l(draft_k, verifier at anchor+k-1) / sum of weights."""
-    m = build(loss=loss, gamma=1.5).eval()  # eval: the same anchors every call
+    m = build(loss=loss, gamma=1.5, position_weights="exp").eval()  # eval: the same anchors every call
     batch = random_batch()
     rows = m.gather_rows(batch)
     got, metrics = m(batch)

@@ -41,7 +41,7 @@ def float32_newton_schulz() -> None:
     its reductions (norm, X @ X.T) run in another order than on one rank, so bf16 rounding alone
     moved a 1536x576 update by 6.5e-4 (of 3.3e-2) between them. What these tests check is that
     sharding and resharding leave the math alone, so the iteration is torch's, step for step, in
-    float32. The bf16 iteration itself is compared with float32 in `python -m specctl.perf --only
+    float32. The bf16 iteration itself is compared with float32 in `python -m benchmarks.perf --only
     optim` (within 1.1 %).
     """
     import torch

@@ -126,7 +126,8 @@ def test_training_layout_is_anchor_as_first_prediction():
 def test_training_pass_matches_per_anchor_reference(T, block_size, max_anchors, config):
     """DSpark's loss (token + L1 + confidence BCE) and gradients through the shared-context
     block pass equal the former per-anchor pass (test_dflash's reference)."""
-    m = perturbed(dspark(block_size=block_size, max_anchors=max_anchors, **config))
+    # the reference weighs positions by the fixed exp decay; D-PACE has its own reference test
+    m = perturbed(dspark(block_size=block_size, max_anchors=max_anchors, position_weights="exp", **config))
     batch = random_batch(B=3, T=T, seed=T)
     batch["loss_mask"][-1] = False
     batch["loss_mask"][-1, 5:7] = True  # two candidates only: the other anchor slots are invalid

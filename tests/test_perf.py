@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specctl import gpu_check, perf
+from benchmarks import gpu_check, perf
 from specctl.drafters import DRAFTERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +139,7 @@ DRY_RUN = """
 import json, sys
 for name in ("pydantic", "datasets", "gguf"):  # import of a None entry raises ImportError
     sys.modules[name] = None
-import specctl.gpu_check as g  # importable without any of them
+import benchmarks.gpu_check as g  # importable without any of them
 assert g.main(["--dry-run", "--output", sys.argv[1]]) == 2  # says pydantic is missing, exits
 del sys.modules["pydantic"]  # the drafters need it; datasets and gguf stay blocked
 assert g.main(["--dry-run", "--output", sys.argv[1]]) == 0

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
+from benchmarks.results import bench_is_current, recipe_hash, render, stages
 from specctl.drafters import DRAFTERS
 from specctl.recipe import load_recipe, resolve_recipe_path
-from specctl.results import bench_is_current, recipe_hash, render, stages
 
 
 @pytest.fixture
@@ -97,13 +97,26 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
             json.dumps(r)
             for r in [
                 {"step": 10, "loss": 3.0, "tokens_per_s": 400.0},
+                {"step": 10, "tokens_seen": 20_000, "val_acc_per_position": [0.25], "tau_hat": 1.25},
                 {"step": 20, "loss": 2.0, "tokens_per_s": 600.0},
-                {"step": 20, "val_loss": 2.5, "val_acc_per_position": [0.5, 0.25], "tau_hat": 1.625},
+                {"step": 20, "val_loss": 2.5, "val_acc_per_position": [0.5, 0.25], "tau_hat": 1.625}
+                | {"tokens_seen": 40_000},
             ]
         )
     )
+    eagle = run / "drafters" / "eagle3" / "metrics.jsonl"
+    eagle.parent.mkdir(parents=True)
+    eagle.write_text(
+        json.dumps({"step": 15, "tokens_seen": 30_000, "val_acc_per_position": [0.4], "tau_hat": 1.4})
+    )
     (run / "bench").mkdir()
-    (run / "bench" / "report.json").write_text(json.dumps(_report(1.31)))
+    report = _report(1.31)
+    dspark = {**report["results"][1], "name": "dspark", "num_speculative_tokens": 8}
+    fixed = {**dspark, "confidence_threshold": None, "draft_tokens_per_accepted": 8.0}
+    cut = {**dspark, "confidence_threshold": 0.4, "draft_tokens_per_accepted": 1.5, "speedup": 1.45}
+    report["results"].append(cut)
+    report["sweep"] = {"points": [report["results"][0], fixed, cut]}
+    (run / "bench" / "report.json").write_text(json.dumps(report))
     (run / "bench" / "acceptance.png").write_bytes(b"png")
     log = [{"stage": "train dflash", "command": ["specctl", "train", "r.yaml"], "wall_s": 60.0, "rc": 0}] * 2
     (run / "results-stages.json").write_text(json.dumps(log))
@@ -114,6 +127,14 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     assert "| dflash | 1.50 | 1.20x | - | - |" in page  # per category, a missing one shown as -
     assert recipe_hash(resolve_recipe_path("results.yaml")) in page
     assert (doc.parent / "results" / "acceptance-bench.png").read_bytes() == b"png"
+    # learning curves: one column per token count any drafter was validated at
+    assert "| drafter | 0.02M | 0.03M | 0.04M |" in page
+    assert "| dflash | 1.250 | - | 1.625 |" in page and "| eagle3 | - | 1.400 | - |" in page
+    assert (doc.parent / "results" / "learning-curves.png").read_bytes()[:4] == b"\x89PNG"
+    # DSpark at a confidence threshold: its K cell names T, and the fixed K is shown beside it
+    assert "| dspark | 8, T 0.4 | 1.75 |" in page
+    assert "| dspark | 8 | 1.75 | 8.00 | 20.0 | 1.31x |" in page
+    assert "| dspark | 8, T 0.4 | 1.75 | 1.50 | 20.0 | 1.45x |" in page
     assert "bench-vllm" not in page  # no vLLM report in this run: no section
 
 

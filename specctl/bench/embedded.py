@@ -71,6 +71,12 @@ class EmbeddedBackend:
             seed=s.seed + index,
             num_speculative_tokens=method.num_speculative_tokens or None,
             eos_token_ids=self.stop_ids,
+            # only when set: an engine (or a test's stand-in) without dynamic draft length still runs
+            **(
+                {}
+                if method.confidence_threshold is None
+                else {"confidence_threshold": method.confidence_threshold}
+            ),
         )
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:

@@ -45,6 +45,8 @@ class Method:
     num_speculative_tokens: int = 0
     drafter: Path | None = None
     verifier: str | None = None  # the verifier the drafter records (speculators_config.verifier)
+    # dynamic draft length: verify only the drafts whose confidence product stays >= this (None = all K)
+    confidence_threshold: float | None = None
 
 
 # ---------------------------------------------------------------- settings and methods
@@ -133,10 +135,14 @@ def plan_methods(
 
 
 def display_name(method: Method, sweeping: bool) -> str:
-    """How progress and errors name a configuration: the method, and its K in a sweep."""
+    """How progress and errors name a configuration: the method, and its K (and confidence
+    threshold) in a sweep."""
+    name = method.name
     if sweeping and method.algo != PLAIN:
-        return f"{method.name} K={method.num_speculative_tokens}"
-    return method.name
+        name = f"{name} K={method.num_speculative_tokens}"
+    if method.confidence_threshold is not None:
+        name = f"{name} T={method.confidence_threshold:g}"
+    return name
 
 
 # ---------------------------------------------------------------- vLLM's view of a method
@@ -180,6 +186,15 @@ def parse_int_list(text: str, option: str) -> list[int]:
         if first < 1 or last < first:
             raise UsageError(f"{option} {text!r}: {part.strip()!r} is not a positive integer or rising range")
         values.update(range(first, last + 1))
+    return sorted(values)
+
+
+def parse_float_list(text: str, option: str) -> list[float]:
+    """`0.2,0.4` -> sorted distinct numbers (a command-line list)."""
+    try:
+        values = {float(part) for part in text.split(",")}
+    except ValueError:
+        raise UsageError(f"{option} {text!r}: expected numbers like 0.2,0.4") from None
     return sorted(values)
 
 
@@ -235,6 +250,50 @@ def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tupl
             )
         configs += [replace(m, num_speculative_tokens=k) for k in ks if k not in over]
     return configs, skipped
+
+
+# ---------------------------------------------------------------- the confidence threshold
+
+
+def reports_confidence(method: Method) -> bool:
+    """Whether the method's drafter reports per-position confidences (its spec's config says)."""
+    if method.drafter is None:
+        return False
+    from specctl.validate import read_config
+
+    spec, config = read_config(method.drafter)
+    return spec.config_from_format(config).reports_confidence()
+
+
+def plan_thresholds(
+    configs: Sequence[Method], thresholds: Sequence[float], sweeping: bool
+) -> tuple[list[Method], list[str]]:
+    """Expand the configurations over DSpark-style confidence thresholds, and one line per drafter
+    the thresholds cannot apply to.
+
+    For a drafter that reports confidences: in a sweep (several thresholds, or K / concurrency
+    swept), its fixed-K configuration is kept -- the reference a threshold must beat -- and one
+    configuration per threshold is added at each K; otherwise (one threshold, no sweep) that
+    threshold replaces the fixed K. Other drafters are measured as they are.
+    """
+    if not thresholds:
+        return list(configs), []
+    bad = [t for t in thresholds if not 0 < t < 1]
+    if bad:
+        raise UsageError(f"--confidence-threshold {bad[0]:g}: a threshold is a probability in (0, 1)")
+    out: list[Method] = []
+    unable: dict[str, None] = {}
+    for m in configs:
+        if m.algo == PLAIN or not reports_confidence(m):
+            out.append(m)
+            if m.algo != PLAIN:
+                unable[m.name] = None
+            continue
+        if sweeping:
+            out.append(m)
+        out += [replace(m, confidence_threshold=t) for t in sorted(set(thresholds))]
+    notes = [f"{name}: no confidence head, --confidence-threshold does not apply" for name in unable]
+    return out, notes
 
 
 # ---------------------------------------------------------------- the verifier

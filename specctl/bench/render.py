@@ -9,8 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from specctl.bench.plan import PLAIN
-from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, report_dict
+from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, point_setting, report_dict
 from specctl.durable import write_atomic
+
+
+def _k_cell(r: dict[str, Any]) -> str:
+    """K, and the confidence threshold that cut its drafts when there was one ("8, T 0.3")."""
+    if r["algo"] == PLAIN:
+        return "-"
+    t = r.get("confidence_threshold")
+    return str(r["num_speculative_tokens"]) if t is None else f"{r['num_speculative_tokens']}, T {t:g}"
 
 
 def _rows(d: dict[str, Any]) -> list[list[str]]:
@@ -21,7 +29,7 @@ def _rows(d: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 r["name"],
-                str(r["num_speculative_tokens"]) if spec else "-",
+                _k_cell(r),
                 fmt(r["acceptance_length"]),
                 " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) if spec else "-",
                 fmt(r["output_tokens_per_s"], 1),
@@ -95,13 +103,14 @@ def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
             [
                 str(p["concurrency"]),
                 p["name"],
-                str(p["num_speculative_tokens"]) if spec else "-",
+                _k_cell(p),
                 fmt(p["acceptance_length"]),
                 " ".join(f"{a:.2f}" for a in p["per_position_acceptance"]) if spec else "-",
+                fmt(p.get("draft_tokens_per_accepted")) if spec else "-",
                 fmt(p["output_tokens_per_s"], 1),
                 fmt(p["speedup"], 2, "x"),
                 _match(p),
-                "*" if best.get("num_speculative_tokens") == p["num_speculative_tokens"] else "",
+                "*" if best and point_setting(best) == point_setting(p) else "",
             ]
         )
     return rows
@@ -113,14 +122,17 @@ SWEEP_HEADERS = [
     "K",
     "tau",
     "acceptance per position",
+    "drafted per accepted",
     "output tok/s",
     "speedup",
     "= plain",
     "best",
 ]
 _SWEEP_NOTE = (
-    "Best = the highest output tokens/s at that concurrency; a tie goes to the smaller K. Speedups "
-    "are against no-spec at the same concurrency."
+    "Best = the highest output tokens/s at that concurrency; a tie goes to the smaller K, then to no "
+    "confidence threshold (T: verify only the drafts whose confidence product stays >= T). Drafted "
+    "per accepted = draft tokens the verifier checked per draft token it kept. Speedups are against "
+    "no-spec at the same concurrency."
 )
 
 
@@ -131,8 +143,10 @@ def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
         for level, r in levels.items():
             slower = r["speedup"] is not None and r["speedup"] < 1
             note = "; slower than no-spec, serve without speculation" if slower else ""
+            t = r.get("confidence_threshold")
+            cut = "" if t is None else f", confidence threshold {t:g}"
             text = (
-                f"concurrency {level}, {name}: K={r['num_speculative_tokens']} "
+                f"concurrency {level}, {name}: K={r['num_speculative_tokens']}{cut} "
                 f"({fmt(r['output_tokens_per_s'], 1)} tok/s, {fmt(r['speedup'], 2, 'x')} no-spec, "
                 f"tau {fmt(r['acceptance_length'])}{note})"
             )
@@ -405,24 +419,28 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
     fig = Figure(figsize=(max(8.0, 1.5 + 4.5 * len(levels)), 7), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(levels), squeeze=False)
-    names = list(dict.fromkeys(p["name"] for p in s["points"] if p["algo"] != PLAIN))
+    series = list(
+        dict.fromkeys((p["name"], p.get("confidence_threshold")) for p in s["points"] if p["algo"] != PLAIN)
+    )
     for col, level in enumerate(levels):
         top, bottom = axes[0][col], axes[1][col]
         here = [p for p in s["points"] if p["concurrency"] == level]
         for p in here:
             if p["algo"] == PLAIN:
                 top.axhline(p["output_tokens_per_s"], color="0.5", linestyle="--", label="no-spec")
-        for i, name in enumerate(names):
-            pts = sorted((p for p in here if p["name"] == name), key=lambda p: p["num_speculative_tokens"])
+        for i, (name, t) in enumerate(series):
+            mine = (p for p in here if (p["name"], p.get("confidence_threshold")) == (name, t))
+            pts = sorted(mine, key=lambda p: p["num_speculative_tokens"])
             if not pts:
                 continue
+            label = name if t is None else f"{name} T={t:g}"
             ks = [p["num_speculative_tokens"] for p in pts]
-            top.plot(ks, [p["output_tokens_per_s"] for p in pts], marker="o", color=f"C{i}", label=name)
+            top.plot(ks, [p["output_tokens_per_s"] for p in pts], marker="o", color=f"C{i}", label=label)
             taus = [p["acceptance_length"] for p in pts]
             if None not in taus:
-                bottom.plot(ks, taus, marker="o", color=f"C{i}", label=name)
+                bottom.plot(ks, taus, marker="o", color=f"C{i}", label=label)
             best = s["recommended"].get(name, {}).get(str(level))
-            if best is not None:
+            if best is not None and best.get("confidence_threshold") == t:
                 top.plot(
                     best["num_speculative_tokens"], best["output_tokens_per_s"], "*", ms=15, color=f"C{i}"
                 )

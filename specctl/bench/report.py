@@ -190,6 +190,8 @@ def measurement_dict(m: Measurement, plain: Measurement | None, base: Measuremen
         "num_drafts": c.num_drafts if m.counted else None,
         "num_draft_tokens": c.num_draft_tokens if m.counted else None,
         "num_accepted_tokens": c.num_accepted_tokens if m.counted else None,
+        # drafts the verifier had to check per draft it kept: what a dynamic draft length saves
+        "draft_tokens_per_accepted": _ratio(c.num_draft_tokens, c.num_accepted_tokens) if m.counted else None,
         "num_prompts": m.num_prompts,
         "output_tokens": m.output_tokens,
         "wall_s": m.wall_s,
@@ -275,6 +277,7 @@ def _method_dict(method: Method) -> dict[str, Any]:
         "name": method.name,
         "algo": method.algo,
         "num_speculative_tokens": method.num_speculative_tokens,
+        "confidence_threshold": method.confidence_threshold,
         "drafter": str(method.drafter) if method.drafter else None,
     }
 
@@ -282,43 +285,58 @@ def _method_dict(method: Method) -> dict[str, Any]:
 # ---------------------------------------------------------------- the K sweep
 
 
-def recommend_k(points: Iterable[tuple[int, float]]) -> int:
-    """The K of the (K, output tokens/s) point with the highest tokens/s.
+Setting = tuple[int, float | None]  # (K, confidence threshold or None): one configuration of a drafter
 
-    A tie goes to the smaller K: the same speed for less drafting work and fewer speculative
-    KV-cache slots per request, which leaves more room for other requests.
+
+def recommend(points: Iterable[tuple[Setting, float]]) -> Setting:
+    """The (K, threshold) of the (setting, output tokens/s) point with the highest tokens/s.
+
+    A tie goes to the smaller K (the same speed for less drafting work and fewer speculative
+    KV-cache slots per request, which leaves more room for other requests), then to no threshold
+    (nothing to tune), then to the lower one.
     """
     measured = list(points)
     if not measured:
-        raise ValueError("no measured K to recommend from")
-    return min(measured, key=lambda p: (-p[1], p[0]))[0]
+        raise ValueError("no measured setting to recommend from")
+    (k, t), _ = min(measured, key=lambda p: (-p[1], p[0][0], p[0][1] is not None, p[0][1] or 0.0))
+    return k, t
+
+
+def _setting(method: Method) -> Setting:
+    return method.num_speculative_tokens, method.confidence_threshold
+
+
+def point_setting(point: dict[str, Any]) -> Setting:
+    """The (K, threshold) of a point or result as the report writes it (older reports have no T)."""
+    return point["num_speculative_tokens"], point.get("confidence_threshold")
 
 
 def best_results(points: Sequence[Point], concurrency: int) -> list[MethodResult]:
-    """Each method, in the order first measured, at its recommended K at `concurrency`: the
-    `results` of a sweep, so the summary table, speedups and --require read the right K."""
+    """Each method, in the order first measured, at its recommended K (and threshold) at
+    `concurrency`: the `results` of a sweep, so the summary table, speedups and --require read it."""
     by_name: dict[str, list[MethodResult]] = {}
     for p in points:
         if p.concurrency == concurrency:
             by_name.setdefault(p.result.method.name, []).append(p.result)
     best = []
     for results in by_name.values():
-        k = recommend_k((r.method.num_speculative_tokens, r.total.output_tokens_per_s) for r in results)
-        best.append(next(r for r in results if r.method.num_speculative_tokens == k))
+        chosen = recommend((_setting(r.method), r.total.output_tokens_per_s) for r in results)
+        best.append(next(r for r in results if _setting(r.method) == chosen))
     return best
 
 
 def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """method name -> concurrency level (a string: JSON keys are) -> the recommended K with its
-    figures and the vLLM `--speculative-config` that serves it. Plain decoding has none."""
+    """method name -> concurrency level (a string: JSON keys are) -> the recommended K (and
+    confidence threshold) with its figures and the vLLM `--speculative-config` that serves it.
+    Plain decoding has none."""
     grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for p in points:
         if p["algo"] != PLAIN:
             grouped.setdefault((p["name"], p["concurrency"]), []).append(p)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (name, level), group in grouped.items():
-        k = recommend_k((p["num_speculative_tokens"], p["output_tokens_per_s"]) for p in group)
-        best = next(p for p in group if p["num_speculative_tokens"] == k)
+        k, t = recommend((point_setting(p), p["output_tokens_per_s"]) for p in group)
+        best = next(p for p in group if point_setting(p) == (k, t))
         method = Method(name, best["algo"], k, Path(best["drafter"]) if best["drafter"] else None)
         try:
             spec = speculative_config(method)
@@ -326,7 +344,9 @@ def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dic
             spec = None
         out.setdefault(name, {})[str(level)] = {
             "num_speculative_tokens": k,
+            "confidence_threshold": t,
             "acceptance_length": best["acceptance_length"],
+            "draft_tokens_per_accepted": best.get("draft_tokens_per_accepted"),
             "output_tokens_per_s": best["output_tokens_per_s"],
             "speedup": best["speedup"],
             "speculative_config": spec,

@@ -38,6 +38,7 @@ from specctl.bench.plan import (
     no_drafter_message,
     plan_methods,
     plan_sweep,
+    plan_thresholds,
     prompt_rounds,
     reported_rounds,
     speculative_config,
@@ -132,6 +133,15 @@ def plan_run(
                 f"--require {req.text!r}: no method {req.method!r}; this run has {', '.join(names)}"
             )
     configs, skipped = plan_sweep(methods, sweep_k)
+    thresholds = settings.confidence_thresholds
+    if thresholds and backend != "embedded":
+        raise UsageError(
+            "--confidence-threshold is measured with the embedded engine (--backend embedded); "
+            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
+        )
+    sweeping = sweep_k is not False or len(levels) > 1 or len(set(thresholds)) > 1
+    configs, unable = plan_thresholds(configs, thresholds, sweeping)
+    skipped += unable  # warned and reported with the K a drafter cannot draft
     section = None
     if chosen is not None:
         section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
@@ -139,7 +149,6 @@ def plan_run(
         )
         check_drafters(methods, section)
     out_dir = Path(output) if output is not None else (recipe.run_dir if recipe else Path("runs")) / "bench"
-    sweeping = sweep_k is not False or len(levels) > 1
     recipe_yaml = dump_recipe(recipe) if recipe is not None else None
     return RunPlan(
         settings,
@@ -248,6 +257,7 @@ def run_bench(
     seed: int | None = None,
     ngram: int | None = None,
     sweep_k: bool | Sequence[int] = False,
+    confidence_thresholds: Sequence[float] | None = None,
     vllm_args: Sequence[str] = (),
     ready_timeout_s: float | None = None,
     base_url: str | None = None,
@@ -267,7 +277,8 @@ def run_bench(
     `sweep_k` measures each drafter at several K (True: every K it can draft, see plan_sweep;
     a list: those K); several `concurrency` levels (vLLM server only) are measured on each
     server. Either makes a sweep: report.sweep holds every point, report.results each method
-    at its recommended K at the lowest level.
+    at its recommended K at the lowest level. `confidence_thresholds` adds a dynamic draft length
+    for drafters with a confidence head (plan_thresholds; several values are swept).
     `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
     server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
     else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
@@ -299,6 +310,7 @@ def run_bench(
         top_p=top_p,
         seed=seed,
         ready_timeout_s=ready_timeout_s,
+        confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
     )
 
     def say(msg: str, **kw: Any) -> None:

@@ -35,6 +35,12 @@ class DrafterConfig(BaseModel):
         """Draft positions training covered: the top of a default K sweep when K is unlimited."""
         return self.max_speculative_tokens() or 0
 
+    def reports_confidence(self) -> bool:
+        """Whether the module drafts with per-position acceptance confidences
+        (`propose_with_confidence`), so the engine can cut a block where they fall (a dynamic draft
+        length, `bench --confidence-threshold`)."""
+        return False
+
 
 class WindowedConfig(DrafterConfig):
     """Attention windows of the draft layers (`num_layers` comes from the algorithm's section)."""

@@ -82,6 +82,9 @@ class Config(BlockConfig):
         description="Weight of the confidence head's BCE toward 1 - TV; DeepSpec confidence_head_alpha.",
     )
 
+    def reports_confidence(self) -> bool:
+        return self.enable_confidence_head
+
 
 # ---------------------------------------------------------------- pure functions
 

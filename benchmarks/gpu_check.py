@@ -14,7 +14,7 @@ Needs torch, transformers, pyyaml, rich and pydantic (the drafters' configs are 
 models); datasets and gguf are not needed. The device machine of this workplace lacks
 pydantic: carry it as wheels (docs/performance.md, "Running gpu-check on the device machine").
 
-Usage: python -m specctl.gpu_check [--output runs/gpu-check.json] [--dry-run] [--algos dflash,...]
+Usage: python -m benchmarks.gpu_check [--output runs/gpu-check.json] [--dry-run] [--algos dflash,...]
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+import specctl
+from benchmarks.perf import measure_train_step, synthetic_batch
 from specctl.durable import write_atomic
 from specctl.errors import first_line
-from specctl.perf import measure_train_step, synthetic_batch
 
 if TYPE_CHECKING:
     from specctl.drafters import VerifierSpec, VerifierWeights
@@ -47,7 +48,7 @@ def registered_algos() -> tuple[str, ...]:
     return tuple(DRAFTERS)
 
 
-RECIPES = Path(__file__).parent / "recipes"
+RECIPES = Path(specctl.__file__).parent / "recipes"  # the shipped recipes (no pydantic needed to find them)
 H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H200 (SXM), no sparsity
 MFU_FORMULA = (
     "mfu = 6 * trainable_params * positions_per_s / peak_flops "

@@ -2,7 +2,7 @@
 
 Writes one flat JSON object (runs/bench-perf.json by default). Machines here are noisy, so
 every target is a ratio to a baseline measured in the same process, never an absolute time.
-Usage: python -m specctl.perf [--output FILE] [--only collect,...]  (`--only data`: generation, HF vs vLLM)
+Usage: python -m benchmarks.perf [--output FILE] [--only collect,...]  (`--only data`: generation, HF vs vLLM)
 """
 
 from __future__ import annotations
@@ -687,9 +687,11 @@ PROMPT_STYLES = ("", " Answer in two sentences.", " Explain step by step.", " An
 def _answer_prompts(path: Path) -> Path:
     """The bench's 36 built-in prompts (chat, code, math), each in four phrasings: 144 distinct
     conversations whose assistant turn is regenerated (its placeholder text is replaced)."""
+    from importlib import resources
+
     from specctl.data.sources import read_json_rows
 
-    prompts = Path(__file__).parent / "bench" / "prompts"
+    prompts = Path(str(resources.files("specctl.bench") / "prompts"))
     questions = []
     for file in sorted(prompts.glob("*.jsonl")):
         for row in read_json_rows(file):
