@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -400,11 +402,40 @@ def _print_bench(report, as_json: bool) -> None:
         err.print(f"[red]requirement not met:[/red] {f}", highlight=False, soft_wrap=True)
 
 
+_SIGNALS: list[int] = []  # SIGINT / SIGTERM received, in order
+
+
+def _interrupt(signum: int, frame) -> None:
+    """SIGTERM (a SLURM time limit, `kill`) unwinds like Ctrl-C: the same cleanup runs (vLLM
+    process groups stopped, partial results kept), then one line."""
+    _SIGNALS.append(signum)
+    raise KeyboardInterrupt
+
+
+def _interrupted() -> None:
+    """One line and exit 130 for Ctrl-C and SIGTERM alike (docs/troubleshooting.md's table)."""
+    name = signal.Signals(_SIGNALS[0] if _SIGNALS else signal.SIGINT).name
+    err.print(f"[red]error:[/red] interrupted ({name}); rerun the same command to resume", highlight=False)
+    sys.exit(130)
+
+
 def main() -> None:
     """Entry point: run the app, turning known errors into one line and an exit code."""
+    debug = os.environ.get("SPECCTL_DEBUG") == "1"
+    _SIGNALS.clear()
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM) if main_thread}
+    try:
+        _run(debug)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(debug: bool) -> None:
+    """The app under the one error handler: one line and an exit code per known failure."""
     from specctl.errors import SpecctlError
 
-    debug = os.environ.get("SPECCTL_DEBUG") == "1"
     try:
         app()
     except SpecctlError as e:
@@ -426,8 +457,11 @@ def main() -> None:
         )
         sys.exit(1)
     except KeyboardInterrupt:
-        err.print("interrupted; rerun the same command to resume")
-        sys.exit(130)
+        _interrupted()
+    except SystemExit as e:
+        if e.code == 130 and _SIGNALS:  # Typer turns KeyboardInterrupt into a silent exit 130
+            _interrupted()
+        raise
 
 
 if __name__ == "__main__":

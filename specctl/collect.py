@@ -104,8 +104,9 @@ def collect(
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
-    if verifier is None:
-        verifier = _load_verifier(recipe)
+    if verifier is None:  # the vLLM engine's log beside the data stage's (one per shard worker)
+        log = run_dir / "logs" / ("collect-vllm.log" if world == 1 else f"collect-vllm-{rank}.log")
+        verifier = _load_verifier(recipe, log)
     L = verifier.num_layers
     aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
     path = run_dir / "features"
@@ -159,11 +160,11 @@ def collect(
     )
 
 
-def _load_verifier(recipe: Recipe) -> VerifierBackend:
+def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend:
     if recipe.features.backend == "vllm":
         from specctl.collect_vllm import load_vllm_verifier
 
-        return load_vllm_verifier(recipe.verifier)
+        return load_vllm_verifier(recipe.verifier, vllm_log)
     return load_verifier(recipe.verifier)
 
 

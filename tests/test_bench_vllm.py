@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -585,29 +584,62 @@ def test_server_not_ready_times_out(tmp_path, fake_server):
     assert group_members(int(pidfile.read_text())) == []
 
 
+@contextlib.contextmanager
+def _port_held() -> tuple[int, subprocess.Popen]:
+    """A port another process listens on (as a server left by an earlier run would)."""
+    code = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+    code += "print(s.getsockname()[1], flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        yield int(holder.stdout.readline()), holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @fault(
     stage="bench",
     fault="the server port is already in use",
-    result="VllmError naming the port; nothing started",
+    result="VllmError naming the port and the pid and command holding it; nothing started",
 )
 def test_port_taken(tmp_path, fake_server):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        with (
-            pytest.raises(VllmError, match=f"port {port} on 127.0.0.1 is already in use"),
-            serve(
-                [sys.executable, str(fake_server), "--port", str(port)],
-                port,
-                tmp_path / "log",
-                "x",
-                None,
-                30.0,
-            ),
-        ):
-            pass
+    with (
+        _port_held() as (port, holder),
+        pytest.raises(
+            VllmError, match=f"port {port} on 127.0.0.1 is already in use by pid {holder.pid} "
+        ) as e,
+        serve(
+            [sys.executable, str(fake_server), "--port", str(port)], port, tmp_path / "log", "x", None, 30.0
+        ),
+    ):
+        pass
+    assert f"{sys.executable} -c import socket" in str(e.value) and "\n" not in str(e.value)  # its command
     assert not (tmp_path / "log").exists()  # nothing was started
+
+
+@fault(
+    stage="bench",
+    fault="`--vllm-arg=--port=N` with N held by another process",
+    result="exit 1 with one line naming the port and the pid holding it, at once (no wait for a server)",
+)
+def test_port_given_to_vllm_and_taken_is_one_line(tmp_path):
+    from conftest import error_lines, specctl
+
+    verifier = _tiny_vllm_verifier(tmp_path / "verifier")
+    with _port_held() as (port, holder):
+        start = time.monotonic()
+        done = specctl(
+            tmp_path,
+            "bench", "--verifier", str(verifier), "--backend", "vllm", "--ngram", "2", "--num-prompts", "1",
+            f"--vllm-arg=--port={port}", "--output", str(tmp_path / "out"),
+        )  # fmt: skip
+        seconds = time.monotonic() - start
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in error_lines(done.stderr) if line.startswith("error:")]
+    assert len(errors) == 1 and f"port {port} " in errors[0] and f"pid {holder.pid} " in errors[0], (
+        done.stderr
+    )
+    assert seconds < 120  # the port check comes before vLLM starts (a start takes minutes on 2 cores)
 
 
 @fault(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -219,3 +221,38 @@ def test_debug_env_shows_traceback(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(sys, "argv", ["specctl", "collect-hidden-states", str(tmp_path / "none.yaml")])
     with pytest.raises(RecipeError):
         main()
+
+
+SLEEPER = """
+import sys, time
+from specctl import cli
+
+@cli.app.command("sleep-for-test")
+def sleep_for_test() -> None:
+    print("up", flush=True)
+    time.sleep(60)
+
+sys.argv = ["specctl", "sleep-for-test"]
+cli.main()
+"""
+
+
+@fault(
+    stage="recipe",
+    fault="SIGTERM or SIGINT (Ctrl-C) to a running command",
+    result="exit 130 and one line `interrupted (SIGTERM)` / `(SIGINT)` on stderr, no traceback",
+)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_one_line_and_exit_130(sig):
+    """Typer turns a KeyboardInterrupt into a silent exit 130 and SIGTERM kills Python silently:
+    both must end in one line, through the one error handler."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "up"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [
+        f"error: interrupted ({signal.Signals(sig).name}); rerun the same command to resume"
+    ], err

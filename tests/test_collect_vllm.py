@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import os
 import random
-import sys
 import threading
 import time
 import types
@@ -99,8 +98,8 @@ def test_engine_kwargs_ask_for_the_capture_ids_and_a_cpu_safe_connector(tmp_path
     assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == 2 * 2**30
     assert cpu["enable_prefix_caching"] is False
     gpu = engine_kwargs("m", (1, 4), tmp_path, on_cpu=False, dtype="bfloat16", max_model_len=None)
-    assert gpu["kv_transfer_config"]["kv_connector"] == "ExampleHiddenStatesConnector"
-    assert "kv_connector_module_path" not in gpu["kv_transfer_config"]
+    assert gpu["kv_transfer_config"]["kv_connector"] == "SpecctlHiddenStatesConnector"
+    assert gpu["kv_transfer_config"]["kv_connector_module_path"] == "specctl.collect_vllm"
     assert "enforce_eager" not in gpu and "kv_cache_memory_bytes" not in gpu
 
 
@@ -178,32 +177,32 @@ def test_target_head_is_read_from_the_checkpoint_files(tmp_path, tied):
 
 
 class FakeLLM:
-    """Stands in for vllm.LLM + its connector: one request file per prompt, states seeded by its tokens."""
+    """Stands in for the engine worker + its connector: one request file per prompt, states seeded
+    by its tokens."""
 
     def __init__(self, storage: Path, num_capture: int, hidden: int):
         self.storage, self.num_capture, self.hidden, self.requests = storage, num_capture, hidden, 0
 
-    def generate(self, prompts, params, use_tqdm=False):
-        results = []
+    def generate(self, prompts):
+        paths = []
         for prompt in prompts:
-            ids = torch.tensor(prompt["prompt_token_ids"])
+            ids = torch.tensor(prompt)
             g = torch.Generator().manual_seed(int(ids.sum()))
             hidden = torch.randn(len(ids), self.num_capture, self.hidden, generator=g) * 3  # [T, n_cap, H]
             path = self.storage / f"req-{self.requests}.safetensors"
             self.requests += 1
             Path(str(path) + ".lock").touch()
             _write_request_file(path, hidden, ids)
-            results.append(types.SimpleNamespace(kv_transfer_params={"hidden_states_path": str(path)}))
-        return results
+            paths.append(str(path))
+        return paths
 
 
-def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path, monkeypatch):
+def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path):
     """Without vLLM: the hand-over path with a layout gives `encode_features` of the raw states."""
     from specctl.collect_vllm import VllmVerifier
     from specctl.features import TargetHead
     from specctl.recipe import VerifierSection
 
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     capture = capture_layer_ids(AUX, NUM_LAYERS)
     engine = VllmVerifier(
         tokenizer=None,
@@ -374,7 +373,7 @@ def vllm_run(hd32_dir):
     # a 256-token forward budget: the 300-token sample is prefilled in two chunks
     with open_vllm_verifier(hd32_dir, AUX, max_model_len=512, max_num_batched_tokens=256) as engine:
         seen["capture_ids"], seen["storage_dir"] = engine.capture_ids, engine.storage_dir
-        seen["batch_budget"] = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+        seen["batch_budget"] = engine.llm.max_num_batched_tokens
         seen["engine_pids"] = {
             p.pid
             for p in me.children(recursive=True)

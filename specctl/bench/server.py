@@ -37,7 +37,16 @@ from specctl.bench.vllm import (
 )
 from specctl.counters import SpecCounters
 from specctl.errors import first_line
-from specctl.procs import HOST, free_port, log_tail, on_cpu, port_in_use, process_group, vllm_env
+from specctl.procs import (
+    HOST,
+    free_port,
+    log_tail,
+    on_cpu,
+    port_holder,
+    port_in_use,
+    process_group,
+    vllm_env,
+)
 
 SERVED_NAME = "verifier"
 
@@ -105,7 +114,7 @@ def serve(
 ) -> Iterator[Server]:
     """Start a server, wait until /health is ready, yield it, stop its process group afterwards."""
     if port_in_use(port):
-        raise VllmError(f"port {port} on {HOST} is already in use; stop what holds it or pick another port")
+        raise port_taken(port)
     with process_group(command, log_path, env) as proc:
         server = Server(proc, port, log_path, name)
         wait_ready(server, ready_timeout_s)
@@ -123,6 +132,24 @@ def request_settings(setup: VllmSetup) -> RequestSettings:
         stop_token_ids=setup.stop_token_ids,
         timeout_s=setup.request_timeout_s,
     )
+
+
+def port_taken(port: int) -> VllmError:
+    """One line naming the port and, where it can be found, the process listening on it."""
+    holder = port_holder(port)
+    by = f" by {holder}" if holder else ""
+    return VllmError(f"port {port} on {HOST} is already in use{by}; stop it or pick another port")
+
+
+def requested_port(extra_args: Sequence[str]) -> int | None:
+    """The --port the user's vLLM arguments set (they come last on the command line: vLLM takes it)."""
+    port = None
+    for i, arg in enumerate(extra_args):
+        if arg == "--port" and i + 1 < len(extra_args):
+            port = extra_args[i + 1]
+        elif arg.startswith("--port="):
+            port = arg.removeprefix("--port=")
+    return int(port) if port is not None and port.isdigit() else None
 
 
 def get_text(url: str, timeout_s: float = 30.0, api_key: str | None = None) -> str:
@@ -244,15 +271,20 @@ def measure_server_levels(
     """
     cpu = on_cpu() if cpu is None else cpu
     log_path = setup.log_path(label or method.name, "server")
+    fixed = requested_port(setup.extra_args)  # --vllm-arg=--port=N
     for attempt in range(2):
-        port = free_port()
+        port = fixed or free_port()
         argv = command(port) if command else server_command(method, setup, port, cpu)
         try:
             with serve(argv, port, log_path, method.name, vllm_env(cpu), setup.ready_timeout_s) as server:
                 return _measure_levels(server, method, groups, setup, levels, on_done)
         except VllmError as e:
+            if "address already in use" not in str(e).lower():
+                raise
+            if fixed:  # taken between the check and vLLM's bind
+                raise port_taken(port) from None
             # another process may take the free port between the check and vLLM's bind: retry once
-            if attempt == 0 and "address already in use" in str(e).lower():
+            if attempt == 0:
                 continue
             raise
     raise AssertionError("unreachable")

@@ -1,0 +1,121 @@
+"""specctl.procs and specctl/watchdog.py without vLLM: what a killed specctl leaves, in seconds.
+
+A stand-in for specctl (a Python process that starts a group through `process_group`, as every
+vLLM start does) is killed while the group runs; its processes are followed by pid from /proc
+(tests/proctree.py). The real thing, on vLLM and SmolLM2, is tests/test_kill.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from proctree import ProcessTree
+from reliability_matrix import fault
+
+from specctl.watchdog import GRACE_S
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The group: a leader that ignores SIGTERM (as vLLM's EngineCore can, busy shutting down) with a
+# child of its own that does too, and shared memory registered with multiprocessing's resource
+# tracker (vLLM's message queues are such segments): the tracker must outlive the others to unlink it.
+GROUP = textwrap.dedent(
+    """
+    import multiprocessing.shared_memory as sm, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    seg = sm.SharedMemory(create=True, size=1 << 20)
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    print("up", seg.name, flush=True)
+    time.sleep(600)
+    """
+)
+
+STAND_IN = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from specctl.procs import process_group
+    with process_group([sys.executable, "-c", sys.argv[1]], Path(sys.argv[2])):
+        time.sleep(600)
+    """
+)
+
+
+def start_stand_in(tmp_path: Path) -> tuple[subprocess.Popen, ProcessTree, str]:
+    """The stand-in specctl with GROUP running below it; its tree and the segment's name."""
+    log = tmp_path / "group.log"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, GROUP, str(log)], env=env)
+    tree = ProcessTree(proc.pid)
+    deadline = time.monotonic() + 60
+    while "up" not in (log.read_text() if log.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, "the stand-in did not start its group"
+        tree.scan()
+        time.sleep(0.05)
+    time.sleep(0.3)  # the group's own child
+    tree.scan()
+    return proc, tree, log.read_text().split()[1]
+
+
+def _cleanup(proc: subprocess.Popen, tree: ProcessTree) -> None:
+    for pid in tree.living():
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG")
+@fault(
+    stage="bench",
+    fault="kill -9 of specctl while a group it started ignores SIGTERM (child, grandchild, shared memory)",
+    result="the watchdog kills the group after its grace period: nothing alive, the /dev/shm segment gone",
+)
+def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path):
+    proc, tree, segment = start_stand_in(tmp_path)
+    try:
+        names = tree.living(include_root=False)
+        assert len(names) >= 4, tree.alive()  # leader, its child, the resource tracker, the watchdog
+        assert Path("/dev/shm", segment).exists()
+        proc.send_signal(signal.SIGKILL)
+        seconds = tree.wait_gone(15.0)
+        assert not tree.living(), tree.alive()
+        assert GRACE_S <= seconds < 15.0  # SIGTERM was ignored: SIGKILL after the grace period
+        assert not Path("/dev/shm", segment).exists()  # the tracker outlived the rest and unlinked it
+    finally:
+        _cleanup(proc, tree)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+@fault(
+    stage="bench",
+    fault="the watchdog killed first, then specctl (kill -9 of both)",
+    result="the group leader still gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and exits",
+)
+def test_leader_dies_with_specctl_even_without_the_watchdog(tmp_path):
+    code = "import time; print('up', 'x', flush=True); time.sleep(600)"  # SIGTERM ends it
+    log = tmp_path / "group.log"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, code, str(log)], env=env)
+    tree = ProcessTree(proc.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while "up" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline
+            tree.scan()
+            time.sleep(0.05)
+        tree.scan()
+        watchdog = [pid for pid, cmd in tree.commands.items() if "watchdog.py watch" in cmd]
+        leader = [pid for pid, cmd in tree.commands.items() if "time.sleep(600)" in cmd]
+        assert len(watchdog) == 1 and len(leader) == 1, tree.alive()
+        os.kill(watchdog[0], signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL)
+        assert tree.wait_gone(5.0) < 5.0, tree.alive()
+    finally:
+        _cleanup(proc, tree)
