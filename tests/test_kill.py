@@ -59,8 +59,11 @@ def run_and_signal(cwd: Path, args: list[str], ready: Callable[[], bool], sig: i
     every process recorded below it is gone."""
     stderr_path = cwd / f"stderr-{signal.Signals(sig).name}-{time.monotonic_ns()}.txt"
     with stderr_path.open("w") as err:
+        # vLLM's INFO lines are what `ready()` reads: an earlier test in this process may have set
+        # VLLM_LOGGING_LEVEL=WARNING (specctl does, before importing vLLM in-process)
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specctl", *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err
+            [sys.executable, "-m", "specctl", *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, env=env
         )
     tree = ProcessTree(proc.pid)
     start = time.monotonic()
