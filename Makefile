@@ -42,17 +42,18 @@ test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests
 
 # The whole pipeline on the built-in SmolLM2 verifier, CPU-sized; a rerun reuses finished stages.
-DEMO_RUN := runs/quickstart
+DEMO_RECIPE := recipes/demo.yaml
+DEMO_RUN := runs/demo
 demo: install
-	$(PY) -m specctl collect-hidden-states recipes/quickstart.yaml
+	$(PY) -m specctl collect-hidden-states $(DEMO_RECIPE)
 	for algo in dflash eagle3; do \
 	  resume=; test -e $(DEMO_RUN)/drafters/$$algo/checkpoints/latest && resume=--resume; \
-	  $(PY) -m specctl train recipes/quickstart.yaml --algo $$algo $$resume || exit 1; \
+	  $(PY) -m specctl train $(DEMO_RECIPE) --algo $$algo $$resume || exit 1; \
 	done
 	$(PY) -m specctl export $(DEMO_RUN)
-	$(PY) -m specctl bench recipes/quickstart.yaml --baseline $(DEMO_RUN)/drafters/eagle3/export
+	$(PY) -m specctl bench $(DEMO_RECIPE) --baseline $(DEMO_RUN)/drafters/eagle3/export
 	if $(PY) -c "import vllm" 2>/dev/null; then \
-	  $(PY) -m specctl bench recipes/quickstart.yaml --backend vllm-offline \
+	  $(PY) -m specctl bench $(DEMO_RECIPE) --backend vllm-offline \
 	    --baseline $(DEMO_RUN)/drafters/eagle3/export --output $(DEMO_RUN)/bench-vllm; \
 	fi
 

@@ -619,7 +619,10 @@ def bench_engine(
     if parallel:
         figures["engine_speedup_best"] = round(max(parallel), 3)
     else:
-        print(f"engine: no exported drafters under {run_dir}; run `make demo` for engine_speedup.<algo>")
+        print(
+            f"engine: no exported drafters under {run_dir}; run the quickstart pipeline "
+            "(docs/getting-started.md) for engine_speedup.<algo>"
+        )
     return figures
 
 
@@ -631,12 +634,13 @@ def bench_features(
 ) -> dict[str, float]:
     """The compact feature layout (fp8 aux states + top-16 targets) against bf16, on quickstart data.
 
-    Both stores are collected from the same prepared conversations (`run_dir/data`, which `make
-    demo` writes), and each drafter is trained on each with the quickstart recipe and the same
+    Both stores are collected from the same prepared conversations (`run_dir/data`, which the
+    quickstart pipeline writes), and each drafter is trained on each with the quickstart recipe and the same
     seed: `tau_hat_ratio_compact_vs_bf16` is what the smaller store costs in held-out acceptance.
     Left out when there is no quickstart data: self-generating it here would take minutes more.
     `overrides` (`--set` assignments on both recipes) must match how `run_dir/data` was made.
-    `algos` default: the algorithms trained under `run_dir` (`make demo` trains dflash and eagle3).
+    `algos` default: the algorithms trained under `run_dir` (by the quickstart pipeline,
+    docs/getting-started.md).
     """
     from specctl.collect import collect
     from specctl.recipe import load_recipe, resolve_recipe_path
@@ -645,7 +649,8 @@ def bench_features(
 
     if not (run_dir / "data" / "manifest.json").is_file():
         print(
-            f"features: no prepared data under {run_dir}; run `make demo` for tau_hat_ratio_compact_vs_bf16"
+            f"features: no prepared data under {run_dir}; run the quickstart pipeline for "
+            "tau_hat_ratio_compact_vs_bf16"
         )
         return {}
     if algos is None:

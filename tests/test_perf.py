@@ -213,7 +213,7 @@ def test_bench_features_compares_both_layouts_of_the_same_data(tmp_path, tiny_ve
 
 def test_bench_features_without_quickstart_data_says_how_to_get_it(tmp_path, capsys):
     assert perf.bench_features(tmp_path, tmp_path / "missing") == {}
-    assert "make demo" in capsys.readouterr().out
+    assert "run the quickstart pipeline" in capsys.readouterr().out
 
 
 def test_data_section_prompts_are_distinct_conversations_to_regenerate(tmp_path):
