@@ -201,8 +201,12 @@ class SpeculatorsConfig(_Model):
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...]:
-        """Verifier layers the drafter reads (HF output_hidden_states ids); each algorithm names the field."""
-        raise NotImplementedError
+        """Verifier layers the drafter reads (HF output_hidden_states ids); each algorithm's subclass
+        names the field, so a config parsed without knowing its algorithm cannot say."""
+        raise FormatError(
+            "speculators_model_type",
+            f"{self.speculators_model_type!r}: no specctl drafter reads this format's aux layers",
+        )
 
     # ---- JSON
 

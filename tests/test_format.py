@@ -340,6 +340,9 @@ def test_from_json_names_the_field():
         and config.speculators_version == "0.9.0"
     )
     assert "speculators_version" not in config.to_json()  # only what the file had, written back
+    # parsed without its algorithm: which field holds the aux layers is unknown, and it says so
+    with pytest.raises(FormatError, match="no specctl drafter reads this format's aux layers"):
+        config.aux_layer_ids  # noqa: B018
 
 
 @pytest.mark.vllm

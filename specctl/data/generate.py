@@ -28,6 +28,7 @@ written (each is still a sample of the same recipe); the finished ones are kept 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -77,8 +78,9 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-class Conversation:
-    """One conversation being generated: `next_request` names what it needs, `accept` takes the answer."""
+class Conversation(ABC):
+    """One conversation being generated: `next_request` names what it needs, `accept` takes the answer.
+    The two kinds (Magpie self-generation, regenerated answers) implement the three abstract methods."""
 
     key: int
     messages: list[Message]  # the conversation so far
@@ -106,17 +108,17 @@ class Conversation:
             return {"key": self.key, "skipped": self.skipped}
         return {"key": self.key, "messages": self.messages, "new_tokens": self.new_tokens}
 
+    @abstractmethod
     def next_request(self, tokenizer) -> Request | None:
         """What it needs next; None when it is finished (`done` is then set)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def accept(self, text: str, num_tokens: int) -> None:
         """The decoded answer to its last request, and the tokens the engine generated for it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def max_new_tokens(self) -> int:
         """An upper bound of the tokens generating it takes (for the plan)."""
-        raise NotImplementedError
 
 
 class MagpieConversation(Conversation):
