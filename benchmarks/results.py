@@ -31,6 +31,7 @@ from statistics import median
 from typing import Any
 
 from specctl.bench.plan import BASELINE
+from specctl.bench.render import k_cell
 from specctl.drafters import DRAFTERS
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
@@ -207,11 +208,6 @@ def curves_section(run: Path, figures: Path) -> list[str]:
     return [*out, "", "![held-out tau_hat against training tokens](results/learning-curves.png)"]
 
 
-def _k_cell(r: dict[str, Any]) -> str:
-    k = r["num_speculative_tokens"] or "-"
-    return str(k) if r.get("confidence_threshold") is None else f"{k}, T {r['confidence_threshold']:g}"
-
-
 def threshold_table(report: dict[str, Any]) -> list[str]:
     """The drafters measured with confidence thresholds: each (K, T) point beside the fixed K."""
     points = (report.get("sweep") or {}).get("points", [])
@@ -231,7 +227,7 @@ def threshold_table(report: dict[str, Any]) -> list[str]:
         if p["name"] in cut:
             ratio = p.get("draft_tokens_per_accepted")
             out.append(
-                f"| {p['name']} | {_k_cell(p)} | {p['acceptance_length']:.2f} | "
+                f"| {p['name']} | {k_cell(p)} | {p['acceptance_length']:.2f} | "
                 f"{'-' if ratio is None else f'{ratio:.2f}'} | {p['output_tokens_per_s']:.1f} | "
                 f"{p['speedup']:.2f}x |"
             )
@@ -244,7 +240,7 @@ def bench_table(report: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        k = _k_cell(r)
+        k = k_cell(r)
         pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) or "-"
         vs = f"{r['ratio_vs_baseline']:.2f}x" if r.get("ratio_vs_baseline") is not None else "-"
         match = r.get("outputs_match_plain")

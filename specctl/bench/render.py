@@ -13,7 +13,7 @@ from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, poi
 from specctl.durable import write_atomic
 
 
-def _k_cell(r: dict[str, Any]) -> str:
+def k_cell(r: dict[str, Any]) -> str:
     """K, and the confidence threshold that cut its drafts when there was one ("8, T 0.3")."""
     if r["algo"] == PLAIN:
         return "-"
@@ -29,7 +29,7 @@ def _rows(d: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 r["name"],
-                _k_cell(r),
+                k_cell(r),
                 fmt(r["acceptance_length"]),
                 " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) if spec else "-",
                 fmt(r["output_tokens_per_s"], 1),
@@ -103,7 +103,7 @@ def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
             [
                 str(p["concurrency"]),
                 p["name"],
-                _k_cell(p),
+                k_cell(p),
                 fmt(p["acceptance_length"]),
                 " ".join(f"{a:.2f}" for a in p["per_position_acceptance"]) if spec else "-",
                 fmt(p.get("draft_tokens_per_accepted")) if spec else "-",
