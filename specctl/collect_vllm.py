@@ -66,7 +66,7 @@ from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import resolve_dtype
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
-from specctl.procs import CPU_KVCACHE_GIB, process_group
+from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
 
@@ -252,7 +252,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | 
         raise VerifierError(f"verifier {name!r} could not be loaded ({first_line(e, 200)})") from None
     config = config.get_text_config()
     if log_path is None:  # vLLM reads this on import: INFO lines on stderr would bury specctl's progress
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quiet_vllm_import()
     on_cpu = check_vllm_can_run(config)
     return VllmVerifier(
         tokenizer=tokenizer,
@@ -378,7 +378,9 @@ def open_engine_worker(
         stack.callback(ours.close)
         with theirs:
             argv = [sys.executable, "-m", "specctl.collect_vllm", str(theirs.fileno())]
-            proc = stack.enter_context(process_group(argv, log_path, pass_fds=[theirs.fileno()]))
+            # a log file gets vLLM's own level; specctl's stderr the quiet one this process has
+            env = None if log_path is None else vllm_env(cpu=False)
+            proc = stack.enter_context(process_group(argv, log_path, env, pass_fds=[theirs.fileno()]))
         conn = Connection(os.dup(ours.fileno()))
         stack.callback(conn.close)
         worker = EngineWorker(proc, conn, name, log_path)

@@ -43,8 +43,27 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+_QUIETED_LEVEL: str | None = None  # the VLLM_LOGGING_LEVEL quiet_vllm_import set in os.environ
+
+
+def quiet_vllm_import() -> None:
+    """Keep vLLM's INFO lines off specctl's own stderr when vLLM is imported in this process.
+
+    vLLM reads VLLM_LOGGING_LEVEL once, on import, so it has to be in os.environ by then; a level
+    the user set is left alone. What this sets is remembered so that vllm_env does not pass it on:
+    a child writes its own log file, and that log (what readiness checks and error tails read)
+    should hold what vLLM logs by default, not only warnings."""
+    global _QUIETED_LEVEL
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = _QUIETED_LEVEL = "WARNING"
+
+
 def vllm_env(cpu: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a vLLM child: the CPU KV cache size, unbuffered output, and the user's
+    logging level (not the one quiet_vllm_import set for this process)."""
     env = dict(os.environ if base is None else base)
+    if _QUIETED_LEVEL is not None and env.get("VLLM_LOGGING_LEVEL") == _QUIETED_LEVEL:
+        del env["VLLM_LOGGING_LEVEL"]
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -119,3 +119,26 @@ def test_leader_dies_with_specctl_even_without_the_watchdog(tmp_path):
         assert tree.wait_gone(5.0) < 5.0, tree.alive()
     finally:
         _cleanup(proc, tree)
+
+
+def test_the_level_quiet_vllm_import_sets_is_not_passed_to_children(monkeypatch):
+    """Importing vLLM in-process sets VLLM_LOGGING_LEVEL=WARNING for specctl's stderr; a child's
+    own log file keeps vLLM's default level (readiness checks and error tails read its INFO lines)."""
+    from specctl import procs
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setattr(procs, "_QUIETED_LEVEL", None)
+    procs.quiet_vllm_import()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert "VLLM_LOGGING_LEVEL" not in procs.vllm_env(cpu=True)
+    assert procs.vllm_env(cpu=True, base={"VLLM_LOGGING_LEVEL": "DEBUG"})["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_a_logging_level_the_user_set_reaches_process_and_children(monkeypatch):
+    from specctl import procs
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
+    monkeypatch.setattr(procs, "_QUIETED_LEVEL", None)
+    procs.quiet_vllm_import()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert procs.vllm_env(cpu=False)["VLLM_LOGGING_LEVEL"] == "WARNING"

