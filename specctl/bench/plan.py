@@ -283,8 +283,11 @@ def plan_thresholds(
         raise UsageError(f"--confidence-threshold {bad[0]:g}: a threshold is a probability in (0, 1)")
     out: list[Method] = []
     unable: dict[str, None] = {}
+    confident: dict[Path | None, bool] = {}  # one config.json read per drafter, not per K
     for m in configs:
-        if m.algo == PLAIN or not reports_confidence(m):
+        if m.drafter not in confident:
+            confident[m.drafter] = m.algo != PLAIN and reports_confidence(m)
+        if not confident[m.drafter]:
             out.append(m)
             if m.algo != PLAIN:
                 unable[m.name] = None
