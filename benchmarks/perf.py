@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
+from statistics import mean
 from typing import TYPE_CHECKING
 
 import torch
@@ -559,6 +560,26 @@ def bench_verify(workdir: Path) -> dict[str, float]:
     return figures
 
 
+@contextlib.contextmanager
+def timed(obj: object, name: str) -> Iterator[list[float]]:
+    """Seconds of every call to `obj.name` while the block runs (an instance attribute shadows the
+    method, removed after), so one generation tells the drafter's share of a step from the verifier's."""
+    method, seconds = getattr(obj, name), []
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    setattr(obj, name, wrapper)
+    try:
+        yield seconds
+    finally:
+        delattr(obj, name)
+
+
 def bench_engine(
     workdir: Path, run_dir: Path = Path("runs/quickstart"), num_prompts: int = 3, max_new_tokens: int = 64
 ) -> dict[str, float]:
@@ -612,8 +633,11 @@ def bench_engine(
     parallel = []
     for export in sorted(run_dir.glob("drafters/*/export")):
         drafter, _ = load_drafter(export, verifier=verifier)
-        speedup = tokens_per_s(engine(drafter)) / plain_tps
+        with timed(drafter, "propose") as propose_s, timed(model, "forward") as verify_s:
+            speedup = tokens_per_s(engine(drafter)) / plain_tps
         figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)
+        # what a step costs besides the verify: speedup ~ tau / (verify_k / verify_1 + this)
+        figures[f"engine_propose_ratio_vs_verify.{drafter.algo}"] = round(mean(propose_s) / mean(verify_s), 3)
         if DRAFTERS[drafter.algo].parallel:
             parallel.append(speedup)
     if parallel:

@@ -245,7 +245,10 @@ def load_drafter(
     The verifier tensors it borrows (embeddings, final norm, LM head) come from `verifier` when
     given (a loaded Verifier or its VerifierWeights, to avoid loading it twice), else from the
     verifier config.json records (hub id, local directory, or a built-in model by its hub id).
-    Returns (module in eval mode on `device`, default the borrowed tensors' device; its config).
+    Returns (module in eval mode on `device` and in `dtype`, default the borrowed tensors' device
+    and dtype, i.e. the verifier's: vLLM runs a drafter in its verifier's dtype too, and a float32
+    drafter beside a bf16 verifier reads twice the weight bytes per proposal -- DFlash's propose
+    took 12.3 ms in float32 and 7.7 ms in bf16 beside SmolLM2's 58 ms bf16 forward, at equal tau).
     """
     export = validate_export(path)
     weights = _borrowed_weights(export, verifier)
@@ -261,9 +264,7 @@ def load_drafter(
         ) from None
     if "embed_tokens.weight" in own:
         module.adopt_embeddings(own["embed_tokens.weight"].to(weights.embed_tokens.dtype))
-    module = module.to(device or weights.embed_tokens.device)
-    if dtype is not None:
-        module = module.to(dtype)
+    module = module.to(device or weights.embed_tokens.device, dtype or weights.embed_tokens.dtype)
     return module.eval(), export.config
 
 

@@ -223,3 +223,16 @@ def test_data_section_prompts_are_distinct_conversations_to_regenerate(tmp_path)
     rows = [json.loads(line) for line in perf._answer_prompts(tmp_path / "p.jsonl").read_text().splitlines()]
     assert len(rows) == 144 == len({r["messages"][0]["content"] for r in rows})
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+
+
+def test_timed_records_every_call_and_puts_the_method_back():
+    """engine_propose_ratio_vs_verify times the drafter's propose and the verifier's forward by
+    shadowing them for one generation; nn.Module calls go through the shadow, and it is removed."""
+    layer = torch.nn.Linear(2, 2)
+    with perf.timed(layer, "forward") as seconds:
+        layer(torch.zeros(1, 2))
+        layer(torch.zeros(1, 2))
+    assert len(seconds) == 2 and all(s >= 0 for s in seconds)
+    assert "forward" not in vars(layer)
+    layer(torch.zeros(1, 2))
+    assert len(seconds) == 2
