@@ -7,6 +7,7 @@ draft model classes loading our tensors, and (slow) an offline `LLM(...)` genera
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import socket
@@ -175,6 +176,28 @@ def test_bfloat16_export_casts_weights_and_keeps_vocab_tables(verifier, algo, tm
     for name, value in drafter.export_state().items():
         expected = value.to(torch.bfloat16).to(value.dtype) if value.is_floating_point() else value
         assert torch.equal(loaded.export_state()[name], expected), name
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_drafter_computes_in_its_verifiers_dtype(verifier, exports, algo):
+    """Beside a bf16 verifier the drafter runs in bf16 (as vLLM runs it): a float32 drafter reads
+    twice the weight bytes per proposal, and a proposal is bound by them at batch 1."""
+    _, path = exports[algo, True]
+    weights = verifier["weights"]
+    bf16 = dataclasses.replace(
+        weights,
+        embed_tokens=weights.embed_tokens.bfloat16(),
+        lm_head=weights.lm_head.bfloat16(),
+        norm=weights.norm.bfloat16(),
+        extra={k: v.bfloat16() for k, v in weights.extra.items()},
+    )
+    loaded, _ = load_drafter(path, bf16)
+    floats = {p.dtype for p in [*loaded.parameters(), *loaded.buffers()] if p.is_floating_point()}
+    assert floats == {torch.bfloat16}
+    ids, aux = propose_inputs()
+    drafts = loaded.propose(ids, aux.bfloat16(), 3)
+    assert drafts.shape == (3,) and drafts.dtype == torch.long
+    assert {p.dtype for p in load_drafter(path, weights)[0].parameters()} == {torch.float32}
 
 
 def test_load_drafter_finds_the_verifier_config_json_records(verifier, exports):
