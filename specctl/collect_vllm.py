@@ -378,7 +378,8 @@ def open_engine_worker(
         stack.callback(ours.close)
         with theirs:
             argv = [sys.executable, "-m", "specctl.collect_vllm", str(theirs.fileno())]
-            # a log file gets vLLM's own level; specctl's stderr the quiet one this process has
+            # a log file gets vLLM's own level, specctl's stderr the quiet one this process has;
+            # cpu=False: the KV cache size travels in the engine's kwargs, not the environment
             env = None if log_path is None else vllm_env(cpu=False)
             proc = stack.enter_context(process_group(argv, log_path, env, pass_fds=[theirs.fileno()]))
         conn = Connection(os.dup(ours.fileno()))

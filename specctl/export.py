@@ -247,8 +247,8 @@ def load_drafter(
     verifier config.json records (hub id, local directory, or a built-in model by its hub id).
     Returns (module in eval mode on `device` and in `dtype`, default the borrowed tensors' device
     and dtype, i.e. the verifier's: vLLM runs a drafter in its verifier's dtype too, and a float32
-    drafter beside a bf16 verifier reads twice the weight bytes per proposal -- DFlash's propose
-    took 12.3 ms in float32 and 7.7 ms in bf16 beside SmolLM2's 58 ms bf16 forward, at equal tau).
+    drafter beside a bf16 verifier reads twice the weight bytes per proposal, which bounds its cost
+    at batch 1 (docs/performance.md, "The drafter's share of a step").
     """
     export = validate_export(path)
     weights = _borrowed_weights(export, verifier)

@@ -286,7 +286,7 @@ def plan_thresholds(
     confident: dict[Path | None, bool] = {}  # one config.json read per drafter, not per K
     for m in configs:
         if m.drafter not in confident:
-            confident[m.drafter] = m.algo != PLAIN and reports_confidence(m)
+            confident[m.drafter] = reports_confidence(m)  # False without a drafter (plain)
         if not confident[m.drafter]:
             out.append(m)
             if m.algo != PLAIN:
