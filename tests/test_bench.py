@@ -15,6 +15,7 @@ from reliability_matrix import fault
 from specctl.bench.plan import (
     Method,
     display_name,
+    drafter_method,
     group_prompts,
     k_range,
     parse_float_list,
@@ -1149,7 +1150,7 @@ def test_speculative_token_limit_per_drafter(tmp_path):
 
     def limit(algo, k, drop=(), **fields):
         path = _write_drafter(tmp_path / str(next(n)), algo, k, "v", drop, **fields)
-        return k_range(Method(algo, algo, k, path))
+        return k_range(drafter_method(path))
 
     assert limit("dflash", 7, block_size=8, sample_from_anchor=False) == (7, 7)
     assert limit("dflash", 3, block_size=16) == (15, 15)  # fewer K than the block allows
@@ -1388,6 +1389,26 @@ def test_plan_thresholds(tmp_path):
     assert parse_float_list(" 0.4,0.2,0.4", "--confidence-threshold") == [0.2, 0.4]
     with pytest.raises(UsageError, match="--confidence-threshold '0.2,x': expected numbers"):
         parse_float_list("0.2,x", "--confidence-threshold")
+
+
+def test_planning_reads_each_config_once(tmp_path, monkeypatch):
+    """A drafter's config.json is parsed once, where its Method is made: the K sweep and the
+    thresholds ask the config the Method carries, so a file rewritten after planning cannot make
+    two stages of one plan disagree."""
+    import specctl.validate
+
+    s = _write_drafter(tmp_path / "s", "dspark", 4, "v")
+    reads = []
+    real = specctl.validate.read_config
+    monkeypatch.setattr(specctl.validate, "read_config", lambda p: reads.append(p) or real(p))
+    methods, _ = plan_methods([s], None)
+    configs, _ = plan_sweep(methods, True)
+    configs, _ = plan_thresholds(configs, [0.2, 0.4], sweeping=True)
+    assert reads == [s]
+    ks = sorted({m.num_speculative_tokens for m in configs if m.algo == "dspark"})
+    assert len(ks) > 1 and len(configs) == 1 + 3 * len(ks)  # plain, then each K at fixed K, T 0.2, T 0.4
+    with pytest.raises(ValueError, match="build it with drafter_method"):
+        k_range(Method("dspark", "dspark", 4, s))  # made by hand, without its parsed config
 
 
 def _cutting_generate(verifier, drafter, *args, num_speculative_tokens, confidence_threshold=None, **kw):

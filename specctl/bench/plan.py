@@ -14,7 +14,7 @@ A new dimension (a DSpark confidence threshold, say) is another `Method` field t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,9 @@ class Method:
     verifier: str | None = None  # the verifier the drafter records (speculators_config.verifier)
     # dynamic draft length: verify only the drafts whose confidence product stays >= this (None = all K)
     confidence_threshold: float | None = None
+    # the drafter's own config, parsed once from its config.json by `drafter_method`: the K limit
+    # and the confidence head are read from it, not from the file again (None without a drafter)
+    drafter_config: Any = field(default=None, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- settings and methods
@@ -87,9 +90,23 @@ def drafter_method(path: Path) -> Method:
         raise UsageError(
             f"--drafter {path}: no such directory; pass a speculators export (config.json + weights)"
         )
-    _, config = read_config(Path(path))
+    spec, config = read_config(Path(path))
     algo = config.speculators_model_type
-    return Method(algo, algo, config.speculative_tokens, Path(path), config.verifier_name)
+    return Method(
+        algo,
+        algo,
+        config.speculative_tokens,
+        Path(path),
+        config.verifier_name,
+        drafter_config=spec.config_from_format(config),
+    )
+
+
+def _drafter_config(method: Method) -> Any:
+    """The parsed config a drafter Method carries; a Method built by hand has none to ask."""
+    if method.drafter_config is None:
+        raise ValueError(f"{method.name}: built without its drafter config; build it with drafter_method")
+    return method.drafter_config
 
 
 def exported_drafters(run_dir: Path) -> list[Path]:
@@ -211,10 +228,7 @@ def k_range(method: Method) -> tuple[int | None, int]:
     larger; an explicit --sweep-k list can go further."""
     if method.drafter is None:  # ngram drafts from the prompt: any K, default up to --ngram K
         return None, method.num_speculative_tokens
-    from specctl.validate import read_config
-
-    spec, config = read_config(method.drafter)
-    drafter = spec.config_from_format(config)
+    drafter = _drafter_config(method)
     limit = drafter.max_speculative_tokens()
     if limit is not None:
         return limit, limit
@@ -257,12 +271,7 @@ def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tupl
 
 def reports_confidence(method: Method) -> bool:
     """Whether the method's drafter reports per-position confidences (its spec's config says)."""
-    if method.drafter is None:
-        return False
-    from specctl.validate import read_config
-
-    spec, config = read_config(method.drafter)
-    return spec.config_from_format(config).reports_confidence()
+    return method.drafter is not None and _drafter_config(method).reports_confidence()
 
 
 def plan_thresholds(
@@ -283,11 +292,8 @@ def plan_thresholds(
         raise UsageError(f"--confidence-threshold {bad[0]:g}: a threshold is a probability in (0, 1)")
     out: list[Method] = []
     unable: dict[str, None] = {}
-    confident: dict[Path | None, bool] = {}  # one config.json read per drafter, not per K
     for m in configs:
-        if m.drafter not in confident:
-            confident[m.drafter] = reports_confidence(m)  # False without a drafter (plain)
-        if not confident[m.drafter]:
+        if not reports_confidence(m):  # False without a drafter (plain)
             out.append(m)
             if m.algo != PLAIN:
                 unable[m.name] = None
