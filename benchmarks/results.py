@@ -157,6 +157,18 @@ def git_commit() -> str:
         return "unknown"
 
 
+def run_commit(run: Path) -> str:
+    """The commit the run's bench measured at (its report's provenance), and the commit rendering
+    the page when that differs: a page re-rendered later must not credit the later code."""
+    here = git_commit()
+    report = run / "bench" / "report.json"
+    prov = (json.loads(report.read_text()).get("provenance") or {}) if report.is_file() else {}
+    if not prov.get("git_commit"):
+        return f"`{here}`"
+    measured = prov["git_commit"][:7] + ("+dirty" if prov.get("git_dirty") else "")
+    return f"`{measured}`" if here == measured else f"`{measured}` (page rendered at `{here}`)"
+
+
 def training_rows(run: Path) -> list[dict[str, Any]]:
     """Per drafter: steps, held-out tau_hat and per-position accuracy, median train tokens/s."""
     rows = []
@@ -218,7 +230,9 @@ def threshold_table(report: dict[str, Any]) -> list[str]:
         "",
         "Dynamic draft length (`bench.confidence_thresholds`): each block cut where the running product "
         "of the confidence head's predictions falls below T; drafted per accepted = draft tokens "
-        "verified per draft token kept.",
+        "verified per draft token kept. tau counts only the verifier passes that verified a draft "
+        "(vLLM's definition), so a T that cuts whole blocks raises tau while those passes still cost a "
+        "forward: output tok/s is the figure to compare.",
         "",
         "| method | K | tau | drafted per accepted | output tok/s | speedup |",
         "|---|---|---|---|---|---|",
@@ -283,7 +297,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "budget, then benchmarked on the built-in chat, code and math prompts (greedy).",
         "",
         f"- recipe: `{recipe_path.name}` (sha256 `{recipe_hash(recipe_path)}`, with the files it extends)",
-        f"- commit: `{git_commit()}`; torch {_version('torch')}, transformers {_version('transformers')},"
+        f"- commit: {run_commit(run)}; torch {_version('torch')}, transformers {_version('transformers')},"
         f" vllm {_version('vllm')}",
         f"- machine: {os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
         f"- data: {recipe.data.generate.num_conversations} self-generated conversations, "

@@ -116,6 +116,7 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     cut = {**dspark, "confidence_threshold": 0.4, "draft_tokens_per_accepted": 1.5, "speedup": 1.45}
     report["results"].append(cut)
     report["sweep"] = {"points": [report["results"][0], fixed, cut]}
+    report["provenance"] = {"git_commit": "0123456789abcdef" * 2 + "01234567", "git_dirty": True}
     (run / "bench" / "report.json").write_text(json.dumps(report))
     (run / "bench" / "acceptance.png").write_bytes(b"png")
     log = [{"stage": "train dflash", "command": ["specctl", "train", "r.yaml"], "wall_s": 60.0, "rc": 0}] * 2
@@ -126,6 +127,7 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     assert "| dflash | 7 | 1.75 | 0.50 0.25 | 20.0 | 1.31x | 1.10x | 4/4 |" in page
     assert "| dflash | 1.50 | 1.20x | - | - |" in page  # per category, a missing one shown as -
     assert recipe_hash(resolve_recipe_path("results.yaml")) in page
+    assert "- commit: `0123456+dirty` (page rendered at `" in page  # the run's commit, not the page's
     assert (doc.parent / "results" / "acceptance-bench.png").read_bytes() == b"png"
     # learning curves: one column per token count any drafter was validated at
     assert "| drafter | 0.02M | 0.03M | 0.04M |" in page

@@ -131,8 +131,10 @@ SWEEP_HEADERS = [
 _SWEEP_NOTE = (
     "Best = the highest output tokens/s at that concurrency; a tie goes to the smaller K, then to no "
     "confidence threshold (T: verify only the drafts whose confidence product stays >= T). Drafted "
-    "per accepted = draft tokens the verifier checked per draft token it kept. Speedups are against "
-    "no-spec at the same concurrency."
+    "per accepted = draft tokens the verifier checked per draft token it kept. Under T, tau counts "
+    "only the passes that verified a draft (vLLM's definition): a pass whose block was cut to nothing "
+    "still costs a forward, so compare output tok/s. Speedups are against no-spec at the same "
+    "concurrency."
 )
 
 
