@@ -33,6 +33,7 @@ from typing import Any
 from specctl.bench.plan import BASELINE
 from specctl.bench.render import k_cell
 from specctl.drafters import DRAFTERS
+from specctl.provenance import git_state
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
 DEFAULT_RECIPE = "results.yaml"
@@ -144,29 +145,20 @@ def recipe_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        )
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+def _short(commit: str | None, dirty: bool) -> str:
+    return "unknown" if commit is None else commit[:7] + ("+dirty" if dirty else "")
 
 
 def run_commit(run: Path) -> str:
     """The commit the run's bench measured at (its report's provenance), and the commit rendering
     the page when that differs: a page re-rendered later must not credit the later code."""
-    here = git_commit()
+    here = git_state(Path(__file__).resolve().parent)
     report = run / "bench" / "report.json"
     prov = (json.loads(report.read_text()).get("provenance") or {}) if report.is_file() else {}
-    if not prov.get("git_commit"):
-        return f"`{here}`"
-    measured = prov["git_commit"][:7] + ("+dirty" if prov.get("git_dirty") else "")
-    return f"`{measured}`" if here == measured else f"`{measured}` (page rendered at `{here}`)"
+    measured = (prov["git_commit"], bool(prov.get("git_dirty"))) if prov.get("git_commit") else here
+    if measured == here:
+        return f"`{_short(*here)}`"
+    return f"`{_short(*measured)}` (page rendered at `{_short(*here)}`)"
 
 
 def training_rows(run: Path) -> list[dict[str, Any]]:
