@@ -16,13 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from specctl.bench.prompts import BenchPrompt
 from specctl.errors import SpecctlError, UsageError
 from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection
+
+if TYPE_CHECKING:
+    from specctl.drafters import DrafterConfig
 
 BACKENDS = ("embedded", "vllm", "vllm-offline")
 REMOTE = "remote"  # --base-url: a server that is already running (specctl.bench.remote)
@@ -49,7 +52,7 @@ class Method:
     confidence_threshold: float | None = None
     # the drafter's own config, parsed once from its config.json by `drafter_method`: the K limit
     # and the confidence head are read from it, not from the file again (None without a drafter)
-    drafter_config: Any = field(default=None, compare=False, repr=False)
+    drafter_config: DrafterConfig | None = field(default=None, compare=False, repr=False)
 
 
 # ---------------------------------------------------------------- settings and methods
@@ -102,7 +105,7 @@ def drafter_method(path: Path) -> Method:
     )
 
 
-def _drafter_config(method: Method) -> Any:
+def _drafter_config(method: Method) -> DrafterConfig:
     """The parsed config a drafter Method carries; a Method built by hand has none to ask."""
     if method.drafter_config is None:
         raise ValueError(f"{method.name}: built without its drafter config; build it with drafter_method")
