@@ -58,6 +58,13 @@ class GenerateSection(Section):
     system_prompt: str | None = Field(
         None, description="System prompt placed before the user turn (None = the template's default)."
     )
+    user_prefixes: list[str] = Field(
+        default_factory=list,
+        description="Text the first user turn of a conversation starts with, the verifier writing the "
+        "rest; conversation i gets entry i mod n, `''` = unsteered. Sets the mix of the data toward what "
+        "will be served, e.g. `['', 'Write a Python function', 'Solve this math problem']` for a third each "
+        "of chat, code and math (repeat an entry to weight it). Empty = every conversation unsteered.",
+    )
     batch_size: int = Field(8, ge=1, description="User turns per generate batch (`data.engine: hf`).")
     num_turns: int = Field(
         1,

@@ -28,9 +28,17 @@ from test_data import CONVS, assistant_texts, masked_runs, write_jsonl
 
 from specctl.data import load_samples, prepare_data
 from specctl.data.chat import next_user_prefix, render
-from specctl.data.engines import api_base, worker_devices
-from specctl.data.generate import split_lanes
+from specctl.data.engines import Completion, Request, Sampling, api_base, worker_devices
+from specctl.data.generate import (
+    GenerationSpec,
+    MagpieConversation,
+    completion_text,
+    decode_continuation,
+    run_conversations,
+    split_lanes,
+)
 from specctl.data.journal import Journal
+from specctl.data.prepare import generation_fingerprint
 from specctl.data.vllm_worker import recv_message, send_message, serve
 from specctl.errors import DataError
 from specctl.recipe import DataSection, VerifierSection
@@ -160,6 +168,96 @@ def test_log_progress_prints_done_total_rate_eta_and_fields_at_an_interval():
     assert "ETA" not in lines[0]  # nothing done yet in this run: no rate, no ETA
 
 
+def sentencepiece_style_tokenizer():
+    """Words with SentencePiece's leading-space marker: decoding ids alone drops the first space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["Write", "a", "Python", "function", "that", "sums"]
+    vocab = {"<unk>": 0, **{"\u2581" + w: i + 1 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_decode_continuation_reads_the_ids_as_they_follow_the_prompt(kind, tiny_tokenizer):
+    tok = tiny_tokenizer if kind == "byte-level" else sentencepiece_style_tokenizer()
+    prompt = tok("Write a Python", add_special_tokens=False)["input_ids"]
+    ids = tok(" function that sums", add_special_tokens=False)["input_ids"]
+    if kind == "sentencepiece":
+        ids = tok("function that sums", add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == "function that sums"  # alone, the space before it is gone
+    # brute force: the continuation is what decoding prompt + ids adds to decoding the prompt
+    whole = tok.decode(prompt + ids)
+    assert decode_continuation(tok, prompt, ids) == whole[len(tok.decode(prompt)) :] == " function that sums"
+    request = Request("0:1", prompt, 8, Sampling(8, 1.0, 1.0), "user", continues="Write a Python")
+    done = Completion("0:1", ids, len(ids))
+    assert completion_text(tok, request, done) == "Write a Python function that sums"
+
+
+def test_completion_text_strips_a_server_answer_only_after_joining_its_steer(tiny_tokenizer):
+    steered = Request("0:1", [5], 8, Sampling(8, 1.0, 1.0), "user", continues="Write a Python")
+    plain = Request("1:1", [5], 8, Sampling(8, 1.0, 1.0), "user")
+    server = Completion("0:1", [], 3, text=" function that sums\n")
+    assert completion_text(tiny_tokenizer, steered, server) == "Write a Python function that sums"
+    assert completion_text(tiny_tokenizer, plain, server) == "function that sums"
+
+
+class ScriptedEngine:
+    """One lane; every request is answered with the ids of `reply` (or nothing, `empty_first` times)."""
+
+    name, lanes, capacity, context = "scripted", 1, 2, 4096
+
+    def __init__(self, tok, reply: str, empty_first: int = 0):
+        self.ids = tok(reply, add_special_tokens=False)["input_ids"]
+        self.empty_left, self.pending, self.seen = empty_first, [], []
+
+    def submit(self, requests):
+        self.pending += requests
+        self.seen += requests
+
+    def poll(self):
+        done, self.pending = self.pending, []
+        out = []
+        for r in done:
+            empty = r.kind == "user" and self.empty_left > 0
+            self.empty_left -= empty
+            out.append(Completion(r.id, [] if empty else self.ids, 1 if empty else len(self.ids)))
+        return out
+
+
+def test_steered_first_user_turns_take_their_prefix_in_turn_and_later_turns_are_free(tiny_tokenizer):
+    tok = tiny_tokenizer
+    prefixes = ("", "Write a Python", "Solve ")
+    spec = GenerationSpec(Sampling(8, 1.0, 1.0), Sampling(8, 0.0, 1.0), 2, None, 4096, user_prefixes=prefixes)
+    convs = [MagpieConversation(k, spec) for k in range(5)]
+    engine = ScriptedEngine(tok, " function x", empty_first=1)  # conversation 0's first try: nothing
+    run_conversations(engine, tok, convs, lambda batch, stats: None)
+    for conv in convs:
+        first, second = conv.messages[0]["content"], conv.messages[2]["content"]
+        steer = prefixes[conv.key % 3].strip()
+        assert first == (steer + " function x").strip() and second == "function x"
+        [asked, *_] = [r for r in engine.seen if r.id.startswith(f"{conv.key}:") and r.kind == "user"]
+        prompt_text = next_user_prefix(tok, []) + steer
+        assert asked.prompt == tok(prompt_text, add_special_tokens=False)["input_ids"]
+    # a user turn with nothing past its steer is resampled, like an empty one
+    steered = MagpieConversation(1, spec)
+    steered.next_request(tok)
+    steered.accept("Write a Python", 2)
+    assert steered.messages == [] and steered.attempts == 1
+
+
+def test_user_prefixes_change_the_journal_key_only_when_set(tiny_tokenizer):
+    base = self_generated()
+    h0, config0 = generation_fingerprint(base, tiny_tokenizer, "v")
+    assert "data.generate.user_prefixes" not in config0  # journals written before the field still match
+    steered = self_generated(generate=dict(user_prefixes=["", "Write a Python function"]))
+    h1, config1 = generation_fingerprint(steered, tiny_tokenizer, "v")
+    assert h1 != h0 and config1["data.generate.user_prefixes"] == ["", "Write a Python function"]
+
+
 # ---------------------------------------------------------------- hf engine, journal, multi-turn
 
 
@@ -174,6 +272,16 @@ def test_multi_turn_conversations_mask_every_answer(tmp_path, tiny_tokenizer):
     assert all(conv[0]["content"] != conv[2]["content"] for conv in convs)
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["conversations_generated"] == 4 and manifest["engine"] == "hf"
+
+
+def test_steered_data_through_the_hf_engine_keeps_each_prefix_and_masks_answers(tmp_path, tiny_tokenizer):
+    model = make_tiny_verifier(num_layers=2)
+    c = self_generated(generate=dict(num_conversations=6, user_prefixes=["", "Write a Python"]))
+    prepare_data(c, tiny_tokenizer, tmp_path / "data", model=model, progress=False)
+    convs = check_accepted(tiny_tokenizer, tmp_path / "data")
+    firsts = [conv[0]["content"] for conv in convs]
+    steered = [f for f in firsts if f.startswith("Write a Python")]
+    assert len(steered) == 3 and all(len(f) > len("Write a Python") for f in steered)
 
 
 def test_multi_turn_stops_growing_at_max_length(tmp_path, tiny_tokenizer):

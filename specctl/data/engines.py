@@ -71,6 +71,7 @@ class Request:
     sampling: Sampling
     kind: str = "answer"  # "user" | "answer": HF batches each kind apart, with its own batch size
     lane: int = 0  # the vLLM worker that runs it (generate.split_lanes)
+    continues: str = ""  # this turn's text already at the end of the prompt (a steered user turn)
 
 
 @dataclass(frozen=True)
@@ -587,7 +588,7 @@ class ServerEngine:
         # no ids (a server without vLLM's return_token_ids): its own decoding, special tokens skipped
         usage = getattr(out, "usage", None)
         n = int(getattr(usage, "completion_tokens", 0) or 0)
-        return Completion(r.id, [], n, text=(choice.text or "").strip())
+        return Completion(r.id, [], n, text=choice.text or "")  # stripped by generate.completion_text
 
 
 @contextmanager

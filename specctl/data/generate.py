@@ -10,6 +10,11 @@ and the answers are exactly the verifier's distribution.
 Regeneration replaces a dataset's assistant turns with the verifier's own answers, in order, so
 a later answer sees the verifier's earlier ones, as it would when serving.
 
+Steering (`data.generate.user_prefixes`): a conversation's first user turn may start from a given
+text ("Write a Python function"), put after the pre-query prefix; the verifier writes the rest of
+the question. Conversation i gets entry i mod n, so a list sets the mix of what the data is about
+(chat, code, math) while the questions stay the verifier's own.
+
 Each conversation is a small state machine (`MagpieConversation`, `RegeneratedConversation`)
 that names its next request and takes the answer back. `run_conversations` keeps up to
 `engine.capacity` conversations in flight per lane (vLLM worker): when a request finishes, its
@@ -36,6 +41,7 @@ from typing import Any
 
 from specctl.data.chat import Message, next_user_prefix, render
 from specctl.data.engines import (  # noqa: F401  (stop_token_ids: re-exported for bench)
+    Completion,
     Engine,
     Request,
     Sampling,
@@ -66,12 +72,45 @@ class GenerationSpec:
     num_turns: int
     system_prompt: str | None
     limit: int  # tokens a conversation may grow to (data.max_length, or the engine's context if less)
+    user_prefixes: tuple[str, ...] = ()  # first user turn of conversation i starts with entry i mod n
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:
     """Generated ids -> the turn's text; ids past the tokenizer (model vocabulary padding) are dropped."""
     n = len(tokenizer)
     return tokenizer.decode([t for t in ids if t < n], skip_special_tokens=True).strip()
+
+
+CONTEXT_IDS = 8  # prompt ids decoded with a continuation, so its first word keeps its leading space
+
+
+def decode_continuation(tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """Generated ids -> their text as it reads after `prompt`, leading space kept, not stripped.
+
+    A steered turn joins its prefix to this. Decoding the ids alone would drop the space that
+    SentencePiece tokenizers fold into a word's first token ("Write a Python" + "function"), so the
+    last prompt ids are decoded with them and cut off again, as incremental detokenizers do.
+    """
+    n = len(tokenizer)
+    ids = [t for t in ids if t < n]
+    tail = list(prompt[-CONTEXT_IDS:])
+    before = tokenizer.decode(tail, skip_special_tokens=True)
+    full = tokenizer.decode(tail + ids, skip_special_tokens=True)
+    if full.startswith(before):
+        return full[len(before) :]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def completion_text(tokenizer, request: Request, completion: Completion) -> str:
+    """The whole turn's text: the engine's ids decoded (or a server's own text), stripped; a steered
+    turn (`request.continues`) gets the text it continues in front, spaced as the tokenizer reads it."""
+    if completion.text is not None:
+        raw = completion.text
+    elif request.continues:
+        raw = decode_continuation(tokenizer, request.prompt, completion.token_ids)
+    else:
+        return decode(tokenizer, completion.token_ids)
+    return (request.continues + raw).strip()
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -92,14 +131,21 @@ class Conversation(ABC):
     def __init__(self, key: int, spec: GenerationSpec):
         self.key, self.spec, self.step = key, spec, 0
 
-    def _request(self, tokenizer, text: str, sampling: Sampling, kind: str) -> Request | None:
-        prompt = _encode(tokenizer, text)
+    def _request(
+        self, tokenizer, text: str, sampling: Sampling, kind: str, continues: str = ""
+    ) -> Request | None:
+        prompt = _encode(tokenizer, text + continues)
         budget = self.spec.limit - len(prompt) - MARGIN
         if budget <= 0:
             return None
         self.step += 1
         return Request(
-            f"{self.key}:{self.step}", prompt, min(sampling.max_new_tokens, budget), sampling, kind
+            f"{self.key}:{self.step}",
+            prompt,
+            min(sampling.max_new_tokens, budget),
+            sampling,
+            kind,
+            continues=continues,
         )
 
     def record(self) -> dict[str, Any]:
@@ -114,7 +160,8 @@ class Conversation(ABC):
 
     @abstractmethod
     def accept(self, text: str, num_tokens: int) -> None:
-        """The decoded answer to its last request, and the tokens the engine generated for it."""
+        """The text of the turn its last request wrote (`completion_text`), and the tokens the engine
+        generated for it."""
 
     @abstractmethod
     def max_new_tokens(self) -> int:
@@ -122,20 +169,28 @@ class Conversation(ABC):
 
 
 class MagpieConversation(Conversation):
-    """Self-generated: user turn from the bare prefix, answer, next user turn from the conversation..."""
+    """Self-generated: user turn from the bare prefix (or its steer), answer, next user turn from the
+    conversation so far..."""
 
     def __init__(self, key: int, spec: GenerationSpec):
         super().__init__(key, spec)
         system = spec.system_prompt
         self.messages = [{"role": "system", "content": system}] if system is not None else []
         self.turn, self.phase, self.attempts = 0, "user", 0
+        prefixes = spec.user_prefixes
+        self.steer = prefixes[key % len(prefixes)].strip() if prefixes else ""
+
+    def _continues(self) -> str:
+        """What the user turn being written starts with: the steer, on the first turn only."""
+        return self.steer if self.turn == 0 else ""
 
     def next_request(self, tokenizer) -> Request | None:
         if self.phase == "user":
             text, sampling = next_user_prefix(tokenizer, self.messages), self.spec.user
+            request = self._request(tokenizer, text, sampling, "user", continues=self._continues())
         else:
-            text, sampling = render(tokenizer, self.messages, add_generation_prompt=True), self.spec.answer
-        request = self._request(tokenizer, text, sampling, self.phase)
+            text = render(tokenizer, self.messages, add_generation_prompt=True)
+            request = self._request(tokenizer, text, self.spec.answer, "answer")
         if request is None:
             self._end("overlong")
         return request
@@ -143,7 +198,7 @@ class MagpieConversation(Conversation):
     def accept(self, text: str, num_tokens: int) -> None:
         self.new_tokens += num_tokens
         if self.phase == "user":
-            if not text:
+            if not text or text == self._continues():  # nothing written (past the steer): resample
                 self.attempts += 1
                 if self.attempts >= MAX_USER_ATTEMPTS:
                     self._end("empty user turn")
@@ -223,7 +278,7 @@ def run_conversations(
     stats = stats or GenerationStats()
     queues = [deque(conversations[i] for i in lane) for lane in split_lanes(len(conversations), engine.lanes)]
     active = [0] * engine.lanes
-    in_flight: dict[str, tuple[Conversation, int]] = {}
+    in_flight: dict[str, tuple[Conversation, int, Request]] = {}
     finished: list[Conversation] = []
     start = time.perf_counter()
 
@@ -237,8 +292,9 @@ def run_conversations(
                 if request is None:
                     finished.append(conv)
                     continue
-                new.append(replace(request, lane=lane))
-                in_flight[request.id] = (conv, lane)
+                request = replace(request, lane=lane)
+                new.append(request)
+                in_flight[request.id] = (conv, lane, request)
                 active[lane] += 1
         return new
 
@@ -259,16 +315,17 @@ def run_conversations(
             )
         follow = []
         for c in completions:
-            conv, lane = in_flight.pop(c.id)
-            conv.accept(decode(tokenizer, c.token_ids) if c.text is None else c.text, c.num_tokens)
+            conv, lane, asked = in_flight.pop(c.id)
+            conv.accept(completion_text(tokenizer, asked, c), c.num_tokens)
             stats.new_tokens += c.num_tokens
             request = None if conv.done else conv.next_request(tokenizer)
             if request is None:
                 finished.append(conv)
                 active[lane] -= 1
             else:
-                follow.append(replace(request, lane=lane))
-                in_flight[request.id] = (conv, lane)
+                request = replace(request, lane=lane)
+                follow.append(request)
+                in_flight[request.id] = (conv, lane, request)
         engine.submit(follow + start_more())
     stats.seconds = time.perf_counter() - start
     return stats

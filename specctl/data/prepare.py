@@ -183,6 +183,8 @@ def generation_fingerprint(cfg: DataSection, tokenizer, identity: str) -> tuple[
         g = cfg.generate
         for k in ("user_max_new_tokens", "user_temperature", "user_top_p", "system_prompt", "num_turns"):
             config[f"data.generate.{k}"] = getattr(g, k)
+        if g.user_prefixes:  # absent when unset, so journals written before the field still match
+            config["data.generate.user_prefixes"] = g.user_prefixes
     else:
         config.update({"data.split": cfg.split, "data.subset": cfg.subset})
     payload = json.dumps({"journal": 1, **config}, sort_keys=True).encode()
@@ -449,6 +451,7 @@ def _run_engine(
             num_turns=g.num_turns,
             system_prompt=g.system_prompt,
             limit=min(cfg.max_length, engine.context),
+            user_prefixes=tuple(g.user_prefixes),
         )
         convs = [make(k, spec) for k in todo]
         reused = f"; {gen.reused:,} reused from {journal.path}" if gen.reused else ""
