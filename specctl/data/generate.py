@@ -75,10 +75,15 @@ class GenerationSpec:
     user_prefixes: tuple[str, ...] = ()  # first user turn of conversation i starts with entry i mod n
 
 
-def decode(tokenizer, ids: Sequence[int]) -> str:
-    """Generated ids -> the turn's text; ids past the tokenizer (model vocabulary padding) are dropped."""
+def _known(tokenizer, ids: Sequence[int]) -> list[int]:
+    """Ids past the tokenizer (model vocabulary padding) dropped: they decode to nothing."""
     n = len(tokenizer)
-    return tokenizer.decode([t for t in ids if t < n], skip_special_tokens=True).strip()
+    return [t for t in ids if t < n]
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Generated ids -> the turn's text, stripped."""
+    return tokenizer.decode(_known(tokenizer, ids), skip_special_tokens=True).strip()
 
 
 CONTEXT_IDS = 8  # prompt ids decoded with a continuation, so its first word keeps its leading space
@@ -91,8 +96,7 @@ def decode_continuation(tokenizer, prompt: Sequence[int], ids: Sequence[int]) ->
     SentencePiece tokenizers fold into a word's first token ("Write a Python" + "function"), so the
     last prompt ids are decoded with them and cut off again, as incremental detokenizers do.
     """
-    n = len(tokenizer)
-    ids = [t for t in ids if t < n]
+    ids = _known(tokenizer, ids)
     tail = list(prompt[-CONTEXT_IDS:])
     before = tokenizer.decode(tail, skip_special_tokens=True)
     full = tokenizer.decode(tail + ids, skip_special_tokens=True)
