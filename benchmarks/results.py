@@ -240,7 +240,7 @@ def sweep_table(report: dict[str, Any]) -> list[str]:
     ]
     for p in points:
         if p["name"] in swept:
-            pos = " ".join(f"{a:.2f}" for a in p["per_position_acceptance"]) or "-"
+            pos = _rates(p["per_position_acceptance"])
             star = "*" if best.get(p["name"]) == p["num_speculative_tokens"] else ""
             out.append(
                 f"| {p['name']} | {k_cell(p)} | {p['acceptance_length']:.2f} | {pos} | "
@@ -284,7 +284,7 @@ def bench_table(report: dict[str, Any]) -> list[str]:
     ]
     for r in report["results"]:
         k = k_cell(r)
-        pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) or "-"
+        pos = _rates(r["per_position_acceptance"])
         vs = f"{r['ratio_vs_baseline']:.2f}x" if r.get("ratio_vs_baseline") is not None else "-"
         match = r.get("outputs_match_plain")
         same = f"{round(match * r['outputs_compared'])}/{r['outputs_compared']}" if match is not None else "-"
@@ -339,7 +339,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
     ]
     for row in training_rows(run):
         tau = f"{row['tau_hat']:.3f}" if row["tau_hat"] is not None else "-"
-        acc = " ".join(f"{a:.2f}" for a in row["val_acc"]) or "-"
+        acc = _rates(row["val_acc"])
         tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
         wall = walls.get(f"train {row['algo']}")
         out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
@@ -387,6 +387,11 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def _rates(values: list[float]) -> str:
+    """Per-position rates (acceptance, accuracy) as one cell: "0.40 0.16 0.07", or "-"."""
+    return " ".join(f"{a:.2f}" for a in values) or "-"
 
 
 def _minutes(seconds: float | None) -> str:
