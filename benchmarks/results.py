@@ -31,7 +31,8 @@ from statistics import median
 from typing import Any
 
 from specctl.bench.plan import BASELINE
-from specctl.bench.render import k_cell
+from specctl.bench.render import k_cell, rates
+from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
 from specctl.provenance import git_state
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
@@ -229,8 +230,7 @@ def sweep_table(report: dict[str, Any]) -> list[str]:
     if not swept:
         return []
     level = str((sweep.get("concurrency") or [1])[0])  # the summary table's level
-    recommended = sweep.get("recommended", {})
-    best = {name: at.get(level, {}).get("num_speculative_tokens") for name, at in recommended.items()}
+    best = {name: at.get(level) for name, at in sweep.get("recommended", {}).items()}
     out = [
         "",
         "K sweep (`--sweep-k`): each drafter at every K measured; * = its fastest, the K of the table above.",
@@ -240,8 +240,9 @@ def sweep_table(report: dict[str, Any]) -> list[str]:
     ]
     for p in points:
         if p["name"] in swept:
-            pos = _rates(p["per_position_acceptance"])
-            star = "*" if best.get(p["name"]) == p["num_speculative_tokens"] else ""
+            pos = rates(p["per_position_acceptance"])
+            chosen = best.get(p["name"])
+            star = "*" if chosen and point_setting(chosen) == point_setting(p) else ""
             out.append(
                 f"| {p['name']} | {k_cell(p)} | {p['acceptance_length']:.2f} | {pos} | "
                 f"{p['output_tokens_per_s']:.1f} | {p['speedup']:.2f}x | {star} |"
@@ -284,7 +285,7 @@ def bench_table(report: dict[str, Any]) -> list[str]:
     ]
     for r in report["results"]:
         k = k_cell(r)
-        pos = _rates(r["per_position_acceptance"])
+        pos = rates(r["per_position_acceptance"])
         vs = f"{r['ratio_vs_baseline']:.2f}x" if r.get("ratio_vs_baseline") is not None else "-"
         match = r.get("outputs_match_plain")
         same = f"{round(match * r['outputs_compared'])}/{r['outputs_compared']}" if match is not None else "-"
@@ -339,7 +340,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
     ]
     for row in training_rows(run):
         tau = f"{row['tau_hat']:.3f}" if row["tau_hat"] is not None else "-"
-        acc = _rates(row["val_acc"])
+        acc = rates(row["val_acc"])
         tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
         wall = walls.get(f"train {row['algo']}")
         out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
@@ -387,11 +388,6 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "",
     ]
     return "\n".join(out)
-
-
-def _rates(values: list[float]) -> str:
-    """Per-position rates (acceptance, accuracy) as one cell: "0.40 0.16 0.07", or "-"."""
-    return " ".join(f"{a:.2f}" for a in values) or "-"
 
 
 def _minutes(seconds: float | None) -> str:

@@ -21,6 +21,11 @@ def k_cell(r: dict[str, Any]) -> str:
     return str(r["num_speculative_tokens"]) if t is None else f"{r['num_speculative_tokens']}, T {t:g}"
 
 
+def rates(values: list[float]) -> str:
+    """Per-position rates (acceptance, accuracy) as one cell: "0.40 0.16 0.07", or "-" for none."""
+    return " ".join(f"{a:.2f}" for a in values) or "-"
+
+
 def _rows(d: dict[str, Any]) -> list[list[str]]:
     base_algo = next((r["algo"] for r in d["results"] if r["name"] == d["baseline"]), None)
     rows = []
@@ -31,7 +36,7 @@ def _rows(d: dict[str, Any]) -> list[list[str]]:
                 r["name"],
                 k_cell(r),
                 fmt(r["acceptance_length"]),
-                " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]) if spec else "-",
+                rates(r["per_position_acceptance"]) if spec else "-",
                 fmt(r["output_tokens_per_s"], 1),
                 fmt(r["speedup"], 2, "x"),
                 fmt(r["ratio_vs_baseline"], 2, "x") if base_algo else "-",
@@ -105,7 +110,7 @@ def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
                 p["name"],
                 k_cell(p),
                 fmt(p["acceptance_length"]),
-                " ".join(f"{a:.2f}" for a in p["per_position_acceptance"]) if spec else "-",
+                rates(p["per_position_acceptance"]) if spec else "-",
                 fmt(p.get("draft_tokens_per_accepted")) if spec else "-",
                 fmt(p["output_tokens_per_s"], 1),
                 fmt(p["speedup"], 2, "x"),
