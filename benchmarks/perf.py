@@ -29,6 +29,7 @@ from specctl.durable import write_atomic
 
 if TYPE_CHECKING:
     from specctl.drafters import VerifierSpec, VerifierWeights
+    from specctl.recipe import TrainSection
 
 PERF_WORDS = [
     "model",
@@ -177,8 +178,11 @@ def measure_train_step(
     device: torch.device,
     warmup: int = 1,
     dtype: torch.dtype | None = None,
+    train: TrainSection | None = None,
 ) -> dict[str, float]:
-    """Forward + backward + AdamW step of `drafter` on one batch, repeated: throughput and peak memory.
+    """Forward + backward + optimizer step of `drafter` on one batch, repeated: throughput and
+    peak memory. The optimizer is the one `specctl train` builds for `train` (default: the
+    schema's, AdamW), so the figure is the trainer's.
 
     positions = draft predictions the loss counts (anchors x block for block drafters,
     sampled depths for P-EAGLE, TTT steps for EAGLE-3); tokens = sequence tokens consumed.
@@ -187,11 +191,13 @@ def measure_train_step(
     training loop's `auto` picks on this device.
     """
     from specctl.devices import autocast, compute_dtype
+    from specctl.optim import build_optimizer
+    from specctl.recipe import TrainSection
 
     drafter = drafter.to(device).train()
     batch = {k: v.to(device) for k, v in batch.items()}
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    V, d2t = drafter.verifier.vocab_size, drafter.d2t
+    optimizer = build_optimizer(drafter, train or TrainSection(), {V, V if d2t is None else d2t.numel()})
     context = autocast(device, dtype or compute_dtype(device, "auto"))
 
     def step() -> float:
@@ -275,7 +281,7 @@ def _train_quickstart_drafter(
     torch.manual_seed(0)
     drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, recipe.train.loss)
     with torch_threads(threads or torch.get_num_threads()):
-        return measure_train_step(drafter, batch, steps, device, dtype=dtype)
+        return measure_train_step(drafter, batch, steps, device, dtype=dtype, train=recipe.train)
 
 
 def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: int = 3) -> dict[str, float]:

@@ -16,6 +16,11 @@ What is specctl's own, and why (figures: `python -m benchmarks.perf --only optim
   in float32 on CPU; torch's runs it in bfloat16: 3.8-5.3x faster per step on a 2-core Xeon with
   AMX, its update within 1.1 % of the float32 one. Under FSDP2 it runs on the DTensor shards
   (no gather), so a sharded run matches a one-rank run to bf16 precision, not float32's.
+- AdamW runs torch's fused kernel (`fused=True`) wherever torch has one for the parameters'
+  device (CPU, CUDA): one pass over each tensor, not a dozen elementwise kernels. The step of
+  a quickstart drafter's AdamW on one CPU thread: DFlash 38.9 -> 11.0 ms, DSpark (its Markov
+  embedding spans the verifier's vocabulary) 58.4 -> 15.9 ms, about 10% of DSpark's whole
+  training step. The same math; torchtitan defaults to it too.
 - The schedule is torch's (LinearLR warmup, then CosineAnnealingLR / LinearLR / ConstantLR,
   chained by SequentialLR): it matches the closed form documented in `lr_at` to 1e-13 of the
   peak. transformers' schedulers do not: `get_cosine_with_min_lr_schedule_with_warmup` starts at
@@ -60,6 +65,19 @@ def lr_at(
     return peak * (min_lr_ratio + (1.0 - min_lr_ratio) * shape)
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")  # where torch.optim.AdamW(fused=True) has its kernel
+
+
+def adamw(
+    groups: list[dict], lr: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.AdamW:
+    """torch.optim.AdamW, fused when every parameter is a float tensor on a device with the kernel
+    (DTensor shards under FSDP2 too); elsewhere torch's default implementation."""
+    params = [p for g in groups for p in g["params"]]
+    fused = all(p.is_floating_point() and p.device.type in FUSED_ADAMW_DEVICES for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """torch.optim.Muon on the param groups with `use_muon=True`, torch.optim.AdamW on the others.
 
@@ -97,9 +115,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 )
             )
         if rest:
-            self._parts.append(
-                torch.optim.AdamW(rest, lr=s["lr"], betas=s["betas"], weight_decay=s["weight_decay"])
-            )
+            self._parts.append(adamw(rest, s["lr"], s["betas"], s["weight_decay"]))
         for part in self._parts:
             part.state = self.state
 
@@ -155,7 +171,7 @@ def build_optimizer(model: nn.Module, train: TrainSection, vocab_sizes: set[int]
     groups = [
         {k: v for k, v in g.items() if k != "use_muon"} for g in param_groups(model, train.weight_decay, None)
     ]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    return adamw(groups, train.lr, train.betas, train.weight_decay)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> lr_scheduler.LRScheduler:

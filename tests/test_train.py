@@ -31,6 +31,7 @@ from specctl.errors import DataError, FeatureStoreError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, write_shard
 from specctl.optim import (
     MuonAdamW,
+    adamw,
     build_optimizer,
     build_scheduler,
     is_hidden_matrix,
@@ -144,6 +145,21 @@ def _train(model, opts, steps=4, seed=1):
             o.step()
 
 
+def test_adamw_is_fused_where_torch_has_the_kernel_and_moves_as_the_default_does():
+    """The fused kernel is the same AdamW: after a few steps the weights match torch's default
+    implementation to rounding; it is chosen on CPU, and not on a device without the kernel."""
+    a, b = _twins()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    ours = adamw([{"params": list(a.parameters())}], **kw)
+    assert ours.param_groups[0]["fused"] is True
+    _train(a, [ours], steps=6)
+    _train(b, [torch.optim.AdamW(b.parameters(), **kw)], steps=6)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    on_meta = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    assert not adamw([{"params": [on_meta]}], **kw).param_groups[0]["fused"]
+
+
 def test_muon_adamw_is_torch_muon_plus_torch_adamw():
     """The router does no math of its own: it moves parameters exactly as torch.optim.Muon (on
     the hidden matrix) and torch.optim.AdamW (on the rest) do side by side."""
@@ -159,7 +175,7 @@ def test_muon_adamw_is_torch_muon_plus_torch_adamw():
     )
     ref = [
         torch.optim.Muon([b[0].weight], adjust_lr_fn="match_rms_adamw", **kw),
-        torch.optim.AdamW([b[0].bias, b[1].weight, b[1].bias], betas=(0.9, 0.95), **kw),
+        torch.optim.AdamW([b[0].bias, b[1].weight, b[1].bias], betas=(0.9, 0.95), fused=True, **kw),
     ]
     _train(a, [ours])
     _train(b, ref)
