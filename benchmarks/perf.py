@@ -539,6 +539,50 @@ def verify_costs(
     return {name: {n: statistics.median(times[(name, n)]) for n in VERIFY_TOKENS} for name in models}
 
 
+def linear_kernel_costs(
+    shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 4, 8), repeats: int = 30
+) -> dict[str, dict[int, float]]:
+    """Microseconds of one pass over every weight in `shapes` ([out, in], bf16) with a batch of
+    `rows` rows, per kernel: F.linear (what transformers' forward and the drafters run), torch.mv
+    (one row only) and, where torch has it, oneDNN with the weight prepacked (inductor's CPU
+    path). Kernels and row counts take turns within each repeat. Why: the embedded engine's
+    speedups rest on what a K+1-row verify costs against a one-row decode, and that ratio
+    depends on the kernel (docs/performance.md)."""
+    import statistics
+
+    F = torch.nn.functional
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for o, i in shapes]
+    inputs = {m: [torch.randn(m, i, generator=gen).to(torch.bfloat16) for _, i in shapes] for m in rows}
+    kernels: dict[str, Callable[[list[torch.Tensor]], object]] = {
+        "linear": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
+        "mv": lambda xs: [torch.mv(w, x[0]) for x, w in zip(xs, weights, strict=True)],
+    }
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+        kernels["prepacked"] = lambda xs: [
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+            for x, p in zip(xs, packed, strict=True)
+        ]
+    reference = kernels["linear"](inputs[1])
+    for name, kernel in kernels.items():  # the same product, or it is no comparison
+        for got, want in zip(kernel(inputs[1]), reference, strict=True):
+            torch.testing.assert_close(got.view(-1).float(), want.view(-1).float(), rtol=2e-2, atol=2e-2)
+    times: dict[tuple[str, int], list[float]] = {}
+    for r in range(repeats + 2):  # two warm-up rounds
+        for m in rows:
+            for name, kernel in kernels.items():
+                if name == "mv" and m != 1:  # one row only
+                    continue
+                start = time.perf_counter()
+                kernel(inputs[m])
+                if r >= 2:
+                    times.setdefault((name, m), []).append((time.perf_counter() - start) * 1e6)
+    return {
+        name: {m: statistics.median(times[(name, m)]) for m in rows if (name, m) in times} for name in kernels
+    }
+
+
 def bench_verify(workdir: Path) -> dict[str, float]:
     """The verify curve: what a SmolLM2 forward over n = 1..16 new tokens costs, in the engine's
     dtype (`verifier.dtype` of the quickstart recipe) and, where this CPU has native bf16, in
@@ -563,6 +607,36 @@ def bench_verify(workdir: Path) -> dict[str, float]:
             figures[f"verify_cost_ms_n{n}{suffix}"] = round(ms, 1)
         figures[f"verify_cost_ratio_8_vs_1{suffix}"] = round(curve[8] / curve[1], 3)
         figures[f"verify_cost_ratio_16_vs_1{suffix}"] = round(curve[16] / curve[1], 3)
+    if verifier.device.type == "cpu" and cpu_has_native_bf16():
+        figures.update(kernel_figures(verifier.model.config))
+    return figures
+
+
+def kernel_figures(config) -> dict[str, float]:
+    """`linear_kernel_costs` of `config`'s projections: `linear_us.<kernel>.<part>.m<rows>` for one
+    decoder layer and for the LM head, and `linear_speedup_vs_f_linear.<kernel>.m<rows>` over all
+    of a forward's products (num_hidden_layers layers and the head)."""
+    H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or H // heads
+    attention = [(heads * hd, H), (kv * hd, H), (kv * hd, H), (H, heads * hd)]
+    parts = {"layer": linear_kernel_costs([*attention, (inter, H), (inter, H), (H, inter)])}
+    parts["lm_head"] = linear_kernel_costs([(V, H)])
+    figures: dict[str, float] = {}
+    for part, costs in parts.items():
+        for name, by_rows in costs.items():
+            for m, us in by_rows.items():
+                figures[f"linear_us.{name}.{part}.m{m}"] = round(us, 1)
+
+    def forward_us(name: str, m: int) -> float:
+        return config.num_hidden_layers * parts["layer"][name][m] + parts["lm_head"][name][m]
+
+    for name, by_rows in parts["layer"].items():
+        for m in by_rows:
+            if name != "linear":
+                figures[f"linear_speedup_vs_f_linear.{name}.m{m}"] = round(
+                    forward_us("linear", m) / forward_us(name, m), 3
+                )
     return figures
 
 

@@ -236,3 +236,18 @@ def test_timed_records_every_call_and_puts_the_method_back():
     assert "forward" not in vars(layer)
     layer(torch.zeros(1, 2))
     assert len(seconds) == 2
+
+
+def test_linear_kernel_costs_times_each_kernel_at_each_row_count_and_mv_at_one_row_only():
+    costs = perf.linear_kernel_costs([(48, 32), (32, 48)], rows=(1, 4), repeats=2)
+    assert set(costs["linear"]) == {1, 4}
+    assert set(costs["mv"]) == {1}  # torch.mv takes one row
+    assert all(us > 0 for by_rows in costs.values() for us in by_rows.values())
+
+
+def test_linear_kernel_costs_refuses_a_kernel_that_computes_another_product(monkeypatch):
+    """The comparison is only of kernels computing the same product: a wrong one fails loudly."""
+    real_mv = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda w, x: real_mv(w, x) + 1.0)
+    with pytest.raises(AssertionError):
+        perf.linear_kernel_costs([(48, 32)], rows=(1,), repeats=1)
