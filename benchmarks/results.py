@@ -384,7 +384,10 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "",
         "Wall times are summed over the invocations of `make results` (a rerun that reuses a finished",
         "stage adds only its start-up). Bench speedups are against plain decoding measured in the same",
-        "run; `= plain` counts prompts whose greedy output ids equal plain decoding's.",
+        "run; `= plain` counts prompts whose greedy output ids equal plain decoding's. The embedded",
+        "engine runs transformers' forward (F.linear) for plain decoding, verification and drafting",
+        "alike; how much its speedups depend on that kernel is measured in",
+        "[performance.md](performance.md#verify-what-a-wider-verify-costs).",
         "",
     ]
     return "\n".join(out)
