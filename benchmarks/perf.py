@@ -567,7 +567,9 @@ def linear_kernel_costs(
     reference = kernels["linear"](inputs[1])
     for name, kernel in kernels.items():  # the same product, or it is no comparison
         for got, want in zip(kernel(inputs[1]), reference, strict=True):
-            torch.testing.assert_close(got.view(-1).float(), want.view(-1).float(), rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(
+                got.view(-1).float(), want.view(-1).float(), rtol=2e-2, atol=2e-2, msg=f"{name} != F.linear"
+            )
     times: dict[tuple[str, int], list[float]] = {}
     for r in range(repeats + 2):  # two warm-up rounds
         for m in rows:
