@@ -191,13 +191,13 @@ def measure_train_step(
     training loop's `auto` picks on this device.
     """
     from specctl.devices import autocast, compute_dtype
-    from specctl.optim import build_optimizer
+    from specctl.optim import build_optimizer, vocab_sizes
     from specctl.recipe import TrainSection
 
     drafter = drafter.to(device).train()
     batch = {k: v.to(device) for k, v in batch.items()}
-    V, d2t = drafter.verifier.vocab_size, drafter.d2t
-    optimizer = build_optimizer(drafter, train or TrainSection(), {V, V if d2t is None else d2t.numel()})
+    sizes = vocab_sizes(drafter.verifier.vocab_size, drafter.d2t)
+    optimizer = build_optimizer(drafter, train or TrainSection(), sizes)
     context = autocast(device, dtype or compute_dtype(device, "auto"))
 
     def step() -> float:

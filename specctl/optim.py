@@ -163,6 +163,12 @@ def param_groups(model: nn.Module, weight_decay: float, vocab_sizes: set[int] | 
     return [g for g in groups if g["params"]]
 
 
+def vocab_sizes(vocab_size: int, d2t: torch.Tensor | None) -> set[int]:
+    """The vocabulary sizes `is_hidden_matrix` keeps off Muon: the verifier's and the draft
+    vocabulary's (the length of d2t; the verifier's when there is none)."""
+    return {vocab_size, vocab_size if d2t is None else d2t.numel()}
+
+
 def build_optimizer(model: nn.Module, train: TrainSection, vocab_sizes: set[int]) -> torch.optim.Optimizer:
     """`train.optimizer`: adamw, or muon (Muon on hidden matrices, AdamW on the rest)."""
     if train.optimizer == "muon":

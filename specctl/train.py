@@ -39,7 +39,7 @@ from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
-from specctl.optim import build_optimizer, build_scheduler, restore_scheduler
+from specctl.optim import build_optimizer, build_scheduler, restore_scheduler, vocab_sizes
 from specctl.recipe import Recipe, dump_recipe
 from specctl.tracking import Tracker, check_tracker, open_tracker
 from specctl.verifier import (
@@ -453,8 +453,7 @@ def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
     torch.manual_seed(cfg.seed)
     drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
     model = distributed.wrap(drafter.to(ctx.device), ctx, cfg.parallelism)
-    vocab_sizes = {source.spec.vocab_size, source.spec.vocab_size if d2t is None else d2t.numel()}
-    optimizer = build_optimizer(drafter, cfg, vocab_sizes)
+    optimizer = build_optimizer(drafter, cfg, vocab_sizes(source.spec.vocab_size, d2t))
     train_ids, val_ids = split_indices(len(source.lengths), cfg.val_fraction, cfg.seed)
     buckets = length_buckets(source.lengths, cfg.batch_tokens, train_ids)
     if not buckets:
