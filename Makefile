@@ -62,7 +62,7 @@ demo: install
 	    --baseline $(DEMO_RUN)/drafters/eagle3/export --output $(DEMO_RUN)/bench-vllm; \
 	fi
 
-# The run behind docs/results.md: four drafters, same data and budget, both backends (about 1.5 h on
+# The run behind docs/results.md: four drafters, same data and budget, both backends (about 2 h on
 # 2 cores); a rerun reuses finished stages. Commit docs/results.md and docs/results/ afterwards.
 results: install
 	$(PY) -m benchmarks.results recipes/results.yaml --doc docs/results.md
