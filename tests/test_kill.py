@@ -168,6 +168,34 @@ def test_kill_9_during_an_offline_bench(bench_dir):
     assert_all_dead(run_and_signal(bench_dir, args, ready, signal.SIGKILL))
 
 
+# ---------------------------------------------------------------- data generation through vLLM
+
+
+@fault(
+    stage="data",
+    fault="kill -9 of specctl while its vLLM data-generation worker writes self-generated conversations",
+    result="within 15 s no process specctl started is alive (checked by pid), the worker included",
+)
+def test_kill_9_during_vllm_data_generation(tmp_path):
+    """The data stage's worker (`specctl.data.vllm_worker`, vLLM's offline engine inside) is
+    started through the same process groups as the benches' engines: killing specctl must take it
+    down too, or it keeps both cores and its KV cache for the rest of the machine's life."""
+    pytest.importorskip("vllm")
+    quickstart = ROOT / "specctl" / "recipes" / "quickstart.yaml"
+    recipe = f"name: generating\nextends: {quickstart}\ndata:\n  engine: vllm\n  generate:\n"
+    (tmp_path / "recipe.yaml").write_text(recipe + "    num_conversations: 256\n")
+    ready = log_says("init engine", tmp_path / "runs" / "generating" / "logs" / "data-vllm-0.log")
+    ended = run_and_signal(tmp_path, COLLECT, ready, signal.SIGKILL)
+    print(f"vLLM up after {ended.ready_s:.0f} s; all dead {ended.seconds_to_all_dead:.1f} s after the signal")
+    assert any("specctl.data.vllm_worker" in c for c in ended.commands), ended.commands
+    assert len(ended.names_at_signal) >= 2, ended.names_at_signal  # the worker and the watchdog, at least
+    assert not ended.alive, ended.alive
+    assert ended.seconds_to_all_dead < ALL_DEAD_S
+    assert not (tmp_path / "runs" / "generating" / "data" / "manifest.json").exists(), (
+        "too late to test the kill: the data stage finished"
+    )
+
+
 # ---------------------------------------------------------------- collect --backend vllm
 
 
