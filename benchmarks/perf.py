@@ -875,34 +875,26 @@ def bench_data(
         figures["generate_same_answers_vllm_vs_hf"] = round(same / len(answers["hf"]), 3)
 
 
-def _fp32_newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The float32 quintic Newton-Schulz iteration specctl ran before torch.optim.Muon (the baseline)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    X = G.float().T if G.shape[0] > G.shape[1] else G.float()
-    X = X / (X.norm() + 1e-7)
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if G.shape[0] > G.shape[1] else X
-
-
 def bench_optim(
     workdir: Path, shapes: tuple[tuple[int, int], ...] = ((576, 1536), (2048, 2048))
 ) -> dict[str, float]:
     """Why specctl.optim is torch's: torch.optim.Muon (bfloat16 Newton-Schulz) against the float32
-    iteration specctl had (time per step and how far the updates differ), and the torch schedulers
-    build_scheduler chains against the closed form lr_at (and transformers' nearest schedulers)."""
+    iteration (`Float32Muon`'s; time per step and how far the updates differ), which of the two
+    specctl runs on this CPU (`muon_float32_here`: 1 where bf16 would be emulated), and the torch
+    schedulers build_scheduler chains against the closed form lr_at (and transformers' nearest)."""
     import warnings
 
-    from specctl.optim import build_scheduler, lr_at
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C
+
+    from specctl.optim import Float32Muon, build_scheduler, lr_at, muon_class, newton_schulz_fp32
     from specctl.recipe import TrainSection
 
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"muon_float32_here": float(muon_class(torch.device("cpu")) is Float32Muon)}
     for rows, cols in shapes:
         torch.manual_seed(0)
         grads = [torch.randn(rows, cols) for _ in range(3)]
         start = time.perf_counter()
-        ours = [_fp32_newton_schulz(g) for g in grads]
+        ours = [newton_schulz_fp32(g, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7) for g in grads]
         fp32_s = (time.perf_counter() - start) / len(grads)
         p = torch.nn.Parameter(torch.zeros(rows, cols))
         opt = torch.optim.Muon([p], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)

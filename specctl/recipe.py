@@ -39,8 +39,11 @@ class VerifierSection(Section):
         description="Hub id, local HF model directory, or the built-in alias `smollm2-135m-instruct`.",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to load.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="`auto` = bfloat16 on CUDA, float32 on CPU."
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "bfloat16-if-native"] = Field(
+        "auto",
+        description="`auto` = bfloat16 on CUDA, float32 on CPU (vLLM engines: bfloat16 unless the CPU "
+        "would emulate it); `bfloat16-if-native` = bfloat16 on CUDA and on CPUs with AVX512-BF16 / AMX, "
+        "float32 on CPUs that would emulate it (5-8x slower there).",
     )
     device: str = Field("auto", description="`auto` = cuda when available, else cpu; or any torch device.")
     trust_remote_code: bool = Field(

@@ -30,12 +30,16 @@ from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_tar
 from specctl.errors import DataError, FeatureStoreError, SpecctlError
 from specctl.features import StorePlan, finalize_store, init_store, write_shard
 from specctl.optim import (
+    Float32Muon,
     MuonAdamW,
     adamw,
     build_optimizer,
     build_scheduler,
     is_hidden_matrix,
     lr_at,
+    muon_class,
+    muon_lr_ratio,
+    newton_schulz_fp32,
     param_groups,
     restore_scheduler,
 )
@@ -160,9 +164,20 @@ def test_adamw_is_fused_where_torch_has_the_kernel_and_moves_as_the_default_does
     assert not adamw([{"params": [on_meta]}], **kw).param_groups[0]["fused"]
 
 
-def test_muon_adamw_is_torch_muon_plus_torch_adamw():
+@pytest.fixture
+def bf16_cpu(monkeypatch):
+    """Pretend the CPU computes bf16 natively (True) or emulates it (False)."""
+
+    def pretend(native: bool) -> None:
+        monkeypatch.setattr("specctl.devices.cpu_has_native_bf16", lambda: native)
+
+    return pretend
+
+
+def test_muon_adamw_is_torch_muon_plus_torch_adamw(bf16_cpu):
     """The router does no math of its own: it moves parameters exactly as torch.optim.Muon (on
-    the hidden matrix) and torch.optim.AdamW (on the rest) do side by side."""
+    the hidden matrix) and torch.optim.AdamW (on the rest) do side by side, where bf16 is native."""
+    bf16_cpu(True)
     a, b = _twins()
     kw = dict(lr=1e-2, weight_decay=0.1)
     ours = MuonAdamW(
@@ -184,6 +199,69 @@ def test_muon_adamw_is_torch_muon_plus_torch_adamw():
     # one state for the checkpoint: Muon's momentum and AdamW's moments, keyed by parameter
     assert set(ours.state[a[0].weight]) == {"momentum_buffer"}
     assert set(ours.state[a[1].weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _newton_schulz_float64(G, steps=5, coefficients=(3.4445, -4.7750, 2.0315)):
+    """The quintic iteration written out plainly in float64: X <- aX + (bA + cA^2)X, A = XX^T."""
+    a, b, c = coefficients
+    X = G.double().T if G.shape[0] > G.shape[1] else G.double()
+    X = X / X.norm()
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if G.shape[0] > G.shape[1] else X
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (8, 16), (24, 24)])
+def test_float32_newton_schulz_is_the_iteration_and_close_to_torchs_bf16(shape):
+    torch.manual_seed(0)
+    G = torch.randn(*shape)
+    ours = newton_schulz_fp32(G, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert ours.dtype == torch.float32 and ours.shape == G.shape
+    torch.testing.assert_close(ours.double(), _newton_schulz_float64(G), rtol=1e-5, atol=1e-5)
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    theirs = _zeropower_via_newtonschulz(G, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()  # bfloat16 inside
+    assert (theirs - ours).norm() / ours.norm() < 0.03  # bf16 rounding, not another iteration
+
+
+def test_muon_on_a_cpu_that_emulates_bf16_is_torchs_loop_in_float32(bf16_cpu, monkeypatch):
+    """Where bf16 is emulated the router picks Float32Muon: torch's Muon step for step, with the
+    Newton-Schulz iteration in float32 (torch's own loop with a float32 iteration swapped in)."""
+    from torch.optim import _muon
+
+    bf16_cpu(False)
+    assert muon_class(torch.device("cpu")) is Float32Muon
+    assert muon_class(torch.device("cuda")) is torch.optim.Muon  # CUDA: bf16 is native there
+    a, b = _twins()
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ours = MuonAdamW([{"params": [a[0].weight], "use_muon": True}], **kw)
+    assert type(ours._parts[0]) is Float32Muon
+
+    def float32_iteration(grad, ns_coefficients, ns_steps, eps):
+        return newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps).to(grad.dtype)
+
+    monkeypatch.setattr(_muon, "_zeropower_via_newtonschulz", float32_iteration)
+    ref = torch.optim.Muon([b[0].weight], adjust_lr_fn="match_rms_adamw", **kw)
+    before = a[0].weight.detach().clone()
+    _train(a, [ours])
+    _train(b, [ref])
+    assert not torch.equal(a[0].weight, before)  # it moved
+    assert torch.equal(a[0].weight, b[0].weight)
+    assert set(ours.state[a[0].weight]) == {"momentum_buffer"}  # the same state: checkpoints move
+    torch.testing.assert_close(
+        ours.state[a[0].weight]["momentum_buffer"], ref.state[b[0].weight]["momentum_buffer"]
+    )
+
+
+def test_muon_lr_ratio_is_torchs():
+    from torch.optim._muon import _adjust_lr
+
+    for fn in (None, "original", "match_rms_adamw"):
+        for shape in ((16, 8), (8, 16)):
+            assert muon_lr_ratio(fn, torch.Size(shape)) == pytest.approx(
+                _adjust_lr(1.0, fn, torch.Size(shape))
+            )
 
 
 def test_muon_adamw_state_dict_round_trip_continues_identically():
@@ -915,6 +993,30 @@ def test_precision_auto_is_bf16_where_the_hardware_has_it(monkeypatch, device, s
     assert devices.compute_dtype(torch.device(device), setting) == want
     with pytest.raises(ValueError, match="precision"):
         devices.compute_dtype(torch.device(device), "fp8")
+
+
+@pytest.mark.parametrize(
+    ("device", "setting", "native", "ours", "vllm"),
+    [
+        ("cpu", "auto", True, torch.float32, None),  # exact plain-vs-spec; vLLM picks bf16 itself
+        ("cpu", "auto", False, torch.float32, "float32"),  # vLLM would pick an emulated bf16
+        ("cpu", "bfloat16-if-native", True, torch.bfloat16, "bfloat16"),
+        ("cpu", "bfloat16-if-native", False, torch.float32, "float32"),
+        ("cpu", "bfloat16", False, torch.bfloat16, "bfloat16"),  # asked for: given, even emulated
+        ("cuda", "auto", False, torch.bfloat16, None),
+        ("cuda", "bfloat16-if-native", False, torch.bfloat16, "bfloat16"),
+        ("cuda", "float16", True, torch.float16, "float16"),
+    ],
+)
+def test_verifier_dtype_is_bf16_only_where_the_hardware_has_it(
+    monkeypatch, device, setting, native, ours, vllm
+):
+    """verifier.dtype for specctl's own forward (resolve_dtype) and for a vLLM engine (vllm_dtype)."""
+    from specctl import devices
+
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    assert devices.resolve_dtype(setting, torch.device(device)) == ours
+    assert devices.vllm_dtype(setting, torch.device(device)) == vllm
 
 
 def test_bf16_training_learns_resumes_exactly_and_records_its_dtype(tmp_path, offline, monkeypatch):

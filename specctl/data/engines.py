@@ -44,6 +44,7 @@ import torch
 
 from specctl.data.chat import end_of_turn_ids
 from specctl.data.vllm_worker import recv_message, send_message
+from specctl.devices import vllm_dtype
 from specctl.errors import DataError
 
 ENGINES = ("hf", "vllm", "server")
@@ -713,7 +714,7 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
     """The engine of the recipe's data section (`cfg`: a DataSection), open for the block.
 
     hf uses `model`, or loads the recipe's `verifier` for the block; vllm starts its workers (the
-    verifier's dtype: `auto` = bfloat16, what serving runs); server connects to data.server_url.
+    verifier's dtype as `specctl.devices.vllm_dtype` resolves it); server connects to data.server_url.
     The engine's `context` is how long a conversation may grow (its max model length).
     """
     say = say or (lambda _text: None)
@@ -742,13 +743,14 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
         return
     stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, choice.source, revision)
     cpu = not torch.cuda.is_available()
-    dtype = verifier.dtype if verifier is not None and verifier.dtype != "auto" else "bfloat16"
+    device = torch.device("cpu" if cpu else "cuda")
+    dtype = vllm_dtype(verifier.dtype if verifier is not None else "auto", device)
     context = min(
         cfg.max_length, int(getattr(choice.config, "max_position_embeddings", None) or cfg.max_length)
     )
     llm_args = worker_llm_args(
         choice.source,
-        dtype=dtype,
+        dtype=dtype or "auto",
         seed=cfg.seed,
         max_model_len=context,
         max_num_seqs=cfg.max_in_flight,
