@@ -41,23 +41,18 @@ def float32_newton_schulz() -> None:
     its reductions (norm, X @ X.T) run in another order than on one rank, so bf16 rounding alone
     moved a 1536x576 update by 6.5e-4 (of 3.3e-2) between them. What these tests check is that
     sharding and resharding leave the math alone, so the iteration is torch's, step for step, in
-    float32. The bf16 iteration itself is compared with float32 in `python -m benchmarks.perf --only
-    optim` (within 1.1 %).
+    float32 (on a CPU that emulates bf16 specctl's Float32Muon runs it in float32 anyway). The
+    bf16 iteration itself is compared with float32 in `python -m benchmarks.perf --only optim`
+    (within 1.1 %).
     """
-    import torch
     from torch.optim import _muon
 
-    def zeropower_float32(grad, ns_coefficients, ns_steps, eps):  # _muon._zeropower_via_newtonschulz
-        a, b, c = ns_coefficients
-        tall = grad.size(0) > grad.size(1)
-        x = grad.float().T if tall else grad.float()
-        x = x / x.norm().clamp(min=eps)
-        for _ in range(ns_steps):
-            gram = x @ x.T
-            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-        return (x.T if tall else x).to(grad.dtype)
+    from specctl.optim import newton_schulz_fp32
 
-    _muon._zeropower_via_newtonschulz = zeropower_float32
+    def zeropower_float32(grad, ns_coefficients, ns_steps, eps):  # _muon._zeropower_via_newtonschulz
+        return newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps).to(grad.dtype)
+
+    _muon._zeropower_via_newtonschulz = zeropower_float32  # where bf16 is native torch's Muon runs
 
 
 def use_tiny_world():
