@@ -539,6 +539,18 @@ def verify_costs(
     return {name: {n: statistics.median(times[(name, n)]) for n in VERIFY_TOKENS} for name in models}
 
 
+def prepacked_bf16(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The bf16 weights prepacked for oneDNN's linear, or None where torch cannot: a build without
+    the op, or a CPU without the instructions its bf16 path needs (AVX2-only: "bf16 path needs the
+    cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")."""
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return None
+    try:
+        return [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    except RuntimeError:
+        return None
+
+
 def linear_kernel_costs(
     shapes: list[tuple[int, int]], rows: tuple[int, ...] = (1, 4, 8), repeats: int = 30
 ) -> dict[str, dict[int, float]]:
@@ -558,8 +570,8 @@ def linear_kernel_costs(
         "linear": lambda xs: [F.linear(x, w) for x, w in zip(xs, weights, strict=True)],
         "mv": lambda xs: [torch.mv(w, x[0]) for x, w in zip(xs, weights, strict=True)],
     }
-    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    packed = prepacked_bf16(weights)
+    if packed is not None:
         kernels["prepacked"] = lambda xs: [
             torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
             for x, p in zip(xs, packed, strict=True)

@@ -47,13 +47,18 @@ class ProcessTree:
         self.names[self.root] = stat[0]
 
     def scan(self) -> None:
-        """Record every process whose parent is recorded (repeated until nothing new is found)."""
+        """Record every process whose parent is recorded (repeated until nothing new is found), and
+        read the command line of the recorded ones again: a process first seen between fork and exec
+        (or mid-exec, when /proc reads an empty command line) shows its real command only later."""
         table = {}
         for name in os.listdir("/proc"):
             if name.isdigit():
                 stat = _stat(int(name))
                 if stat is not None:
                     table[int(name)] = stat
+        for pid, (_, _, _, start) in table.items():
+            if self.started.get(pid) == start:  # the recorded process, not a later one with its pid
+                self.commands[pid] = _cmdline(pid) or self.commands.get(pid, "")
         grew = True
         while grew:
             grew = False

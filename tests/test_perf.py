@@ -242,6 +242,9 @@ def test_linear_kernel_costs_times_each_kernel_at_each_row_count_and_mv_at_one_r
     costs = perf.linear_kernel_costs([(48, 32), (32, 48)], rows=(1, 4), repeats=2)
     assert set(costs["linear"]) == {1, 4}
     assert set(costs["mv"]) == {1}  # torch.mv takes one row
+    # oneDNN's prepacked kernel where this CPU has its bf16 path (not on an AVX2-only one)
+    packs_here = perf.prepacked_bf16([torch.zeros(4, 4, dtype=torch.bfloat16)]) is not None
+    assert ("prepacked" in costs) == packs_here
     assert all(us > 0 for by_rows in costs.values() for us in by_rows.values())
 
 
