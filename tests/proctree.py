@@ -57,8 +57,9 @@ class ProcessTree:
                 if stat is not None:
                     table[int(name)] = stat
         for pid, (_, _, _, start) in table.items():
-            if self.started.get(pid) == start:  # the recorded process, not a later one with its pid
-                self.commands[pid] = _cmdline(pid) or self.commands.get(pid, "")
+            # a recorded child (the root has no entry), not a later process that took its pid
+            if pid in self.commands and self.started.get(pid) == start:
+                self.commands[pid] = _cmdline(pid) or self.commands[pid]
         grew = True
         while grew:
             grew = False
