@@ -95,6 +95,14 @@ def muon_lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
     return 1.0
 
 
+def closure_loss(closure) -> Any:
+    """The loss of an optimizer's `step(closure)` (None without one), evaluated with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Float32Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in float32, for CPUs that emulate bf16.
 
@@ -105,10 +113,7 @@ class Float32Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, momentum = float(group["lr"]), group["momentum"]
             for p in group["params"]:
@@ -192,10 +197,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for part in self._parts:
             part.step()
         return loss
