@@ -540,15 +540,13 @@ def verify_costs(
 
 
 def prepacked_bf16(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """The bf16 weights prepacked for oneDNN's linear, or None where torch cannot: a build without
-    the op, or a CPU without the instructions its bf16 path needs (AVX2-only: "bf16 path needs the
-    cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq")."""
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    """The bf16 weights prepacked for oneDNN's linear, or None where this torch or CPU cannot
+    (`specctl.kernels.onednn_prepack_available`)."""
+    from specctl.kernels import onednn_prepack_available
+
+    if not onednn_prepack_available(torch.bfloat16):
         return None
-    try:
-        return [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    except RuntimeError:
-        return None
+    return [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
 
 
 def linear_kernel_costs(
@@ -599,22 +597,30 @@ def linear_kernel_costs(
 
 def bench_verify(workdir: Path) -> dict[str, float]:
     """The verify curve: what a SmolLM2 forward over n = 1..16 new tokens costs, in the engine's
-    dtype (`verifier.dtype` of the quickstart recipe) and, where this CPU has native bf16, in
-    bfloat16 too. `verify_cost_ratio_8_vs_1` (a K=7 verify over a decode step) is the figure
-    that decides whether a parallel drafter's long block can pay (docs/performance.md)."""
+    dtype (`verifier.dtype` of the quickstart recipe) with the engine's matmul kernel
+    (`bench.linear_kernel`), and beside it with F.linear (`.f_linear`) when that kernel is the
+    prepacked one, and, where this CPU has native bf16, in bfloat16 too.
+    `verify_cost_ratio_8_vs_1` (a K=7 verify over a decode step) is the figure that decides
+    whether a parallel drafter's long block can pay (docs/performance.md)."""
+    import copy
+
     from specctl.devices import cpu_has_native_bf16
+    from specctl.kernels import PREPACKED, apply_kernel
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import load_verifier
 
-    verifier = load_verifier(load_recipe(resolve_recipe_path("quickstart.yaml")).verifier)
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    verifier = load_verifier(recipe.verifier)
     dtype = next(verifier.model.parameters()).dtype
+    unpacked = copy.deepcopy(verifier.model)
+    kernel = apply_kernel(verifier.model, recipe.bench.linear_kernel)  # the engine's, as bench runs it
     models = {str(dtype).removeprefix("torch."): verifier.model}
+    if kernel == PREPACKED:  # before the kernel: F.linear, same dtype
+        models["f_linear"] = unpacked
     if dtype != torch.bfloat16 and verifier.device.type == "cpu" and cpu_has_native_bf16():
-        import copy
-
-        models["bfloat16"] = copy.deepcopy(verifier.model).to(torch.bfloat16)
+        models["bfloat16"] = copy.deepcopy(unpacked).to(torch.bfloat16)  # F.linear: bench's auto there
     curves = verify_costs(models)
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"verify_linear_kernel_prepacked": float(kernel == PREPACKED)}
     for i, (name, curve) in enumerate(curves.items()):
         suffix = "" if i == 0 else f".{name}"  # the engine's own dtype first, unsuffixed
         for n, ms in curve.items():
@@ -689,10 +695,12 @@ def bench_engine(
     from specctl.drafters import DRAFTERS
     from specctl.engine import generate
     from specctl.export import load_drafter
+    from specctl.kernels import PREPACKED, apply_kernel
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import load_verifier
 
-    verifier = load_verifier(load_recipe(resolve_recipe_path("quickstart.yaml")).verifier)
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    verifier = load_verifier(recipe.verifier)
     prompts, _ = load_prompts("builtin", verifier.tokenizer, num_prompts)
     model = verifier.model
 
@@ -717,9 +725,11 @@ def bench_engine(
     def engine(drafter: object | None) -> Callable[[list[int]], int]:
         return lambda ids: len(generate(verifier, drafter, ids, max_new_tokens).tokens)
 
-    hf_tps = tokens_per_s(hf)
+    hf_tps = tokens_per_s(hf)  # transformers' own kernels
+    kernel = apply_kernel(model, recipe.bench.linear_kernel)  # then the engine's, as bench runs it
     plain_tps = tokens_per_s(engine(None))
     figures = {
+        "engine_linear_kernel_prepacked": float(kernel == PREPACKED),
         "engine_hf_generate_tokens_per_s": round(hf_tps, 2),
         "engine_nospec_tokens_per_s": round(plain_tps, 2),
         "engine_nospec_ratio_vs_hf_generate": round(plain_tps / hf_tps, 3),
@@ -727,6 +737,7 @@ def bench_engine(
     parallel = []
     for export in sorted(run_dir.glob("drafters/*/export")):
         drafter, _ = load_drafter(export, verifier=verifier)
+        apply_kernel(drafter, kernel)
         with timed(drafter, "propose") as propose_s, timed(model, "forward") as verify_s:
             speedup = tokens_per_s(engine(drafter)) / plain_tps
         figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)

@@ -73,10 +73,13 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def provenance(recipe_yaml: str | None = None, server: dict[str, Any] | None = None) -> dict[str, Any]:
+def provenance(
+    recipe_yaml: str | None = None, server: dict[str, Any] | None = None, engine: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The `provenance` block of a report: package versions, specctl's git commit (when run from
     a checkout), CPU and GPU model and count, a UTC timestamp, the resolved recipe's sha256 (None
-    without a recipe) and, for a remote server, what it said about itself."""
+    without a recipe), for a remote server what it said about itself, and for the embedded engine
+    the dtype and matmul kernel it ran (speedups on a CPU depend on both: docs/performance.md)."""
     import specctl
 
     commit, dirty = git_state(Path(specctl.__file__).resolve().parent)
@@ -96,4 +99,5 @@ def provenance(recipe_yaml: str | None = None, server: dict[str, Any] | None = N
         "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "recipe_sha256": text_sha256(recipe_yaml) if recipe_yaml is not None else None,
         "server": server,
+        "engine": engine,
     }

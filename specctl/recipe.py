@@ -239,6 +239,9 @@ class ExportSection(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Weights dtype.")
 
 
+LinearKernel = Literal["auto", "torch", "onednn-prepacked"]
+
+
 class BenchSection(Section):
     backend: Literal["embedded", "vllm", "vllm-offline"] = Field(
         "embedded", description="embedded engine, a vLLM server per method, or vLLM's offline LLM."
@@ -271,6 +274,13 @@ class BenchSection(Section):
         description="Dynamic draft length for drafters with a confidence head (DSpark): verify only "
         "the drafts whose running product of confidences stays >= T. Several values are swept, "
         "beside each drafter's fixed K. Embedded backend only.",
+    )
+    linear_kernel: LinearKernel = Field(
+        "auto",
+        description="The embedded engine's matmul kernel, the same in every forward (plain decoding, "
+        "verification, drafters): `torch` = F.linear; `onednn-prepacked` = oneDNN with each weight "
+        "reordered once (CPU); `auto` = prepacked for a float32 engine on a CPU, where F.linear (MKL) "
+        "measured 2x slower at 1-4 rows, else F.linear (docs/performance.md).",
     )
     base_url: str | None = Field(
         None,

@@ -876,8 +876,14 @@ def test_report_records_provenance(tmp_path, tiny_verifier_dir, fake_engine):
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["timestamp"])
     assert p["recipe_sha256"] == hashlib.sha256(dump_recipe(recipe).encode()).hexdigest()
     assert p["server"] is None
+    # the embedded engine's dtype and kernel: the tiny verifier runs float32 on the CPU (auto)
+    from specctl.kernels import PREPACKED, onednn_prepack_available
+
+    kernel = PREPACKED if onednn_prepack_available() else "torch"
+    assert p["engine"] == {"dtype": "float32", "linear_kernel": kernel}
     line = [x for x in (out / "report.md").read_text().splitlines() if x.startswith("- provenance: ")]
     assert len(line) == 1 and f"recipe sha256 {p['recipe_sha256'][:12]}" in line[0]
+    assert f"engine float32, {kernel} matmuls" in line[0]
     assert f"specctl {p['versions']['specctl']}" in line[0] and p["git_commit"][:12] in line[0]
 
 

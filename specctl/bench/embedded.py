@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specctl.bench.plan import Groups, Method
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Measurement, MethodResult, Point
@@ -34,9 +36,12 @@ class EmbeddedBackend:
         load_drafter_fn: Callable[..., Any] | None = None,
     ):
         from specctl.data.generate import stop_token_ids
+        from specctl.kernels import apply_kernel
         from specctl.verifier import load_verifier
 
         self.verifier = load_verifier(section)
+        # one kernel for every forward of the run: plain decoding's, the verifies', the drafters'
+        self.kernel = apply_kernel(self.verifier.model, settings.linear_kernel)
         self.tokenizer = self.verifier.tokenizer
         self.stop_ids = list(stop_token_ids(self.tokenizer, self.verifier.model))
         self.settings, self.on_done = settings, on_done
@@ -56,8 +61,18 @@ class EmbeddedBackend:
         if method.drafter is None:
             return None
         if method.drafter not in self.loaded:
-            self.loaded[method.drafter] = self.load_drafter_fn(method.drafter, self.verifier)[0]
+            from specctl.kernels import apply_kernel
+
+            drafter = self.load_drafter_fn(method.drafter, self.verifier)[0]
+            if isinstance(drafter, torch.nn.Module):  # a test's stand-in may be a plain object
+                apply_kernel(drafter, self.kernel)
+            self.loaded[method.drafter] = drafter
         return self.loaded[method.drafter]
+
+    @property
+    def engine_info(self) -> dict[str, Any]:
+        """The report's provenance.engine: the dtype and matmul kernel every forward ran with."""
+        return {"dtype": str(self.verifier.dtype).removeprefix("torch."), "linear_kernel": self.kernel}
 
     def _run(self, method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
         s = self.settings

@@ -286,6 +286,9 @@ def provenance_line(d: dict[str, Any]) -> str | None:
             f"server {server['base_url']} ({server.get('model') or '?'}"
             f"{', vLLM ' + server['vllm_version'] if server.get('vllm_version') else ''})"
         )
+    engine = p.get("engine")
+    if engine:
+        parts.append(f"engine {engine['dtype']}, {engine['linear_kernel']} matmuls")
     return "; ".join(parts)
 
 

@@ -219,7 +219,9 @@ def new_report(plan: RunPlan, engine: Backend, num_prompts: int, dataset: str) -
     s = plan.settings
     return BenchReport(
         verifier=getattr(engine, "verifier_name", None) or plan.verifier or "?",
-        provenance=provenance(plan.recipe_yaml, getattr(engine, "server_info", None)),
+        provenance=provenance(
+            plan.recipe_yaml, getattr(engine, "server_info", None), getattr(engine, "engine_info", None)
+        ),
         backend=engine.name,
         dataset=dataset,
         num_prompts=num_prompts,
