@@ -505,8 +505,10 @@ class DFlashDrafter(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V_draft] base draft logits."""
-        weight = self.verifier_lm_head if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden.to(weight.dtype), weight)
+        if self.lm_head is None:
+            return F.linear(hidden.to(self.verifier_lm_head.dtype), self.verifier_lm_head)
+        # through the module, so the engine's kernel (specctl.kernels) reaches the draft head too
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
     def full_stats(self) -> bool:
         """Whether this step needs the verifier's full-vocabulary argmax / logsumexp."""
