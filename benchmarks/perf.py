@@ -605,20 +605,21 @@ def bench_verify(workdir: Path) -> dict[str, float]:
     import copy
 
     from specctl.devices import cpu_has_native_bf16
-    from specctl.kernels import PREPACKED, apply_kernel
+    from specctl.kernels import PREPACKED, apply_kernel, resolve_kernel
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import load_verifier
 
     recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
     verifier = load_verifier(recipe.verifier)
     dtype = next(verifier.model.parameters()).dtype
-    unpacked = copy.deepcopy(verifier.model)
-    kernel = apply_kernel(verifier.model, recipe.bench.linear_kernel)  # the engine's, as bench runs it
-    models = {str(dtype).removeprefix("torch."): verifier.model}
+    kernel = resolve_kernel(recipe.bench.linear_kernel, verifier.device, dtype)  # as bench runs it
+    extra = {}  # copies taken before the engine's kernel replaces the verifier's linears
     if kernel == PREPACKED:  # before the kernel: F.linear, same dtype
-        models["f_linear"] = unpacked
+        extra["f_linear"] = copy.deepcopy(verifier.model)
     if dtype != torch.bfloat16 and verifier.device.type == "cpu" and cpu_has_native_bf16():
-        models["bfloat16"] = copy.deepcopy(unpacked).to(torch.bfloat16)  # F.linear: bench's auto there
+        extra["bfloat16"] = copy.deepcopy(verifier.model).to(torch.bfloat16)  # F.linear: bench's auto there
+    apply_kernel(verifier.model, kernel)
+    models = {str(dtype).removeprefix("torch."): verifier.model, **extra}
     curves = verify_costs(models)
     figures: dict[str, float] = {"verify_linear_kernel_prepacked": float(kernel == PREPACKED)}
     for i, (name, curve) in enumerate(curves.items()):

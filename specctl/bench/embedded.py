@@ -16,6 +16,7 @@ from specctl.bench.plan import Groups, Method
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Measurement, MethodResult, Point
 from specctl.counters import SpecCounters
+from specctl.kernels import apply_kernel
 from specctl.recipe import BenchSection, VerifierSection
 
 
@@ -36,7 +37,6 @@ class EmbeddedBackend:
         load_drafter_fn: Callable[..., Any] | None = None,
     ):
         from specctl.data.generate import stop_token_ids
-        from specctl.kernels import apply_kernel
         from specctl.verifier import load_verifier
 
         self.verifier = load_verifier(section)
@@ -61,8 +61,6 @@ class EmbeddedBackend:
         if method.drafter is None:
             return None
         if method.drafter not in self.loaded:
-            from specctl.kernels import apply_kernel
-
             drafter = self.load_drafter_fn(method.drafter, self.verifier)[0]
             if isinstance(drafter, torch.nn.Module):  # a test's stand-in may be a plain object
                 apply_kernel(drafter, self.kernel)
