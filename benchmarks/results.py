@@ -268,13 +268,35 @@ def sweep_table(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def sweep_point_table(points: list[dict[str, Any]]) -> list[str]:
+    """Sweep points (K, or K and a threshold) as a markdown table: the one layout of both the main
+    bench's thresholds and the draft-length run."""
+    out = [
+        "| method | K | tau | acceptance per position | drafted per accepted | output tok/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in points:
+        ratio = p.get("draft_tokens_per_accepted")
+        cells = [
+            p["name"],
+            k_cell(p),
+            f"{p['acceptance_length']:.2f}",
+            rates(p["per_position_acceptance"]),
+            "-" if ratio is None else f"{ratio:.2f}",
+            f"{p['output_tokens_per_s']:.1f}",
+            f"{p['speedup']:.2f}x",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def threshold_table(report: dict[str, Any]) -> list[str]:
     """The drafters measured with confidence thresholds: each (K, T) point beside the fixed K."""
     points = (report.get("sweep") or {}).get("points", [])
     cut = {p["name"] for p in points if p.get("confidence_threshold") is not None}
     if not cut:
         return []
-    out = [
+    intro = [
         "",
         "Dynamic draft length (`bench.confidence_thresholds`): each block cut where the running product "
         "of the confidence head's predictions falls below T; drafted per accepted = draft tokens "
@@ -282,18 +304,8 @@ def threshold_table(report: dict[str, Any]) -> list[str]:
         "(vLLM's definition), so a T that cuts whole blocks raises tau while those passes still cost a "
         "forward: output tok/s is the figure to compare.",
         "",
-        "| method | K | tau | drafted per accepted | output tok/s | speedup |",
-        "|---|---|---|---|---|---|",
     ]
-    for p in points:
-        if p["name"] in cut:
-            ratio = p.get("draft_tokens_per_accepted")
-            out.append(
-                f"| {p['name']} | {k_cell(p)} | {p['acceptance_length']:.2f} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}'} | {p['output_tokens_per_s']:.1f} | "
-                f"{p['speedup']:.2f}x |"
-            )
-    return out
+    return intro + sweep_point_table([p for p in points if p["name"] in cut])
 
 
 def draft_length_section(run: Path) -> list[str]:
@@ -316,21 +328,8 @@ def draft_length_section(run: Path) -> list[str]:
         "Each drafter with a confidence head at every K it can draft, alone and with each threshold, "
         f"in one run with its own plain decoding ({setup}).",
         "",
-        "| method | K | tau | acceptance per position | drafted per accepted | output tok/s | speedup |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for p in points:
-        ratio = p.get("draft_tokens_per_accepted")
-        cells = [
-            p["name"],
-            k_cell(p),
-            f"{p['acceptance_length']:.2f}",
-            rates(p["per_position_acceptance"]),
-            "-" if ratio is None else f"{ratio:.2f}",
-            f"{p['output_tokens_per_s']:.1f}",
-            f"{p['speedup']:.2f}x",
-        ]
-        out.append("| " + " | ".join(cells) + " |")
+    out += sweep_point_table(points)
     out.append("")
     for name in dict.fromkeys(p["name"] for p in points):
         mine = [p for p in points if p["name"] == name]

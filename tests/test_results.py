@@ -158,8 +158,8 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     assert (doc.parent / "results" / "learning-curves.png").read_bytes()[:4] == b"\x89PNG"
     # DSpark at a confidence threshold: its K cell names T, and the fixed K is shown beside it
     assert "| dspark | 8, T 0.4 | 1.75 |" in page
-    assert "| dspark | 8 | 1.75 | 8.00 | 20.0 | 1.31x |" in page
-    assert "| dspark | 8, T 0.4 | 1.75 | 1.50 | 20.0 | 1.45x |" in page
+    assert "| dspark | 8 | 1.75 | 0.50 0.25 | 8.00 | 20.0 | 1.31x |" in page
+    assert "| dspark | 8, T 0.4 | 1.75 | 0.50 0.25 | 1.50 | 20.0 | 1.45x |" in page
     assert "bench-vllm" not in page  # no vLLM report in this run: no section
     assert "K sweep" not in page  # thresholds at one K are not a K sweep
 
