@@ -140,6 +140,48 @@ def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / DRAFTER_FILE)
 
 
+def saved_recipe(checkpoint: Path) -> Any:
+    """The Recipe a checkpoint was trained with (its recipe.yaml)."""
+    import yaml
+
+    from specctl.recipe import recipe_from_dict
+
+    recipe_file = checkpoint / RECIPE_FILE
+    if not recipe_file.is_file():
+        raise SpecctlError(f"{recipe_file}: missing; the checkpoint cannot be rebuilt without its recipe")
+    return recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
+
+
+def drafter_changes(saved: Any, recipe: Any, algo: str) -> list[str]:
+    """`field: saved -> now` for each setting that defines the `algo` drafter (its own section, the
+    shared draft vocabulary and mask token) and differs between two recipes. Training settings
+    (steps, learning rate, cadence) may change on resume; these may not."""
+
+    def fields(r: Any) -> dict[str, Any]:
+        d = r.drafter
+        own = {f"drafter.{algo}.{k}": v for k, v in getattr(d, algo).model_dump(mode="json").items()}
+        shared = {"drafter.draft_vocab_size": d.draft_vocab_size, "drafter.mask_token_id": d.mask_token_id}
+        return own | shared
+
+    before, now = fields(saved), fields(recipe)
+    return [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
+
+
+def check_resumable(checkpoint: Path, recipe: Any) -> None:
+    """Refuse to resume a checkpoint as a different drafter. Shapes alone do not catch it: a DFlash
+    block of 8 and one of 4 have the same weights, so the run would go on training (and export) a
+    drafter its recipe does not describe."""
+    algo = recipe.drafter.algo
+    changes = drafter_changes(saved_recipe(checkpoint), recipe, algo)
+    if changes:
+        raise SpecctlError(
+            f"{checkpoint}: trained as another {algo} drafter than the recipe describes "
+            f"({'; '.join(changes[:3])}); resume with the recipe it was trained with "
+            f"(`specctl train {checkpoint / RECIPE_FILE} --resume`), or move {checkpoint.parent} "
+            "away and train without --resume"
+        )
+
+
 def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Rebuild a trained drafter from a training checkpoint, without loading the verifier:
     (module in eval mode, the checkpoint's recipe, its meta.json).
@@ -150,10 +192,8 @@ def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Any, dict[str,
     """
     import dataclasses
 
-    import yaml
     from accelerate import init_empty_weights
 
-    from specctl.recipe import recipe_from_dict
     from specctl.validate import meta_weights
     from specctl.verifier import verifier_reference
 
@@ -163,10 +203,7 @@ def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Any, dict[str,
         raise SpecctlError(
             f"{checkpoint}: checkpoint of unknown algorithm {algo!r}; known: {', '.join(DRAFTERS)}"
         )
-    recipe_file = checkpoint / RECIPE_FILE
-    if not recipe_file.is_file():
-        raise SpecctlError(f"{recipe_file}: missing; the checkpoint cannot be rebuilt without its recipe")
-    recipe = recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
+    recipe = saved_recipe(checkpoint)
     try:
         verifier = VerifierSpec.from_dict(meta["verifier"])
     except (KeyError, TypeError) as e:

@@ -29,7 +29,7 @@ from torch import nn
 
 from specctl import devices, distributed
 from specctl.batching import length_buckets
-from specctl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from specctl.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum, rank_share
@@ -545,6 +545,8 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     resume_from = latest_checkpoint(ckpt_root) if resume else None
     if resume and resume_from is None:
         raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
+    if resume_from is not None:
+        check_resumable(resume_from, recipe)
     p = build_pieces(recipe, ctx, progress)
 
     step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)

@@ -769,6 +769,38 @@ def test_resume_without_checkpoint_says_so(tmp_path, offline, toy):
 
 @fault(
     stage="train",
+    fault="`--resume` after the drafter section changed in a way the weights' shapes do not show "
+    "(a DFlash block of 4 resumed as a block of 3)",
+    result="SpecctlError naming the field, its old and new value, and both ways out; nothing written",
+)
+def test_resume_refuses_a_checkpoint_of_another_drafter(tmp_path, offline):
+    block4 = {**TINY_DRAFTERS["dflash"], "block_size": 4}
+    run_training(tiny_recipe(tmp_path, extra={"drafter": {"dflash": block4}}, max_steps=3), progress=False)
+    root = tmp_path / "t" / "drafters" / "dflash"
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+    block3 = tiny_recipe(tmp_path, extra={"drafter": {"dflash": {**block4, "block_size": 3}}}, max_steps=6)
+    with pytest.raises(
+        SpecctlError,
+        match=r"step-3: trained as another dflash drafter .*"
+        r"drafter\.dflash\.block_size: 4 -> 3.*recipe\.yaml --resume.*without --resume",
+    ):
+        run_training(block3, resume=True, progress=False)
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+    # training settings may change: the same drafter resumes with more steps and another lr
+    more = tiny_recipe(tmp_path, extra={"drafter": {"dflash": block4}}, max_steps=6, lr=1e-3)
+    assert run_training(more, resume=True, progress=False).steps == 6
+
+
+def test_drafter_changes_lists_only_the_drafters_own_fields(tmp_path):
+    base = tiny_recipe(tmp_path)
+    other_algo = tiny_recipe(tmp_path, extra={"drafter": {"eagle3": {"ttt_steps": 5}}}, lr=1.0)
+    assert ckpt.drafter_changes(base, other_algo, "dflash") == []
+    vocab = tiny_recipe(tmp_path, extra={"drafter": {"draft_vocab_size": 7}})
+    assert ckpt.drafter_changes(base, vocab, "dflash") == ["drafter.draft_vocab_size: None -> 7"]
+
+
+@fault(
+    stage="train",
     fault="the training loss turns NaN",
     result="SpecctlError naming the step, before the optimizer applies it",
 )
