@@ -32,7 +32,7 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ from specctl.distributed import DistContext, broadcast_object
 from specctl.drafters import DRAFTERS, VerifierSpec
 from specctl.durable import disk_full, recover_dirs, replace_dir, sha256_file, write_atomic
 from specctl.errors import CheckpointError, SpecctlError, first_line
+
+if TYPE_CHECKING:
+    from specctl.recipe import Recipe
 
 DRAFTER_FILE = "drafter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -140,7 +143,7 @@ def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / DRAFTER_FILE)
 
 
-def saved_recipe(checkpoint: Path) -> Any:
+def saved_recipe(checkpoint: Path) -> Recipe:
     """The Recipe a checkpoint was trained with (its recipe.yaml)."""
     import yaml
 
@@ -152,12 +155,12 @@ def saved_recipe(checkpoint: Path) -> Any:
     return recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
 
 
-def drafter_changes(saved: Any, recipe: Any, algo: str) -> list[str]:
+def drafter_changes(saved: Recipe, recipe: Recipe, algo: str) -> list[str]:
     """`field: saved -> now` for each setting that defines the `algo` drafter (its own section, the
     shared draft vocabulary and mask token) and differs between two recipes. Training settings
     (steps, learning rate, cadence) may change on resume; these may not."""
 
-    def fields(r: Any) -> dict[str, Any]:
+    def fields(r: Recipe) -> dict[str, Any]:
         d = r.drafter
         own = {f"drafter.{algo}.{k}": v for k, v in getattr(d, algo).model_dump(mode="json").items()}
         shared = {"drafter.draft_vocab_size": d.draft_vocab_size, "drafter.mask_token_id": d.mask_token_id}
@@ -167,7 +170,7 @@ def drafter_changes(saved: Any, recipe: Any, algo: str) -> list[str]:
     return [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
 
 
-def check_resumable(checkpoint: Path, recipe: Any) -> None:
+def check_resumable(checkpoint: Path, recipe: Recipe) -> None:
     """Refuse to resume a checkpoint as a different drafter. Shapes alone do not catch it: a DFlash
     block of 8 and one of 4 have the same weights, so the run would go on training (and export) a
     drafter its recipe does not describe."""
