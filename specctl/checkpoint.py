@@ -155,31 +155,26 @@ def saved_recipe(checkpoint: Path) -> Recipe:
     return recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
 
 
-def drafter_changes(saved: Recipe, recipe: Recipe, algo: str) -> list[str]:
-    """`field: saved -> now` for each setting that defines the `algo` drafter (its own section, the
-    shared draft vocabulary and mask token) and differs between two recipes. Training settings
-    (steps, learning rate, cadence) may change on resume; these may not."""
-
-    def fields(r: Recipe) -> dict[str, Any]:
-        d = r.drafter
-        own = {f"drafter.{algo}.{k}": v for k, v in getattr(d, algo).model_dump(mode="json").items()}
-        shared = {"drafter.draft_vocab_size": d.draft_vocab_size, "drafter.mask_token_id": d.mask_token_id}
-        return own | shared
-
-    before, now = fields(saved), fields(recipe)
-    return [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
+def drafter_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
+    """What defines the `algo` drafter in a recipe: its own section, the shared draft vocabulary and
+    mask token. Training settings (steps, learning rate, cadence) are not: they may change on resume."""
+    d = recipe.drafter
+    own = getattr(d, algo).model_dump(mode="json")
+    return {"drafter": {algo: own, "draft_vocab_size": d.draft_vocab_size, "mask_token_id": d.mask_token_id}}
 
 
 def check_resumable(checkpoint: Path, recipe: Recipe) -> None:
     """Refuse to resume a checkpoint as a different drafter. Shapes alone do not catch it: a DFlash
     block of 8 and one of 4 have the same weights, so the run would go on training (and export) a
     drafter its recipe does not describe."""
+    from specctl.recipe import config_diff
+
     algo = recipe.drafter.algo
-    changes = drafter_changes(saved_recipe(checkpoint), recipe, algo)
-    if changes:
+    before, now = drafter_settings(saved_recipe(checkpoint), algo), drafter_settings(recipe, algo)
+    if before != now:
         raise SpecctlError(
             f"{checkpoint}: trained as another {algo} drafter than the recipe describes "
-            f"({'; '.join(changes[:3])}); resume with the recipe it was trained with "
+            f"({config_diff(before, now)}); resume with the recipe it was trained with "
             f"(`specctl train {checkpoint / RECIPE_FILE} --resume`), or move {checkpoint.parent} "
             "away and train without --resume"
         )

@@ -7,6 +7,7 @@ and a test keeps it in sync, so the documented defaults are the ones the code us
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -557,6 +558,30 @@ def resolve_recipe_path(path: str | Path) -> Path:
         return p
     builtin = BUILTIN_RECIPES / (p.name if p.suffix else f"{p.name}.yaml")
     return builtin if _exists(builtin) else p
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """`key: old -> new` for each setting that differs between two nested settings dicts (at most
+    three, then `+N more`): the one-line "what changed" of every refusal to reuse stale work."""
+    a, b = _flat(old), _flat(new)
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    parts = [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys[:3]]
+    return ", ".join(parts) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "") or "format changed"
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -43,7 +43,7 @@ from specctl.optim import (
     param_groups,
     restore_scheduler,
 )
-from specctl.recipe import Recipe, TrainSection, load_recipe, recipe_from_dict
+from specctl.recipe import Recipe, TrainSection, config_diff, load_recipe, recipe_from_dict
 from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat
 from specctl.verifier import capture_hidden_states, spec_from_config
 
@@ -791,12 +791,12 @@ def test_resume_refuses_a_checkpoint_of_another_drafter(tmp_path, offline):
     assert run_training(more, resume=True, progress=False).steps == 6
 
 
-def test_drafter_changes_lists_only_the_drafters_own_fields(tmp_path):
-    base = tiny_recipe(tmp_path)
-    other_algo = tiny_recipe(tmp_path, extra={"drafter": {"eagle3": {"ttt_steps": 5}}}, lr=1.0)
-    assert ckpt.drafter_changes(base, other_algo, "dflash") == []
-    vocab = tiny_recipe(tmp_path, extra={"drafter": {"draft_vocab_size": 7}})
-    assert ckpt.drafter_changes(base, vocab, "dflash") == ["drafter.draft_vocab_size: None -> 7"]
+def test_drafter_settings_hold_only_what_defines_the_drafter(tmp_path):
+    base = ckpt.drafter_settings(tiny_recipe(tmp_path), "dflash")
+    other = tiny_recipe(tmp_path, extra={"drafter": {"eagle3": {"ttt_steps": 5}}}, lr=1.0, max_steps=9)
+    assert ckpt.drafter_settings(other, "dflash") == base  # another algorithm's section, training settings
+    vocab = ckpt.drafter_settings(tiny_recipe(tmp_path, extra={"drafter": {"draft_vocab_size": 7}}), "dflash")
+    assert config_diff(base, vocab) == "drafter.draft_vocab_size: null -> 7"
 
 
 @fault(

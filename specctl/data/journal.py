@@ -30,32 +30,10 @@ from typing import IO, Any
 
 from specctl.durable import fsync_dir
 from specctl.errors import DataError
+from specctl.recipe import config_diff
 
 JOURNAL_VERSION = 1
 SYNC_EVERY_S = 1.0
-
-
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _short(v: Any) -> str:
-    text = json.dumps(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """`key: old -> new` for each setting that differs (at most three, then `+N more`)."""
-    a, b = _flat(old), _flat(new)
-    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
-    parts = [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys[:3]]
-    return ", ".join(parts) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "") or "format changed"
 
 
 def _read(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], int]:
