@@ -10,7 +10,7 @@ import difflib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -20,8 +20,10 @@ from pydantic import (
     ValidationError,
     create_model,
     field_validator,
+    model_serializer,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from specctl.drafters import DEFAULT_ALGO, DRAFTERS
 from specctl.errors import RecipeError, first_line
@@ -194,7 +196,9 @@ def _drafter_section() -> type[Section]:
 DrafterSection = _drafter_section()
 
 
-class TrainSection(Section):
+class TrainSettings(Section):
+    """How one drafter trains; `TrainSection` adds the per-algorithm overrides."""
+
     mode: Literal["offline", "online"] = Field(
         "offline", description="offline = read the feature store; online = run the verifier in the loop."
     )
@@ -234,6 +238,51 @@ class TrainSection(Section):
         "trackers; `pip install 'specctl[tensorboard]'` etc.). tensorboard writes "
         "drafters/<algo>/tensorboard/.",
     )
+
+
+class _Override(Section):
+    @model_serializer(mode="wrap")
+    def _set_only(self, handler: Any) -> dict[str, Any]:
+        """Only the settings an override sets: a dumped recipe shows `{max_steps: 1400}`, not every
+        field as null."""
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+def _optional(model: type[Section]) -> type[Section]:
+    """`model`'s fields, each optional with default None (= keep the base value), its bounds kept:
+    an override is checked like the setting it replaces, at its own place in the recipe."""
+    fields: dict[str, Any] = {
+        name: (f.annotation | None, FieldInfo.merge_field_infos(f, default=None))
+        for name, f in model.model_fields.items()
+    }
+    return create_model(f"{model.__name__}Override", __base__=_Override, **fields)
+
+
+TrainOverride = _optional(TrainSettings)
+
+
+class TrainSection(TrainSettings):
+    per_algo: dict[str, TrainOverride] = Field(  # type: ignore[valid-type]
+        default_factory=dict,
+        description="Settings for one algorithm in place of the ones above, e.g. `{dflash: {max_steps: "
+        "1400}}`: drafters whose steps cost differently can get about the same training time in one "
+        "recipe. `specctl train --algo A` trains with `per_algo[A]` applied.",
+    )
+
+    @field_validator("per_algo")
+    @classmethod
+    def _registered(cls, per_algo: dict[str, Any]) -> dict[str, Any]:
+        unknown = [a for a in per_algo if a not in DRAFTERS]
+        if unknown:
+            raise ValueError(f"unknown algorithm {unknown[0]!r}; choose among " + ", ".join(DRAFTERS))
+        return per_algo
+
+    def for_algo(self, algo: str) -> TrainSection:
+        """These settings as `algo` trains with them: its `per_algo` entry over the shared ones."""
+        over = self.per_algo.get(algo)
+        if over is None:
+            return self
+        return self.model_copy(update=over.model_dump(exclude_none=True))
 
 
 class ExportSection(Section):
@@ -310,6 +359,11 @@ class Recipe(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
+
+    def for_training(self) -> Recipe:
+        """The recipe `specctl train` runs: `train` as `drafter.algo` trains (its `per_algo` entry
+        applied), so the loop, its checkpoints and their saved recipe.yaml see one set of settings."""
+        return self.model_copy(update={"train": self.train.for_algo(self.drafter.algo)})
 
 
 # ---------------------------------------------------------------- loading
@@ -491,9 +545,12 @@ KEY_ALIASES = {
 
 def _section_at(path: tuple[str, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = Recipe
-    for name in path:
+    names = iter(path)
+    for name in names:
         field = model.model_fields.get(name)
         ann = field.annotation if field is not None else None
+        if get_origin(ann) is dict:  # keyed sections (train.per_algo.<algo>): step over the key
+            ann = get_args(ann)[1] if next(names, None) is not None else None
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
         model = ann
@@ -599,9 +656,16 @@ def _field_rows(model: type[BaseModel], prefix: str) -> list[str]:
             rows.extend(_field_rows(ann, f"{prefix}{name}."))
             continue
         default = "*required*" if f.is_required() else f"`{_default_repr(f)}`"
-        type_name = str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        type_name = _type_name(ann)
         rows.append(f"| `{prefix}{name}` | {type_name} | {default} | {f.description or ''} |")
     return rows
+
+
+def _type_name(ann: Any) -> str:
+    if get_origin(ann) is dict:  # keyed sections: the value model by its name, not its module path
+        key, value = get_args(ann)
+        return f"dict[{key.__name__}, {value.__name__}]"
+    return str(ann).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
 def _default_repr(f: Any) -> str:

@@ -420,13 +420,14 @@ def live_view(enabled: bool, total: int, start: int) -> Iterator[Callable[..., N
 
 
 def run_training(recipe: Recipe, resume: bool = False, progress: bool = True) -> TrainSummary | None:
-    """Train `recipe.drafter.algo` as the recipe says; under torchrun, on every rank.
+    """Train `recipe.drafter.algo` as the recipe says (`train.per_algo` included); under torchrun,
+    on every rank.
 
     Returns the summary on rank 0 and None on the other ranks (which write and print nothing).
     """
     ctx = distributed.setup(recipe.verifier.device)
     try:
-        return train(recipe, ctx, resume, progress)
+        return train(recipe.for_training(), ctx, resume, progress)
     finally:
         distributed.teardown(ctx)
 

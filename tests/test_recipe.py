@@ -5,7 +5,7 @@ from reliability_matrix import fault
 
 from specctl.drafters import DRAFTERS
 from specctl.errors import RecipeError
-from specctl.recipe import load_recipe, recipe_reference_markdown
+from specctl.recipe import dump_recipe, load_recipe, recipe_reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -154,6 +154,40 @@ def test_unknown_keys_suggest_and_set_errors_name_the_flag(tmp_path):
         RecipeError, match="recipe not found; did you mean quickstart\\? .* quickstart-dflash"
     ):
         load_recipe("quickstrat")
+
+
+def test_per_algo_train_settings_apply_to_their_algorithm_only(tmp_path):
+    text = "name: a\ntrain:\n  max_steps: 800\n  lr: 1.0e-3\n  per_algo:\n    dflash: {max_steps: 1400}\n"
+    p = write(tmp_path, text)
+    r = load_recipe(p)
+    assert r.train.max_steps == 800  # the shared setting, as written
+    dflash = load_recipe(p, ["drafter.algo=dflash"]).for_training()
+    assert (dflash.train.max_steps, dflash.train.lr) == (1400, 1.0e-3)  # only what the entry sets
+    eagle3 = load_recipe(p, ["drafter.algo=eagle3"]).for_training()
+    assert (eagle3.train.max_steps, eagle3.train.lr) == (800, 1.0e-3)
+    assert eagle3 == load_recipe(p, ["drafter.algo=eagle3"])
+    # a dump shows only what the entry sets, and loads back to the same recipe
+    text = dump_recipe(dflash)
+    assert "  per_algo:\n    dflash:\n      max_steps: 1400\nexport:\n" in text
+    assert load_recipe(write(tmp_path, text, "dumped.yaml")).for_training() == dflash
+
+
+@pytest.mark.parametrize(
+    "assignment, needle",
+    [
+        ("train.per_algo.medusa.max_steps=5", "train.per_algo: unknown algorithm 'medusa'"),
+        ("train.per_algo.dflash.max_steps=0", "train.per_algo.dflash.max_steps: Input should be greater"),
+        (
+            "train.per_algo.dflash.max_step=5",
+            "train.per_algo.dflash.max_step: unknown key; did you mean train.per_algo.dflash.max_steps?",
+        ),
+        ("train.per_algo.dflash.optimizer=sgd", "train.per_algo.dflash.optimizer:"),
+    ],
+)
+def test_per_algo_entries_are_checked_like_the_settings_they_replace(tmp_path, assignment, needle):
+    with pytest.raises(RecipeError) as e:
+        load_recipe(write(tmp_path, "name: a\n"), [assignment])
+    assert str(e.value).startswith(f"--set {assignment}: {needle}"), str(e.value)
 
 
 def test_recipe_show_prints_a_recipe_that_loads_back(tmp_path, monkeypatch, capsys):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from benchmarks.results import bench_is_current, recipe_hash, render, stages
+from benchmarks.results import bench_is_current, budget, recipe_hash, render, stages
 from specctl.drafters import DRAFTERS
 from specctl.recipe import load_recipe, resolve_recipe_path
 
@@ -16,6 +16,15 @@ from specctl.recipe import load_recipe, resolve_recipe_path
 def recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # runs/results/ lands here
     return load_recipe(resolve_recipe_path("results.yaml"))
+
+
+def test_the_page_states_each_drafters_steps_where_the_recipe_gives_them_different_ones(recipe):
+    same = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    assert budget(same) == "30 steps x 2048 tokens per drafter"
+    mixed = load_recipe(resolve_recipe_path("quickstart.yaml"), ["train.per_algo.dflash.max_steps=50"])
+    line = budget(mixed)
+    assert line.startswith("dflash 50 steps x 2048 tokens; ") and "eagle3 30 steps x 2048 tokens" in line
+    assert line.endswith("(`train.per_algo`)")
 
 
 def test_results_recipe_trains_every_drafter_on_the_same_budget(recipe):

@@ -673,6 +673,15 @@ def test_offline_run_writes_metrics_checkpoints_and_summary(tmp_path, offline, t
     assert summary.val_acc_per_position == val[-1]["val_acc_per_position"] and summary.output_dir == out
 
 
+def test_a_per_algo_step_budget_is_what_trains_and_what_the_checkpoint_records(tmp_path, offline, toy):
+    per_algo = {"dflash": {"max_steps": 4}, "eagle3": {"max_steps": 9}}
+    recipe = tiny_recipe(tmp_path, max_steps=2, eval_every=2, save_every=2, per_algo=per_algo)
+    summary = run_training(recipe, progress=False)
+    assert summary.steps == 4 and [r["step"] for r in train_lines(read_metrics(recipe))] == [1, 2, 3, 4]
+    saved = load_recipe(summary.checkpoint / "recipe.yaml")
+    assert saved.train.max_steps == 4 and saved == recipe.for_training()
+
+
 def test_real_dflash_learns(tmp_path, offline):
     # ce: the random verifier's distribution is near uniform, so KL has little room; its argmax is learnable
     recipe = tiny_recipe(
