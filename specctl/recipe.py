@@ -274,7 +274,7 @@ class TrainSection(TrainSettings):
     def _registered(cls, per_algo: dict[str, Any]) -> dict[str, Any]:
         unknown = [a for a in per_algo if a not in DRAFTERS]
         if unknown:
-            raise ValueError(f"unknown algorithm {unknown[0]!r}; choose among " + ", ".join(DRAFTERS))
+            raise ValueError(f"unknown algorithm {unknown[0]!r}; choose one of " + ", ".join(DRAFTERS))
         return per_algo
 
     def for_algo(self, algo: str) -> TrainSection:
