@@ -165,6 +165,14 @@ class FeaturesSection(Section):
     backend: Literal["hf", "vllm"] = Field("hf", description="Engine that runs the verifier.")
 
 
+def registered_algo(algo: str) -> str:
+    """`algo` if a drafter of that name is registered; the one message for every recipe field
+    that names an algorithm."""
+    if algo not in DRAFTERS:
+        raise ValueError(f"unknown algorithm {algo!r}; choose one of " + ", ".join(DRAFTERS))
+    return algo
+
+
 class DrafterSectionBase(Section):
     algo: str = Field(DEFAULT_ALGO, description="Algorithm to train: " + ", ".join(DRAFTERS) + ".")
     draft_vocab_size: int | None = Field(
@@ -180,9 +188,7 @@ class DrafterSectionBase(Section):
     @classmethod
     def _registered(cls, algo: str) -> str:
         """Checked in the schema, so a recipe built in code fails as early as one read from YAML."""
-        if algo not in DRAFTERS:
-            raise ValueError(f"unknown algorithm {algo!r}; choose one of " + ", ".join(DRAFTERS))
-        return algo
+        return registered_algo(algo)
 
 
 def _drafter_section() -> type[Section]:
@@ -272,9 +278,8 @@ class TrainSection(TrainSettings):
     @field_validator("per_algo")
     @classmethod
     def _registered(cls, per_algo: dict[str, Any]) -> dict[str, Any]:
-        unknown = [a for a in per_algo if a not in DRAFTERS]
-        if unknown:
-            raise ValueError(f"unknown algorithm {unknown[0]!r}; choose one of " + ", ".join(DRAFTERS))
+        for algo in per_algo:
+            registered_algo(algo)
         return per_algo
 
     def for_algo(self, algo: str) -> TrainSection:
