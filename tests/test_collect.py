@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -323,20 +322,18 @@ def test_missing_verifier_dir_is_one_line(tmp_path):
     fault="hub verifier unreachable (offline)",
     result="VerifierError suggesting a local HF directory or the built-in alias",
 )
-def test_unreachable_hub_verifier_says_what_to_pass(tmp_path, tiny_verifier_dir):
+def test_unreachable_hub_verifier_says_what_to_pass(monkeypatch):
+    import huggingface_hub.constants
+
     from specctl.recipe import VerifierSection
     from specctl.verifier import load_verifier
 
-    env_before = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    try:
-        with pytest.raises(VerifierError, match="local HF directory or the built-in alias"):
-            load_verifier(VerifierSection(name_or_path="someorg/definitely-not-cached-model"))
-    finally:
-        if env_before is None:
-            os.environ.pop("HF_HUB_OFFLINE")
-        else:
-            os.environ["HF_HUB_OFFLINE"] = env_before
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: set the flag it reads, not only the
+    # environment (which, after the import, left each lookup retrying the network for ~45 s)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(VerifierError, match="local HF directory or the built-in alias"):
+        load_verifier(VerifierSection(name_or_path="someorg/definitely-not-cached-model"))
 
 
 # ---------------------------------------------------------------- compact layouts (fp8 aux, top-k targets)
