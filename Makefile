@@ -32,7 +32,8 @@ endif
 	$(PY) -c "import specctl.cli, transformers, safetensors"
 	touch $(STAMP)
 
-# Two workers start on the two SmolLM2 serving chains (tests/test_smollm2*.py), then share the rest
+# Two workers start on the two SmolLM2 modules (tests/test_smollm2*.py; the serving one is the
+# longest chain of the suite), then share the rest
 # (a module's tests stay on one worker; `make test WORKERS=0` runs them all in one process).
 # --no-loadscope-reorder keeps conftest's order: by default xdist hands out modules with the most
 # tests first, which started the 4-test SmolLM2 chain last and left one worker idle for 10 minutes.
