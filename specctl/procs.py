@@ -58,14 +58,26 @@ def quiet_vllm_import() -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = _QUIETED_LEVEL = "WARNING"
 
 
-def vllm_env(cpu: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+def vllm_env(
+    cpu: bool, base: dict[str, str] | None = None, engine_in_process: bool = False
+) -> dict[str, str]:
     """The environment of a vLLM child: the CPU KV cache size, unbuffered output, and the user's
-    logging level (not the one quiet_vllm_import set for this process)."""
+    logging level (not the one quiet_vllm_import set for this process).
+
+    `engine_in_process`: vLLM's engine core and model runner in the child itself
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), stepped only when the child says, instead of two processes
+    below it, each of which imports vLLM again (an offline bench engine with SmolLM2 on 2 cores
+    started in about 30 s instead of 60). For data generation. Not for what bench times: there the
+    engine runs as vLLM serves, its scheduler beside the model rather than in line with it. Not
+    for collect's hidden-states connector either: it writes a request's file in a later engine
+    step, which an in-process engine does not take once `generate` has returned."""
     env = dict(os.environ if base is None else base)
     if _QUIETED_LEVEL is not None and env.get("VLLM_LOGGING_LEVEL") == _QUIETED_LEVEL:
         del env["VLLM_LOGGING_LEVEL"]
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KVCACHE_GIB))
+    if engine_in_process:
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -475,13 +475,12 @@ def open_vllm_engine(
         base = dict(os.environ)
         if cpu:
             base.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
-        # the engine core in the worker's own process: stepped only when the worker says, so what
-        # it computes does not depend on timing (with its own process it runs ahead on its own)
-        base.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         base["SPECCTL_WORKER_AUTHKEY"] = authkey.hex()
         workers = []
         for i, device in enumerate(devices):
-            env = vllm_env(cpu, base)
+            # the engine core in the worker's own process: stepped only when the worker says, so
+            # what it computes does not depend on timing (with its own process it runs ahead)
+            env = vllm_env(cpu, base, engine_in_process=True)
             if device is not None:
                 env["CUDA_VISIBLE_DEVICES"] = device
             log_path = log_dir / f"data-vllm-{i}.log"
