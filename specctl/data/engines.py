@@ -478,8 +478,7 @@ def open_vllm_engine(
         base["SPECCTL_WORKER_AUTHKEY"] = authkey.hex()
         workers = []
         for i, device in enumerate(devices):
-            # the engine core in the worker's own process: stepped only when the worker says, so
-            # what it computes does not depend on timing (with its own process it runs ahead)
+            # stepped only when the worker says: what it computes does not depend on timing
             env = vllm_env(cpu, base, engine_in_process=True)
             if device is not None:
                 env["CUDA_VISIBLE_DEVICES"] = device
