@@ -265,7 +265,11 @@ def embedded_acceptance(drafter, data: dict[str, torch.Tensor], prompt_len: int,
 
 
 VLLM_SCRIPT = """
-import json, sys
+import json, os, sys
+# the engine in this process: one vLLM start instead of three (EngineCore and Worker are spawned
+# on CPU, 14 s of imports each on 2 cores); what this checks is the drafter's numerics, not vLLM's
+# process layout (the benches and test_kill.py run that)
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
 args = json.loads(sys.argv[1])
 llm = LLM(model=args["verifier"], speculative_config=args["speculative_config"], skip_tokenizer_init=True,
@@ -279,7 +283,8 @@ print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in 
 
 
 def vllm_acceptance(tmp_path, verifier_model, drafter, prompts: list[list[int]], max_tokens: int, spec: dict):
-    """Serve the exported drafter with vLLM (offline LLM, in a child process) -> outputs, metrics."""
+    """Serve the exported drafter with vLLM (offline LLM, engine inside a child process) -> outputs,
+    metrics."""
     import os
     import signal
     import subprocess
