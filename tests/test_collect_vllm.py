@@ -7,6 +7,7 @@ extract_hidden_states method captured with HF `output_hidden_states`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
@@ -341,6 +342,19 @@ def _samples(lengths) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def _shared_memory(pids: set[int]) -> set[str]:
+    """The /dev/shm segments these processes map (vLLM's message queues between its processes)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found |= {
+                line.split()[-1]
+                for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                if " /dev/shm/" in line
+            }
+    return found
+
+
 def _engine_processes(pids: set[int]) -> list:
     import psutil  # comes with vllm
 
@@ -379,6 +393,7 @@ def vllm_run(hd32_dir):
             for p in me.children(recursive=True)
             if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())
         }
+        seen["shared_memory"] = _shared_memory(seen["engine_pids"])
         seen["out"] = forward_samples_vllm(engine, samples, AUX, on_batch=seen["progress"].append)
         seen["out_chunked"] = forward_samples_vllm(engine, samples, AUX, chunk_tokens=64)
         seen["out_subset"] = forward_samples_vllm(engine, samples[:2], (2, 0))
@@ -389,6 +404,7 @@ def vllm_run(hd32_dir):
         seen["overlong_error"] = str(err.value)
         seen["files_left"] = sorted(p.name for p in engine.storage_dir.iterdir())
     seen["alive_after_close"] = _engine_processes(seen["engine_pids"])
+    seen["shared_memory_left"] = [m for m in seen["shared_memory"] if Path(m).exists()]
     return seen
 
 
@@ -467,13 +483,14 @@ def test_vllm_overlong_sample_is_one_line(vllm_run):
 
 @fault(
     stage="collect",
-    fault="vLLM engine shut down after collect",
-    result="no child process alive, no request file left",
+    fault="vLLM engine stopped (killed) after collect",
+    result="no child process alive, no request file left, its shared memory unlinked",
 )
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_engine_leaves_nothing_behind(vllm_run):
     assert vllm_run["engine_pids"], "the engine ran in no child process?"
     assert not vllm_run["alive_after_close"], [p.cmdline() for p in vllm_run["alive_after_close"]]
+    assert vllm_run["shared_memory"] and not vllm_run["shared_memory_left"]  # the tracker unlinked it
     assert vllm_run["files_left"] == []  # every request's file (and lock) was read and removed
     assert not Path(vllm_run["storage_dir"]).exists()

@@ -492,13 +492,7 @@ def open_vllm_engine(
             stack.callback(w.conn.close)
             send_message(w.conn, {"op": "start", "llm": llm_args, "stop_token_ids": list(stop_ids)})
         _wait_ready(workers, deadline)
-        yield VllmEngine(workers, capacity, stop_ids)
-        for w in workers:  # a clean exit; the process groups are stopped either way
-            with suppress(OSError):
-                send_message(w.conn, {"op": "close"})
-        for w in workers:
-            with suppress(Exception):
-                w.proc.wait(timeout=10)
+        yield VllmEngine(workers, capacity, stop_ids)  # then each group is killed (process_group)
 
 
 # ---------------------------------------------------------------- server (OpenAI-compatible)

@@ -9,7 +9,10 @@ tell a slow start from a dead one; the parent authenticates with a key passed in
   worker -> parent  {"op": "ready"} | {"op": "error", "message": "..."}
   parent -> worker  {"op": "step", "add": [[id, prompt_ids, max_tokens, temperature, top_p], ...]}
   worker -> parent  {"op": "done", "done": [[id, token_ids], ...]}   (at least one, unless idle)
-  parent -> worker  {"op": "close"}
+
+When the parent has every conversation it asked for, it closes the socket and kills this process's
+group (specctl.procs.process_group): the engine is never shut down gracefully, which frees nothing
+more.
 
 A step adds the new requests, then steps the engine until at least one request finishes. The
 engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the parent), so it
@@ -91,7 +94,8 @@ def gpu_memory_share(default: float = 0.9) -> float:
 
 
 def serve(conn: Connection, make_stepper: Callable[[dict[str, Any]], Any]) -> int:
-    """The worker's loop (see the module docstring); 0 after a close, 1 after an error."""
+    """The worker's loop (see the module docstring); 0 once the parent closes the socket, 1 after an
+    error."""
     try:
         stepper = make_stepper(recv_message(conn))
     except Exception as e:  # vLLM raises many types; the parent needs the reason
@@ -101,9 +105,7 @@ def serve(conn: Connection, make_stepper: Callable[[dict[str, Any]], Any]) -> in
     while True:
         try:
             message = recv_message(conn)
-        except EOFError:  # the parent is gone
-            return 1
-        if message.get("op") == "close":
+        except EOFError:  # the parent is done (and kills this group next) or gone (its watchdog does)
             return 0
         try:
             for rid, prompt, max_tokens, temperature, top_p in message["add"]:
