@@ -628,30 +628,6 @@ def test_vllm_engine_sampled_conversations_are_reproducible(tmp_path, vllm_verif
     assert len(convs) == 10 and len({conv[0]["content"] for conv in convs}) > 1  # sampled
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_server_engine_against_a_real_vllm_server(tmp_path, vllm_verifier):
-    from specctl.bench.server import serve
-    from specctl.procs import free_port, on_cpu, vllm_env
-
-    tok = make_tiny_tokenizer()
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_verifier)]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512", "--enforce-eager"]
-    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVS * 2])
-    with serve(
-        argv, port, tmp_path / "server.log", "tiny", vllm_env(on_cpu()), ready_timeout_s=600
-    ) as server:
-        c = DataSection(
-            source=str(path), shuffle=False, regenerate=True, engine="server", server_url=server.base_url
-        )
-        s = prepare_data(c, tok, tmp_path / "data", verifier=VerifierSection(name_or_path=str(vllm_verifier)))
-    assert (s.engine, s.conversations_generated, s.num_samples) == ("server", 6, 6)
-    convs = check_accepted(tok, tmp_path / "data")
-    old = [m["content"] for conv in CONVS * 2 for m in conv if m["role"] == "assistant"]
-    assert [m["content"] for conv in convs for m in conv if m["role"] == "assistant"] != old
-
-
 @pytest.mark.integration
 @pytest.mark.vllm
 @pytest.mark.slow
