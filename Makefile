@@ -33,8 +33,8 @@ endif
 	touch $(STAMP)
 
 # Two workers start on the two SmolLM2 modules (tests/test_smollm2*.py; the serving one is the
-# longest chain of the suite), then share the rest
-# (a module's tests stay on one worker; `make test WORKERS=0` runs them all in one process).
+# longest chain of the suite), then take the modules with the most slow tests, then the rest
+# (tests/conftest.py; a module's tests stay on one worker; `make test WORKERS=0`: one process).
 # --no-loadscope-reorder keeps conftest's order: by default xdist hands out modules with the most
 # tests first, which started the 4-test SmolLM2 chain last and left one worker idle for 10 minutes.
 # One torch thread per worker (OMP_NUM_THREADS=1, inherited by the CLI subprocesses): two workers

