@@ -95,10 +95,10 @@ def _cache_key(config: Any) -> str | None:
         times = [(package / name).stat().st_mtime_ns for name in ("__init__.py", "version.py", "_version.py")]
     except OSError:
         return None
-    import torch
+    from specctl.procs import on_cpu
 
     archs = sorted(getattr(config, "architectures", None) or [])
-    return json.dumps([str(package), times, torch.cuda.is_available(), archs, head_size(config)])
+    return json.dumps([str(package), times, not on_cpu(), archs, head_size(config)])
 
 
 def _cache_path() -> Path:
