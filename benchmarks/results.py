@@ -185,6 +185,24 @@ def run_commit(run: Path) -> str:
     return f"`{_short(*measured)}` (page rendered at `{_short(*here)}`)"
 
 
+def rerun_note(run: Path, report: dict[str, Any]) -> str:
+    """A bench section measured later than the run's embedded bench (its stage rerun at another
+    commit) says when and at which commit, so the page never passes it off as the same run."""
+    first = run / "bench" / "report.json"
+    if not first.is_file():
+        return ""
+    base = json.loads(first.read_text()).get("provenance") or {}
+    prov = report.get("provenance") or {}
+    if not prov.get("git_commit") or prov.get("git_commit") == base.get("git_commit"):
+        return ""
+    when = (prov.get("timestamp") or "?")[:10]
+    commit = _short(prov["git_commit"], bool(prov.get("git_dirty")))
+    return (
+        f" **Measured later than the run above:** at `{commit}`"
+        f" on {when} ({prov.get('cpu_count', '?')}x {prov.get('cpu', '?')}), on the same exported drafters."
+    )
+
+
 def budget(recipe: Recipe) -> str:
     """Steps x tokens per drafter: one figure when every drafter has the same, else each one's
     (a recipe's `train.per_algo` can give a drafter whose steps cost less more of them)."""
@@ -433,7 +451,8 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             "",
             f"{report['num_prompts']} prompts ({report['dataset']}), {report['max_new_tokens']} new tokens,"
             f" temperature {report['temperature']}, concurrency {report.get('concurrency', 1)}."
-            + ("" if report.get("complete") else " **Incomplete run.**"),
+            + ("" if report.get("complete") else " **Incomplete run.**")
+            + rerun_note(run, report),
             "",
             *bench_table(report),
         ]

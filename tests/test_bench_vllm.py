@@ -132,6 +132,23 @@ def test_server_command_is_an_argument_list(tmp_path):
     assert "--enforce-eager" not in engine_args(Method("no-spec", "none"), setup, cpu=False)
 
 
+def test_offline_engine_runs_at_most_concurrency_sequences(tmp_path):
+    """The offline worker hands vLLM a category's prompts at once: without --max-num-seqs vLLM
+    batched them all and "concurrency 1" measured a batch. The user's own value still wins."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-num-seqs", type=int)
+
+    def seqs(setup):
+        args = offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)["engine_args"]
+        return parser.parse_known_args(args)[0].max_num_seqs
+
+    assert seqs(_setup(tmp_path, concurrency=1)) == 1
+    assert seqs(_setup(tmp_path, concurrency=4)) == 4
+    assert seqs(_setup(tmp_path, concurrency=1, extra_args=("--max-num-seqs", "8"))) == 8
+
+
 def test_offline_worker_result_round_trip(tmp_path):
     """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
     setup = _setup(tmp_path, max_new_tokens=6)
@@ -517,7 +534,7 @@ def test_concurrency_levels_need_the_server_backend(tmp_path, tiny_verifier_dir,
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
-    with pytest.raises(SpecctlError, match="vllm-offline backend hands vLLM every prompt at once"):
+    with pytest.raises(SpecctlError, match="vllm-offline backend starts one engine per configuration"):
         run_bench(
             verifier=str(tiny_verifier_dir),
             backend="vllm-offline",

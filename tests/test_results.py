@@ -173,6 +173,25 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     assert "K sweep" not in page  # thresholds at one K are not a K sweep
 
 
+def test_a_bench_stage_rerun_at_another_commit_says_so(recipe, tmp_path):
+    """`make results` reuses finished stages: a vLLM bench rerun later must not read as the run's."""
+    run = recipe.run_dir
+    doc = tmp_path / "docs" / "results.md"
+    first = {"git_commit": "a" * 40, "git_dirty": False, "timestamp": "2026-12-03T23:00:00Z"}
+    for name, prov in (("bench", first), ("bench-vllm", first)):
+        (run / name).mkdir(parents=True, exist_ok=True)
+        (run / name / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": prov}))
+    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    assert "Measured later" not in page
+    later = {"git_commit": "b" * 40, "git_dirty": False, "timestamp": "2026-12-04T04:00:00Z"}
+    later |= {"cpu": "AMD EPYC", "cpu_count": 2}
+    (run / "bench-vllm" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
+    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    vllm = page[page.index("## vLLM") :]
+    assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC)" in vllm
+    assert "Measured later" not in page[: page.index("## vLLM")]
+
+
 def test_a_k_sweep_lists_every_k_and_stars_the_fastest(recipe, tmp_path):
     run = recipe.run_dir
     report = _report(1.2)

@@ -91,7 +91,11 @@ class RunPlan:
 def _levels(backend: str, asked: list[int] | None, default: int) -> list[int]:
     levels = asked or [default]
     if len(levels) > 1 and backend not in ("vllm", REMOTE):
-        how = "decodes one request at a time" if backend == "embedded" else "hands vLLM every prompt at once"
+        how = (
+            "decodes one request at a time"
+            if backend == "embedded"
+            else "starts one engine per configuration, at one level"
+        )
         raise UsageError(
             f"--concurrency {','.join(map(str, levels))}: the {backend} backend {how}; "
             "sweep concurrency levels with --backend vllm or --base-url"
