@@ -149,6 +149,27 @@ def test_offline_engine_runs_at_most_concurrency_sequences(tmp_path):
     assert seqs(_setup(tmp_path, concurrency=1, extra_args=("--max-num-seqs", "8"))) == 8
 
 
+def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_path, monkeypatch):
+    """The offline worker answers once per configuration; its prompts advance the bar then, each
+    with its own token count (before, the bar stayed at 0/N for the whole run)."""
+    from specctl.bench import offline
+    from specctl.bench.vllm import VllmVerifier
+
+    result = {
+        "code": {"num_prompts": 2, "output_tokens": 5, "wall_s": 1.0, "counters": [0, 0, 0, [], 5]}
+        | {"outputs": {"0": [7, 7, 2], "2": [7, 2]}},
+        "chat": {"num_prompts": 1, "output_tokens": 1, "wall_s": 1.0, "counters": [0, 0, 0, [], 1]}
+        | {"outputs": {"1": [2]}},
+    }
+    monkeypatch.setattr(offline, "measure_offline", lambda *a, **k: offline_measurements(result, 0))
+    done = []
+    backend = offline.OfflineBackend(
+        VllmVerifier("tiny", None, (2,), None), _setup(tmp_path), 0, False, lambda *a, **k: None, done.append
+    )
+    (point,) = backend.measure(Method("no-spec", "none"), _groups())
+    assert sorted(done) == [1, 2, 3] and point.concurrency == 2
+
+
 def test_offline_worker_result_round_trip(tmp_path):
     """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
     setup = _setup(tmp_path, max_new_tokens=6)

@@ -102,4 +102,4 @@ def open_backend(
         return ServerBackend(verifier, setup, levels, max_k, sweeping, on_done, say)
     from specctl.bench.offline import OfflineBackend
 
-    return OfflineBackend(verifier, setup, max_k, sweeping, say)
+    return OfflineBackend(verifier, setup, max_k, sweeping, say, on_done)

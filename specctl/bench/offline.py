@@ -106,10 +106,17 @@ class OfflineBackend:
     interleave = False  # an engine start per configuration
 
     def __init__(
-        self, verifier: VllmVerifier, setup: VllmSetup, max_k: int, sweeping: bool, say: Callable[..., None]
+        self,
+        verifier: VllmVerifier,
+        setup: VllmSetup,
+        max_k: int,
+        sweeping: bool,
+        say: Callable[..., None],
+        on_done: Callable[[int], None] | None = None,
     ):
         self.tokenizer, self.verifier, self.setup = verifier.tokenizer, verifier, setup
         self.levels, self.max_k, self.sweeping, self.say = (setup.concurrency,), max_k, sweeping, say
+        self.on_done = on_done  # once per prompt, with its tokens, when its configuration is done
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
         length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)
@@ -117,6 +124,9 @@ class OfflineBackend:
         label = run_label(method, self.sweeping)
         announce(self.say, method, self.sweeping, "offline", setup.log_path(label, "offline"))
         categories = measure_offline(method, groups, setup, label=label)
+        if self.on_done:  # the worker answers once per configuration: its prompts count then
+            for ids in (ids for m in categories.values() for ids in m.outputs.values()):
+                self.on_done(len(ids))
         return [Point(self.levels[0], MethodResult(method, categories))]
 
 
