@@ -31,7 +31,7 @@ from statistics import median
 from typing import Any
 
 from specctl.bench.plan import BASELINE, PLAIN
-from specctl.bench.render import k_cell, rates
+from specctl.bench.render import k_cell, passes, rates
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
 from specctl.provenance import git_state
@@ -43,6 +43,10 @@ DEFAULT_RECIPE = "results.yaml"
 # one there: EAGLE-3 of the b200be1 run gave 0.97x plain at its exported K 3 and 1.20x at K 2,
 # DFlash 0.63x at K 7 and 1.04x at K 2 (`--sweep-k 1,2,3`, 2026-12-02).
 VLLM_SWEEP_K = "1,2,3"
+# Passes per vLLM configuration (each category keeps its median one). At concurrency 1 on a shared
+# 2-core CPU one pass of a configuration measured 0.86x in one run and 1.10x in the next (DFlash K 1,
+# same drafter, same tau; 2026-12-04): a single pass is too noisy to rank K or drafters by.
+VLLM_REPEATS = 3
 # The drafters that can cut their own drafts (a confidence head, DSpark) are measured once more on
 # the embedded engine at every K they can draft, each K with and without the recipe's thresholds:
 # a threshold has to beat the drafter's best fixed K, not only the K it was exported at.
@@ -87,7 +91,8 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
         benches.append(
             (
                 "bench vllm",
-                [recipe_arg, "--backend", "vllm-offline", "--sweep-k", VLLM_SWEEP_K, *drafters, *baseline],
+                [recipe_arg, "--backend", "vllm-offline", "--sweep-k", VLLM_SWEEP_K]
+                + ["--repeats", str(VLLM_REPEATS), *drafters, *baseline],
                 run / "bench-vllm",
             )
         )
@@ -450,7 +455,8 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             f"## {title}",
             "",
             f"{report['num_prompts']} prompts ({report['dataset']}), {report['max_new_tokens']} new tokens,"
-            f" temperature {report['temperature']}, concurrency {report.get('concurrency', 1)}."
+            f" temperature {report['temperature']}, concurrency {report.get('concurrency', 1)}"
+            f"{passes(report)}."
             + ("" if report.get("complete") else " **Incomplete run.**")
             + rerun_note(run, report),
             "",

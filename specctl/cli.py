@@ -246,6 +246,10 @@ ThresholdOpt = Annotated[
         "drafts whose confidence product stays >= T; several values are swept (embedded backend).",
     ),
 ]
+RepeatsOpt = Annotated[
+    int | None,
+    typer.Option(help="vllm-offline: passes per configuration; each category reports its median pass."),
+]
 SweepKOpt = Annotated[
     str | None,
     typer.Option(
@@ -286,6 +290,7 @@ def bench(
         typer.Option(help="Requests in flight (vLLM backends); a list such as 1,4,16 measures each (vllm)."),
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = None,
+    repeats: RepeatsOpt = None,
     verifier: Annotated[
         str | None, typer.Option(help="Verifier instead of the recipe's / the drafters' own.")
     ] = None,
@@ -343,6 +348,7 @@ def bench(
         top_p=top_p,
         concurrency=parse_int_list(concurrency, "--concurrency") if concurrency is not None else None,
         seed=seed,
+        repeats=repeats,
         ngram=ngram,
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
         confidence_thresholds=confidence_threshold

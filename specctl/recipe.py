@@ -320,6 +320,13 @@ class BenchSection(Section):
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     concurrency: int = Field(1, ge=1, description="Concurrent requests (vLLM backend).")
+    repeats: int = Field(
+        1,
+        ge=1,
+        description="vllm-offline: decode each configuration's prompts this many times in its engine "
+        "and keep, per category, the pass at the median output tokens/s. On a shared CPU a slow "
+        "spell of a few seconds moved one pass by 20-40%; the median of 3 is robust to one.",
+    )
     seed: int = Field(0, description="Sampling seed.")
     require: list[str] = Field(
         default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."

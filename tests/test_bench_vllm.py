@@ -170,6 +170,49 @@ def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_
     assert sorted(done) == [1, 2, 3] and point.concurrency == 2
 
 
+def test_offline_repeats_keep_each_categorys_median_pass_whole(tmp_path, monkeypatch):
+    """Three passes per category: the kept one is the median by tokens/s, with its own counters and
+    ids (not another pass's), and every pass's rate is listed beside it."""
+    from types import SimpleNamespace
+
+    from specctl.bench import offline
+    from specctl.bench.render import passes
+
+    # per pass: start, end; the warm-up takes no clock reading
+    clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0, 30.0, 31.0, 40.0, 44.0, 50.0, 52.0])
+    monkeypatch.setattr(offline, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    calls = iter(range(100))
+    snapshots = iter(
+        [MetricsSnapshot(SpecCounters(10 * k, 30 * k, 5 * k, [5 * k]), 12 * k) for k in range(12)]
+    )
+
+    def generate(prompts, max_tokens):
+        n = next(calls)  # pass n writes token n, so each pass's ids tell it apart
+        return [[n] * 3 for _ in prompts]
+
+    setup = _setup(tmp_path, max_new_tokens=3, repeats=3)
+    job = json.loads(json.dumps(offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)))
+    result = run_offline_job(job, generate, lambda: next(snapshots))
+    code = result["code"]  # 3 prompts x 3 tokens = 9 per pass: walls 1, 3, 2 -> rates 9, 3, 4.5
+    assert code["pass_tokens_per_s"] == [9.0, 3.0, 4.5]
+    assert code["wall_s"] == 2.0 and code["outputs"]["0"] == [3, 3, 3]  # the third pass (calls 1-3)
+    assert code["counters"] == [10, 30, 5, [5], 12]  # its own counter delta
+    chat = result["chat"]  # 2 prompts: walls 1, 4, 2 -> the 2 s pass
+    assert chat["wall_s"] == 2.0 and chat["outputs"]["1"] == [6, 6, 6]
+    assert passes({"repeats": 3}) == ", each category the median of 3 passes" and passes({}) == ""
+
+
+def test_repeats_are_offline_only(tmp_path):
+    from specctl.bench.plan import bench_settings
+    from specctl.errors import UsageError
+
+    with pytest.raises(UsageError, match="--repeats 3: only --backend vllm-offline repeats its passes"):
+        bench_settings(None, backend="embedded", repeats=3)
+    assert bench_settings(None, backend="vllm-offline", repeats=3)[0].repeats == 3
+    with pytest.raises(UsageError, match="--repeats 0"):
+        bench_settings(None, backend="vllm-offline", repeats=0)
+
+
 def test_offline_worker_result_round_trip(tmp_path):
     """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
     setup = _setup(tmp_path, max_new_tokens=6)
@@ -356,6 +399,7 @@ def _setup(tmp_path: Path, **kw) -> VllmSetup:
         stop_token_ids=(2,),
         log_dir=tmp_path / "logs",
         ready_timeout_s=30.0,
+        repeats=1,
     )
     base.update(kw)
     return VllmSetup(**base)

@@ -82,7 +82,13 @@ def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSectio
             raise UsageError(f"--{key.replace('_', '-')} {err.get('input')!r}: {err['msg']}") from None
         where = ".".join(map(str, err["loc"]))
         raise UsageError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
-    return settings, REMOTE if settings.base_url else settings.backend
+    backend = REMOTE if settings.base_url else settings.backend
+    if given.get("repeats", 1) > 1 and backend != "vllm-offline":
+        raise UsageError(
+            f"--repeats {given['repeats']}: only --backend vllm-offline repeats its passes (the embedded "
+            "backend takes turns prompt by prompt instead); drop --repeats or use vllm-offline"
+        )
+    return settings, backend
 
 
 def drafter_method(path: Path) -> Method:

@@ -292,12 +292,18 @@ def provenance_line(d: dict[str, Any]) -> str | None:
     return "; ".join(parts)
 
 
+def passes(d: dict[str, Any]) -> str:
+    """How a report's throughput was taken, when more than one pass per configuration."""
+    n = d.get("repeats", 1)
+    return f", each category the median of {n} passes" if n > 1 else ""
+
+
 def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptance.png") -> str:
     d = report if isinstance(report, dict) else report_dict(report)
     lines = [f"# {_title(d)}", ""]
     lines += [
         f"- verifier: `{d['verifier']}`",
-        f"- backend: {d['backend']} (concurrency {d['concurrency']})",
+        f"- backend: {d['backend']} (concurrency {d['concurrency']}{passes(d)})",
         f"- dataset: {d['dataset']}, {d['num_prompts']} prompts, seed {d['seed']}",
         f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
         f"max_new_tokens {d['max_new_tokens']}",

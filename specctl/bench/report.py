@@ -130,6 +130,7 @@ class BenchReport:
     max_new_tokens: int
     seed: int
     concurrency: int
+    repeats: int = 1  # passes per configuration; each category reports its median one (vllm-offline)
     results: list[MethodResult] = field(default_factory=list)
     baseline: str | None = None  # name of the EAGLE-3 reference method, if any
     complete: bool = False
@@ -258,6 +259,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "max_new_tokens": report.max_new_tokens,
         "seed": report.seed,
         "concurrency": report.concurrency,
+        "repeats": report.repeats,
         "complete": report.complete,
         "baseline": report.baseline,
         "categories": categories,

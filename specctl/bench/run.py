@@ -234,6 +234,7 @@ def new_report(plan: RunPlan, engine: Backend, num_prompts: int, dataset: str) -
         max_new_tokens=s.max_new_tokens,
         seed=s.seed,
         concurrency=plan.levels[0],
+        repeats=s.repeats if plan.backend == "vllm-offline" else 1,
         baseline=plan.baseline,
         requirements=[r.text for r in plan.requirements],
         output_dir=plan.out_dir,
@@ -262,6 +263,7 @@ def run_bench(
     top_p: float | None = None,
     concurrency: int | Sequence[int] | None = None,
     seed: int | None = None,
+    repeats: int | None = None,
     ngram: int | None = None,
     sweep_k: bool | Sequence[int] = False,
     confidence_thresholds: Sequence[float] | None = None,
@@ -316,6 +318,7 @@ def run_bench(
         temperature=temperature,
         top_p=top_p,
         seed=seed,
+        repeats=repeats,
         ready_timeout_s=ready_timeout_s,
         confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
     )
