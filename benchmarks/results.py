@@ -178,12 +178,18 @@ def _short(commit: str | None, dirty: bool) -> str:
     return "unknown" if commit is None else commit[:7] + ("+dirty" if dirty else "")
 
 
+def run_provenance(run: Path) -> dict[str, Any]:
+    """The provenance of the run's embedded bench: the run's commit, as the page names it
+    ({} before that bench has a report)."""
+    report = run / "bench" / "report.json"
+    return (json.loads(report.read_text()).get("provenance") or {}) if report.is_file() else {}
+
+
 def run_commit(run: Path) -> str:
     """The commit the run's bench measured at (its report's provenance), and the commit rendering
     the page when that differs: a page re-rendered later must not credit the later code."""
     here = git_state(Path(__file__).resolve().parent)
-    report = run / "bench" / "report.json"
-    prov = (json.loads(report.read_text()).get("provenance") or {}) if report.is_file() else {}
+    prov = run_provenance(run)
     measured = (prov["git_commit"], bool(prov.get("git_dirty"))) if prov.get("git_commit") else here
     if measured == here:
         return f"`{_short(*here)}`"
@@ -193,12 +199,9 @@ def run_commit(run: Path) -> str:
 def rerun_note(run: Path, report: dict[str, Any]) -> str:
     """A bench section measured later than the run's embedded bench (its stage rerun at another
     commit) says when and at which commit, so the page never passes it off as the same run."""
-    first = run / "bench" / "report.json"
-    if not first.is_file():
-        return ""
-    base = json.loads(first.read_text()).get("provenance") or {}
+    base = run_provenance(run)
     prov = report.get("provenance") or {}
-    if not prov.get("git_commit") or prov.get("git_commit") == base.get("git_commit"):
+    if not base or not prov.get("git_commit") or prov.get("git_commit") == base.get("git_commit"):
         return ""
     when = (prov.get("timestamp") or "?")[:10]
     commit = _short(prov["git_commit"], bool(prov.get("git_dirty")))
