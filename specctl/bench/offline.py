@@ -118,6 +118,7 @@ class OfflineBackend:
         self.tokenizer, self.verifier, self.setup = verifier.tokenizer, verifier, setup
         self.levels, self.max_k, self.sweeping, self.say = (setup.concurrency,), max_k, sweeping, say
         self.on_done = on_done  # once per prompt, with its tokens, when its configuration is done
+        self.repeats = setup.repeats  # passes per configuration (the report says how it measured)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
         length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)

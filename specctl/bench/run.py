@@ -234,7 +234,7 @@ def new_report(plan: RunPlan, engine: Backend, num_prompts: int, dataset: str) -
         max_new_tokens=s.max_new_tokens,
         seed=s.seed,
         concurrency=plan.levels[0],
-        repeats=s.repeats if plan.backend == "vllm-offline" else 1,
+        repeats=getattr(engine, "repeats", 1),  # what the backend does, not what was asked
         baseline=plan.baseline,
         requirements=[r.text for r in plan.requirements],
         output_dir=plan.out_dir,
