@@ -213,6 +213,23 @@ def test_repeats_are_offline_only(tmp_path):
         bench_settings(None, backend="vllm-offline", repeats=0)
 
 
+def test_backend_capabilities_are_one_table():
+    """--concurrency levels and --repeats are checked against the same rows: each backend has one,
+    and the usage errors name the backends that can do what was asked."""
+    from specctl.bench.plan import BACKENDS, CAPS, REMOTE, backend_levels, bench_settings
+    from specctl.errors import UsageError
+
+    assert set(CAPS) == {*BACKENDS, REMOTE}
+    with pytest.raises(UsageError, match="only --backend vllm-offline repeats its passes; drop --repeats"):
+        bench_settings(None, backend="vllm", repeats=2)
+    assert backend_levels("vllm", [1, 4, 16], 1) == [1, 4, 16]
+    assert backend_levels(REMOTE, None, 8) == [8]
+    assert backend_levels("vllm-offline", [4], 1) == [4]
+    assert backend_levels("embedded", [4], 1) == [1]  # batch 1, whatever was asked
+    with pytest.raises(UsageError, match="sweep concurrency levels with --backend vllm or --base-url$"):
+        backend_levels("vllm-offline", [1, 4], 1)
+
+
 def test_offline_worker_result_round_trip(tmp_path):
     """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
     setup = _setup(tmp_path, max_new_tokens=6)

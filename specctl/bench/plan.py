@@ -40,6 +40,34 @@ Groups = dict[str, list[tuple[int, BenchPrompt]]]  # category -> (prompt index, 
 
 
 @dataclass(frozen=True)
+class BackendCaps:
+    """What a backend measures beyond one pass at one concurrency level. The --concurrency and
+    --repeats checks both read `CAPS`, so what a backend can do is written once, here."""
+
+    levels: bool  # several concurrency levels in one run (a server takes any load)
+    repeats: bool  # N passes per configuration in one engine, the median kept
+    why_one_level: str = ""  # why it measures a single level (the usage error says it)
+    why_no_repeats: str = ""  # what it does instead of repeating (the usage error says it)
+    fixed_level: int | None = None  # the one level it always measures at, whatever was asked
+
+
+CAPS = {
+    "embedded": BackendCaps(
+        levels=False,
+        repeats=False,
+        why_one_level="decodes one request at a time",
+        why_no_repeats="the embedded backend takes turns prompt by prompt instead",
+        fixed_level=1,
+    ),
+    "vllm": BackendCaps(levels=True, repeats=False),
+    "vllm-offline": BackendCaps(
+        levels=False, repeats=True, why_one_level="starts one engine per configuration, at one level"
+    ),
+    REMOTE: BackendCaps(levels=True, repeats=False),
+}
+
+
+@dataclass(frozen=True)
 class Method:
     """One configuration to benchmark: plain decoding, a drafter directory, or vLLM's ngram."""
 
@@ -83,12 +111,30 @@ def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSectio
         where = ".".join(map(str, err["loc"]))
         raise UsageError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
     backend = REMOTE if settings.base_url else settings.backend
-    if given.get("repeats", 1) > 1 and backend != "vllm-offline":
+    if given.get("repeats", 1) > 1 and not CAPS[backend].repeats:
+        able = ", ".join(name for name, caps in CAPS.items() if caps.repeats)
+        why = f" ({CAPS[backend].why_no_repeats})" if CAPS[backend].why_no_repeats else ""
         raise UsageError(
-            f"--repeats {given['repeats']}: only --backend vllm-offline repeats its passes (the embedded "
-            "backend takes turns prompt by prompt instead); drop --repeats or use vllm-offline"
+            f"--repeats {given['repeats']}: only --backend {able} repeats its passes{why}; "
+            f"drop --repeats or use {able}"
         )
     return settings, backend
+
+
+def backend_levels(backend: str, asked: list[int] | None, default: int) -> list[int]:
+    """The concurrency levels a run measures: those asked (else the settings' one), checked
+    against what the backend can sweep."""
+    caps = CAPS[backend]
+    levels = asked or [default]
+    if len(levels) > 1 and not caps.levels:
+        able = " or ".join(
+            "--base-url" if name == REMOTE else f"--backend {name}" for name, c in CAPS.items() if c.levels
+        )
+        raise UsageError(
+            f"--concurrency {','.join(map(str, levels))}: the {backend} backend {caps.why_one_level}; "
+            f"sweep concurrency levels with {able}"
+        )
+    return [caps.fixed_level] if caps.fixed_level is not None else levels
 
 
 def drafter_method(path: Path) -> Method:

@@ -29,6 +29,7 @@ from specctl.bench.plan import (
     SERVER,
     Groups,
     Method,
+    backend_levels,
     bench_settings,
     check_drafters,
     choose_verifier,
@@ -88,21 +89,6 @@ class RunPlan:
 # ---------------------------------------------------------------- planning
 
 
-def _levels(backend: str, asked: list[int] | None, default: int) -> list[int]:
-    levels = asked or [default]
-    if len(levels) > 1 and backend not in ("vllm", REMOTE):
-        how = (
-            "decodes one request at a time"
-            if backend == "embedded"
-            else "starts one engine per configuration, at one level"
-        )
-        raise UsageError(
-            f"--concurrency {','.join(map(str, levels))}: the {backend} backend {how}; "
-            "sweep concurrency levels with --backend vllm or --base-url"
-        )
-    return [1] if backend == "embedded" else levels
-
-
 def plan_run(
     recipe: Recipe | None,
     overrides: dict[str, Any],
@@ -122,7 +108,7 @@ def plan_run(
         asked = sorted({concurrency} if isinstance(concurrency, int) else set(concurrency))
     # the smallest level validates them all
     settings, backend = bench_settings(recipe, **overrides, concurrency=asked[0] if asked else None)
-    levels = _levels(backend, asked, settings.concurrency)
+    levels = backend_levels(backend, asked, settings.concurrency)
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
     if backend == REMOTE:
         methods, baseline_name = _remote_methods(drafters, baseline, ngram, sweep_k)
