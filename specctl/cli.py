@@ -250,6 +250,13 @@ RepeatsOpt = Annotated[
     int | None,
     typer.Option(help="vllm-offline: passes per configuration; each category reports its median pass."),
 ]
+EngineRoundsOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="vllm / vllm-offline: split the prompts into N rounds, an engine per configuration per "
+        "round, the order reversed every other round (spreads a slow spell of the machine)."
+    ),
+]
 SweepKOpt = Annotated[
     str | None,
     typer.Option(
@@ -291,6 +298,7 @@ def bench(
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = None,
     repeats: RepeatsOpt = None,
+    engine_rounds: EngineRoundsOpt = None,
     verifier: Annotated[
         str | None, typer.Option(help="Verifier instead of the recipe's / the drafters' own.")
     ] = None,
@@ -349,6 +357,7 @@ def bench(
         concurrency=parse_int_list(concurrency, "--concurrency") if concurrency is not None else None,
         seed=seed,
         repeats=repeats,
+        engine_rounds=engine_rounds,
         ngram=ngram,
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
         confidence_thresholds=confidence_threshold

@@ -327,6 +327,14 @@ class BenchSection(Section):
         "and keep, per category, the pass at the median output tokens/s. On a shared CPU a slow "
         "spell of a few seconds moved one pass by 20-40%; the median of 3 is robust to one.",
     )
+    engine_rounds: int = Field(
+        1,
+        ge=1,
+        description="vllm / vllm-offline: split the prompts into this many rounds; every configuration "
+        "measures each round in an engine of its own, in reverse order every other round, so a "
+        "slow spell of a shared machine is spread over the configurations instead of falling on "
+        "whichever ran then. Costs an engine start per configuration per round.",
+    )
     seed: int = Field(0, description="Sampling seed.")
     require: list[str] = Field(
         default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."

@@ -27,6 +27,7 @@ from specctl.bench.plan import (
     prompt_rounds,
     reported_rounds,
     reports_confidence,
+    round_order,
 )
 from specctl.bench.prompts import (
     BUILTIN,
@@ -551,6 +552,36 @@ def test_prompt_rounds_interleave_one_prompt_a_round_in_prompt_order():
     # brute force: prompt i alone in round i, under its own category
     assert rounds == [{p.category: [(i, p)]} for i, p in enumerate(ps)]
     assert prompt_rounds(groups, interleave=False) == [groups]
+
+
+def test_engine_rounds_deal_the_prompts_out_in_turn():
+    """--engine-rounds N: round r holds the prompts at positions r, r + N, ... in prompt order, under
+    their categories, so each round has every category in proportion; never an empty round."""
+    cats = ["chat"] * 4 + ["code"] * 4 + ["math"] * 4
+    ps = [BenchPrompt((i,), c, "") for i, c in enumerate(cats)]
+    groups = group_prompts(ps)
+    for n in (2, 3, 5, 12, 40):
+        rounds = prompt_rounds(groups, interleave=False, engine_rounds=n)
+        assert len(rounds) == min(n, len(ps))
+        for r, chunk in enumerate(rounds):  # brute force: who belongs in round r
+            want: dict[str, list] = {}
+            for i in range(r, len(ps), len(rounds)):
+                want.setdefault(ps[i].category, []).append((i, ps[i]))
+            assert chunk == want
+    assert sorted({c for c in prompt_rounds(groups, False, 3)[0]}) == ["chat", "code", "math"]
+    assert prompt_rounds(groups, interleave=False, engine_rounds=1) == [groups]
+    # interleaved backends take turns per prompt whatever engine_rounds says
+    assert prompt_rounds(groups, True, 3) == prompt_rounds(groups, True)
+
+
+def test_engine_rounds_reverse_the_order_every_other_round():
+    a, b, c = (Method(n, n) for n in "abc")
+    assert [round_order([a, b, c], r, interleave=False) for r in range(3)] == [
+        [a, b, c],
+        [c, b, a],
+        [a, b, c],
+    ]
+    assert round_order([a, b, c], 1, interleave=True) == [a, b, c]
 
 
 def test_rounds_sum_per_level_and_reported_rounds():

@@ -202,6 +202,65 @@ def test_offline_repeats_keep_each_categorys_median_pass_whole(tmp_path, monkeyp
     assert passes({"repeats": 3}) == ", each category the median of 3 passes" and passes({}) == ""
 
 
+def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tiny_verifier_dir, monkeypatch):
+    """--engine-rounds 2 on vllm-offline: plain and ngram each measure half the prompts in round 1
+    (plain first), the other half in round 2 (ngram first); the report sums both rounds per
+    configuration and says how it was measured."""
+    import importlib.util
+
+    from specctl.bench import offline
+    from specctl.bench.render import markdown
+    from specctl.bench.report import Measurement
+    from specctl.bench.run import run_bench
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    calls = []
+
+    def fake_offline(method, groups, setup, cpu=None, label=None):
+        calls.append((method.name, sorted(i for g in groups.values() for i, _ in g)))
+        return {
+            c: Measurement(len(g), 3 * len(g), 1.0, outputs={i: [5, 5, 2] for i, _ in g})
+            for c, g in groups.items()
+        }
+
+    monkeypatch.setattr(offline, "measure_offline", fake_offline)
+    report = run_bench(
+        verifier=str(tiny_verifier_dir),
+        backend="vllm-offline",
+        ngram=2,
+        engine_rounds=2,
+        num_prompts=5,
+        recipe=_recipe(tmp_path),
+        output=tmp_path / "out",
+        progress=False,
+    )
+    first, second = [0, 2, 4], [1, 3]  # dealt in turn (the prompts come back sorted by index)
+    assert calls == [("no-spec", first), ("ngram", first), ("ngram", second), ("no-spec", second)]
+    for result in report.results:
+        assert result.total.num_prompts == 5 and sorted(result.total.outputs) == [0, 1, 2, 3, 4]
+        assert result.total.output_tokens == 15  # 3 per prompt, both rounds counted once each
+    assert report.engine_rounds == 2 and report.ok
+    assert "2 engine rounds per configuration (order reversed every other round)" in markdown(report)
+
+
+def test_engine_rounds_need_an_engine_to_restart():
+    from specctl.bench.plan import bench_settings
+    from specctl.errors import UsageError
+
+    with pytest.raises(
+        UsageError, match="--engine-rounds 2: the embedded backend takes turns prompt by prompt"
+    ):
+        bench_settings(None, backend="embedded", engine_rounds=2)
+    with pytest.raises(UsageError, match="--engine-rounds 3: the remote backend starts no engine"):
+        bench_settings(None, base_url="http://127.0.0.1:9", engine_rounds=3)
+    assert bench_settings(None, backend="vllm", engine_rounds=2)[0].engine_rounds == 2
+    with pytest.raises(UsageError, match="--engine-rounds 0"):
+        bench_settings(None, backend="vllm-offline", engine_rounds=0)
+
+
 def test_repeats_are_offline_only(tmp_path):
     from specctl.bench.plan import bench_settings
     from specctl.errors import UsageError

@@ -46,6 +46,7 @@ class BackendCaps:
 
     levels: bool  # several concurrency levels in one run (a server takes any load)
     repeats: bool  # N passes per configuration in one engine, the median kept
+    engine_rounds: bool  # the prompts split into rounds, an engine per configuration per round
     why_one_level: str = ""  # why it measures a single level (the usage error says it)
     why_no_repeats: str = ""  # what it does instead of repeating (the usage error says it)
     fixed_level: int | None = None  # the one level it always measures at, whatever was asked
@@ -55,15 +56,19 @@ CAPS = {
     "embedded": BackendCaps(
         levels=False,
         repeats=False,
+        engine_rounds=False,
         why_one_level="decodes one request at a time",
         why_no_repeats="the embedded backend takes turns prompt by prompt instead",
         fixed_level=1,
     ),
-    "vllm": BackendCaps(levels=True, repeats=False),
+    "vllm": BackendCaps(levels=True, repeats=False, engine_rounds=True),
     "vllm-offline": BackendCaps(
-        levels=False, repeats=True, why_one_level="starts one engine per configuration, at one level"
+        levels=False,
+        repeats=True,
+        engine_rounds=True,
+        why_one_level="starts one engine per configuration, at one level",
     ),
-    REMOTE: BackendCaps(levels=True, repeats=False),
+    REMOTE: BackendCaps(levels=True, repeats=False, engine_rounds=False),
 }
 
 
@@ -111,6 +116,13 @@ def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSectio
         where = ".".join(map(str, err["loc"]))
         raise UsageError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
     backend = REMOTE if settings.base_url else settings.backend
+    if given.get("engine_rounds", 1) > 1 and not CAPS[backend].engine_rounds:
+        able = " or ".join(f"--backend {name}" for name, caps in CAPS.items() if caps.engine_rounds)
+        how = "takes turns prompt by prompt already" if backend == "embedded" else "starts no engine"
+        raise UsageError(
+            f"--engine-rounds {given['engine_rounds']}: the {backend} backend {how}; "
+            f"drop --engine-rounds or use {able}"
+        )
     if given.get("repeats", 1) > 1 and not CAPS[backend].repeats:
         able = ", ".join(name for name, caps in CAPS.items() if caps.repeats)
         why = f" ({CAPS[backend].why_no_repeats})" if CAPS[backend].why_no_repeats else ""
@@ -461,15 +473,29 @@ def group_prompts(prompts: Sequence[BenchPrompt]) -> Groups:
     return dict(sorted(groups.items()))
 
 
-def prompt_rounds(groups: Groups, interleave: bool) -> list[Groups]:
+def prompt_rounds(groups: Groups, interleave: bool, engine_rounds: int = 1) -> list[Groups]:
     """The rounds the methods take turns on. Interleaved (the embedded engine, where switching
     methods is free): one prompt a round, every method decodes it before the next prompt, so a slow
     spell of the machine (another job, CPU steal) falls on every method alike rather than on
-    whichever ran then. A vLLM engine costs a start per method: one round of every prompt."""
-    if not interleave:
-        return [groups]
+    whichever ran then. A vLLM engine costs a start per method: `engine_rounds` rounds (one by
+    default, never more than there are prompts), the prompts dealt out in turn so that each round
+    holds every category in proportion."""
     flat = sorted((i, category, p) for category, prompts in groups.items() for i, p in prompts)
-    return [{category: [(i, p)]} for i, category, p in flat]
+    if interleave:
+        return [{category: [(i, p)]} for i, category, p in flat]
+    if engine_rounds <= 1:
+        return [groups]
+    rounds: list[Groups] = [{} for _ in range(min(engine_rounds, len(flat)))]
+    for k, (i, category, p) in enumerate(flat):
+        rounds[k % len(rounds)].setdefault(category, []).append((i, p))
+    return rounds
+
+
+def round_order(configs: Sequence[Method], round_index: int, interleave: bool) -> list[Method]:
+    """The order the configurations take in a round: engine rounds alternate it (A B C, then
+    C B A), so no configuration always runs first or last, when a machine tends to be warmer
+    or busier; interleaved rounds (one prompt each) keep it, plain decoding first."""
+    return list(configs) if interleave or round_index % 2 == 0 else list(reversed(configs))
 
 
 def reported_rounds(rounds_done: Sequence[int]) -> int:

@@ -293,9 +293,12 @@ def provenance_line(d: dict[str, Any]) -> str | None:
 
 
 def passes(d: dict[str, Any]) -> str:
-    """How a report's throughput was taken, when more than one pass per configuration."""
-    n = d.get("repeats", 1)
-    return f", each category the median of {n} passes" if n > 1 else ""
+    """How a report's throughput was taken, when more than one pass or engine per configuration."""
+    n, r = d.get("repeats", 1), d.get("engine_rounds", 1)
+    out = f", each category the median of {n} passes" if n > 1 else ""
+    if r > 1:
+        out += f", {r} engine rounds per configuration (order reversed every other round)"
+    return out
 
 
 def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptance.png") -> str:

@@ -131,6 +131,7 @@ class BenchReport:
     seed: int
     concurrency: int
     repeats: int = 1  # passes per configuration; each category reports its median one (vllm-offline)
+    engine_rounds: int = 1  # engines per configuration, each on its share of the prompts (vLLM)
     results: list[MethodResult] = field(default_factory=list)
     baseline: str | None = None  # name of the EAGLE-3 reference method, if any
     complete: bool = False
@@ -260,6 +261,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "seed": report.seed,
         "concurrency": report.concurrency,
         "repeats": report.repeats,
+        "engine_rounds": report.engine_rounds,
         "complete": report.complete,
         "baseline": report.baseline,
         "categories": categories,

@@ -42,6 +42,7 @@ from specctl.bench.plan import (
     plan_thresholds,
     prompt_rounds,
     reported_rounds,
+    round_order,
     speculative_config,
 )
 from specctl.bench.prompts import load_prompts
@@ -202,7 +203,9 @@ def _remote_methods(
     return [Method(SERVER, SERVER)], None
 
 
-def new_report(plan: RunPlan, engine: Backend, num_prompts: int, dataset: str) -> BenchReport:
+def new_report(
+    plan: RunPlan, engine: Backend, num_prompts: int, dataset: str, rounds: Sequence[Groups]
+) -> BenchReport:
     """The report before any measurement: the settings, and where the figures will come from."""
     from specctl.provenance import provenance
 
@@ -221,6 +224,7 @@ def new_report(plan: RunPlan, engine: Backend, num_prompts: int, dataset: str) -
         seed=s.seed,
         concurrency=plan.levels[0],
         repeats=getattr(engine, "repeats", 1),  # what the backend does, not what was asked
+        engine_rounds=1 if engine.interleave else len(rounds),  # engines per configuration
         baseline=plan.baseline,
         requirements=[r.text for r in plan.requirements],
         output_dir=plan.out_dir,
@@ -250,6 +254,7 @@ def run_bench(
     concurrency: int | Sequence[int] | None = None,
     seed: int | None = None,
     repeats: int | None = None,
+    engine_rounds: int | None = None,
     ngram: int | None = None,
     sweep_k: bool | Sequence[int] = False,
     confidence_thresholds: Sequence[float] | None = None,
@@ -305,6 +310,7 @@ def run_bench(
         top_p=top_p,
         seed=seed,
         repeats=repeats,
+        engine_rounds=engine_rounds,
         ready_timeout_s=ready_timeout_s,
         confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
     )
@@ -360,14 +366,13 @@ def execute(
         s.dataset_subset,
         s.dataset_column,
     )
-    report = new_report(plan, engine, len(prompts), dataset_desc)
+    rounds = prompt_rounds(group_prompts(prompts), engine.interleave, s.engine_rounds)
+    report = new_report(plan, engine, len(prompts), dataset_desc, rounds)
     for line in plan.skipped:
         warn(f"warning: {line}")
     bar.reset(task, total=len(prompts) * len(plan.levels) * len(plan.configs))
     with bar:
-        measure_all(
-            engine, plan, group_prompts(prompts), report, lambda name: bar.update(task, description=name), say
-        )
+        measure_all(engine, plan, rounds, report, lambda name: bar.update(task, description=name), say)
     report.complete = not report.errors
     if report.provenance is not None and getattr(engine, "server_info", None) is not None:
         report.provenance["server"] = engine.server_info  # what the run learnt (the prompt format)
@@ -379,20 +384,20 @@ def execute(
 def measure_all(
     engine: Backend,
     plan: RunPlan,
-    groups: Groups,
+    rounds: Sequence[Groups],
     report: BenchReport,
     show: Callable[[str], None],
     say: Callable[..., None],
 ) -> None:
-    """Every configuration on every round of prompts, the report rewritten after each measurement;
-    Ctrl-C / SIGTERM writes the partial report and raises BenchInterrupted."""
-    rounds = prompt_rounds(groups, interleave=engine.interleave)
+    """Every configuration on every round of prompts (`prompt_rounds`), in each round's order
+    (`round_order`), the report rewritten after each measurement; Ctrl-C / SIGTERM writes the
+    partial report and raises BenchInterrupted."""
     measured: dict[Method, list[list[Point]]] = {c: [] for c in plan.configs}  # rounds measured so far
     errors: list[str] = []
     with sigterm_as_interrupt():
         try:
-            for chunk in rounds:
-                for config in [c for c in plan.configs if c in measured]:
+            for r, chunk in enumerate(rounds):
+                for config in [c for c in round_order(plan.configs, r, engine.interleave) if c in measured]:
                     name = display_name(config, plan.sweeping)
                     show(name)
                     points = measure_one(engine, config, name, chunk, errors, say)
