@@ -268,6 +268,23 @@ SweepKOpt = Annotated[
 ]
 
 
+def _bench_recipe(recipe: str | None, set_: list[str] | None, *, base_url: str | None, drafters: bool):
+    """The recipe bench reads, or None: `--set` alone means the quickstart's, but only where the
+    overrides have something to apply to (not a --base-url or --drafter-only run)."""
+    from specctl.errors import RecipeError
+    from specctl.recipe import load_recipe
+
+    if recipe is not None:
+        return load_recipe(recipe, list(set_ or []))
+    if not set_:
+        return None
+    if base_url is not None:
+        raise RecipeError("--set needs a RECIPE with --base-url; pass the bench flags themselves")
+    if drafters:
+        raise RecipeError("--set needs a RECIPE when benchmarking --drafter directories")
+    return load_recipe("quickstart", list(set_))
+
+
 @app.command()
 def bench(
     recipe: Annotated[
@@ -331,18 +348,9 @@ def bench(
     """
     from specctl.bench.plan import parse_float_list, parse_int_list, parse_sweep_k
     from specctl.bench.run import run_bench
-    from specctl.errors import RecipeError
-    from specctl.recipe import load_recipe
 
-    r = load_recipe(recipe, list(set_ or [])) if recipe is not None else None
-    if r is None and set_:
-        if base_url is not None:
-            raise RecipeError("--set needs a RECIPE with --base-url; pass the bench flags themselves")
-        if drafter or baseline is not None:
-            raise RecipeError("--set needs a RECIPE when benchmarking --drafter directories")
-        r = load_recipe("quickstart", list(set_))
     report = run_bench(
-        r,
+        _bench_recipe(recipe, set_, base_url=base_url, drafters=bool(drafter or baseline)),
         drafters=drafter or [],
         baseline=baseline,
         backend=backend,
