@@ -205,7 +205,8 @@ def test_offline_repeats_keep_each_categorys_median_pass_whole(tmp_path, monkeyp
 def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tiny_verifier_dir, monkeypatch):
     """--engine-rounds 2 on vllm-offline: plain and ngram each measure half the prompts in round 1
     (plain first), the other half in round 2 (ngram first); the report sums both rounds per
-    configuration and says how it was measured."""
+    configuration and says how it was measured. Each engine keeps its own log: round 2's are
+    named -round2, not written over round 1's."""
     import importlib.util
 
     from specctl.bench import offline
@@ -217,10 +218,11 @@ def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tin
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
-    calls = []
+    calls, labels = [], []
 
     def fake_offline(method, groups, setup, cpu=None, label=None):
         calls.append((method.name, sorted(i for g in groups.values() for i, _ in g)))
+        labels.append(label)
         return {
             c: Measurement(len(g), 3 * len(g), 1.0, outputs={i: [5, 5, 2] for i, _ in g})
             for c, g in groups.items()
@@ -239,6 +241,7 @@ def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tin
     )
     first, second = [0, 2, 4], [1, 3]  # dealt in turn (the prompts come back sorted by index)
     assert calls == [("no-spec", first), ("ngram", first), ("ngram", second), ("no-spec", second)]
+    assert labels == ["no-spec", "ngram", "ngram-round2", "no-spec-round2"]
     for result in report.results:
         assert result.total.num_prompts == 5 and sorted(result.total.outputs) == [0, 1, 2, 3, 4]
         assert result.total.output_tokens == 15  # 3 per prompt, both rounds counted once each

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -104,7 +105,7 @@ class OfflineBackend:
     at once and run at most `concurrency` at a time."""
 
     name = "vllm-offline"
-    interleave = False  # an engine start per configuration
+    interleave = False  # an engine start per configuration (per round: bench --engine-rounds)
 
     def __init__(
         self,
@@ -119,11 +120,13 @@ class OfflineBackend:
         self.levels, self.max_k, self.sweeping, self.say = (setup.concurrency,), max_k, sweeping, say
         self.on_done = on_done  # once per prompt, with its tokens, when its configuration is done
         self.repeats = setup.repeats  # passes per configuration (the report says how it measured)
+        self.started: Counter[Method] = Counter()  # engines started per configuration (log names)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
         length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)
         setup = replace(self.setup, max_model_len=length)
-        label = run_label(method, self.sweeping)
+        label = run_label(method, self.sweeping, self.started[method])
+        self.started[method] += 1
         announce(self.say, method, self.sweeping, "offline", setup.log_path(label, "offline"))
         categories = measure_offline(method, groups, setup, label=label)
         if self.on_done:  # the worker answers once per configuration: its prompts count then

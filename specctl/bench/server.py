@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -311,7 +312,7 @@ class ServerBackend:
     """measure(method, prompts): a vLLM server with the method, every prompt at each concurrency level."""
 
     name = "vllm"
-    interleave = False  # a server start per configuration: one round of every prompt
+    interleave = False  # a server start per configuration (per round: bench --engine-rounds)
 
     def __init__(
         self,
@@ -331,11 +332,13 @@ class ServerBackend:
             on_done,
             say,
         )
+        self.started: Counter[Method] = Counter()  # servers started per configuration (log names)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
         length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)
         setup = replace(self.setup, max_model_len=length)
-        label = run_label(method, self.sweeping)
+        label = run_label(method, self.sweeping, self.started[method])
+        self.started[method] += 1
         announce(self.say, method, self.sweeping, "server", setup.log_path(label, "server"))
         by_level = measure_server_levels(method, groups, setup, self.levels, self.on_done, label=label)
         return [Point(level, MethodResult(method, categories)) for level, categories in by_level.items()]

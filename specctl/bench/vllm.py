@@ -184,13 +184,16 @@ def to_measurement(
     )
 
 
-def run_label(method: Method, sweeping: bool) -> str:
-    """What names a configuration's log: a sweep starts one engine per K, the K keeps each log."""
-    return (
+def run_label(method: Method, sweeping: bool, started: int = 0) -> str:
+    """What names a configuration's log: a sweep starts one engine per K, the K keeps each log;
+    a configuration whose engine `started` before (bench --engine-rounds) gets -round<N>, so
+    no round's log is written over another's."""
+    label = (
         f"{method.name}-k{method.num_speculative_tokens}"
         if sweeping and method.algo != PLAIN
         else method.name
     )
+    return f"{label}-round{started + 1}" if started else label
 
 
 def announce(say: Callable[..., None], method: Method, sweeping: bool, mode: str, log: Path) -> None:
