@@ -4,10 +4,12 @@
 
 Runs the pipeline as the user would type it -- collect, train every drafter with the same
 budget, export, bench with the embedded engine and (when vLLM imports) with vLLM -- each stage
-a `python -m specctl ...` subprocess whose exact command and wall time are recorded in
-`runs/<name>/results-stages.json`. A rerun reuses what is done: collect and train resume by
-themselves, export is skipped while every export is newer than its drafter's latest checkpoint,
-and a bench stage while its complete report is newer than every export.
+a `python -m specctl ...` subprocess whose exact command, commit and wall time are recorded in
+`runs/<name>/results-stages.json` (the wall rewritten while the stage runs, so a stopped run keeps
+it). A rerun reuses what is done: collect and train resume by themselves, export is skipped while
+every export is newer than its drafter's latest checkpoint, and a bench stage while its complete
+report is newer than every export. On a 2-core CPU without AMX the whole run takes about 3 hours,
+so it may take more than one invocation; the page then names every commit its stages ran at.
 The page is rendered from the run's files only (reports, metrics.jsonl, the recipe), with
 the recipe's hash and the commit, so every figure on it can be traced and reproduced.
 """
@@ -15,6 +17,7 @@ the recipe's hash and the commit, so every figure on it can be traced and reprod
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +37,7 @@ from specctl.bench.plan import BASELINE, PLAIN
 from specctl.bench.render import k_cell, passes, rates
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
+from specctl.durable import write_atomic
 from specctl.provenance import git_state
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
@@ -134,26 +138,49 @@ def bench_is_current(out_dir: Path, exports: Any) -> bool:
 
 
 def run_stages(todo: list[Stage], log_path: Path) -> None:
-    """Run each stage not yet done; record its command and wall time (appended per invocation)."""
+    """Run each stage not yet done; record its command, the commit it ran at and its wall time
+    (one entry per invocation: the page sums them and names every commit)."""
     log = json.loads(log_path.read_text()) if log_path.exists() else []
+    commit = _short(*git_state(Path(__file__).resolve().parent))
     for stage in todo:
         command = [sys.executable, "-m", "specctl", *stage.args]
         if stage.current():
             print(f"== {stage.name}: done, reused", flush=True)
             continue
         print(f"== {stage.name}: {' '.join(['specctl', *stage.args])}", flush=True)
-        start = time.perf_counter()
-        code = subprocess.run(command).returncode
-        wall = time.perf_counter() - start
-        log.append(
-            {"stage": stage.name, "command": ["specctl", *stage.args], "wall_s": round(wall, 1), "rc": code}
-        )
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_text(json.dumps(log, indent=1))
+        entry = {"stage": stage.name, "command": ["specctl", *stage.args], "commit": commit}
+        log.append(entry)
+        code = run_logged(command, entry, log, log_path)
         if code != 0:
             raise SystemExit(
                 f"results: stage `{stage.name}` failed (exit {code}); fix it and rerun `make results`"
             )
+
+
+# How often a running stage's wall time is rewritten in the stage log. On 2 cores `make results`
+# takes longer than some sessions on the machine (about 3 h without AMX, 2026-12-04), so an
+# invocation can be killed mid-stage; it then keeps all but this much of the time it spent, and
+# the rerun that resumes the stage adds the rest (before, the killed stage's time was lost).
+LOG_EVERY_S = 30.0
+
+
+def run_logged(command: list[str], entry: dict[str, Any], log: list[dict[str, Any]], log_path: Path) -> int:
+    """Run one stage's command; `entry` (already in `log`) carries its wall time so far and exit
+    code (None while it runs, or after a kill), rewritten whole every LOG_EVERY_S and at the end."""
+    start = time.perf_counter()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(command)
+    code = None
+    try:
+        while code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(timeout=LOG_EVERY_S)
+            entry |= {"wall_s": round(time.perf_counter() - start, 1), "rc": code}
+            write_atomic(log_path, json.dumps(log, indent=1), durable=False)
+    finally:  # Ctrl-C: the stage (same process group) stops too; keep the time it ran
+        entry |= {"wall_s": round(time.perf_counter() - start, 1), "rc": code}
+        write_atomic(log_path, json.dumps(log, indent=1), durable=False)
+    return code
 
 
 # ---------------------------------------------------------------- the page
@@ -194,6 +221,15 @@ def run_commit(run: Path) -> str:
     if measured == here:
         return f"`{_short(*here)}`"
     return f"`{_short(*measured)}` (page rendered at `{_short(*here)}`)"
+
+
+def stage_commits(commits: dict[str, list[str]]) -> str:
+    """The header's word on the stages' commits when the run's invocations were not all at one:
+    a run resumed across commits names them, so no figure is credited to code it did not run."""
+    distinct = list(dict.fromkeys(c for ran_at in commits.values() for c in ran_at))
+    if len(distinct) < 2:
+        return ""
+    return "; its stages ran at " + ", ".join(f"`{c}`" for c in distinct) + " (How it was made)"
 
 
 def rerun_note(run: Path, report: dict[str, Any]) -> str:
@@ -420,8 +456,12 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
     log_path = run / "results-stages.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else []
     walls: dict[str, float] = {}
+    commits: dict[str, list[str]] = {}  # per stage, each commit it ran at, in order
     for entry in log:
-        walls[entry["stage"]] = walls.get(entry["stage"], 0.0) + entry["wall_s"]
+        walls[entry["stage"]] = walls.get(entry["stage"], 0.0) + entry.get("wall_s", 0.0)
+        ran_at = commits.setdefault(entry["stage"], [])
+        if entry.get("commit") and entry["commit"] not in ran_at:
+            ran_at.append(entry["commit"])
     out = [
         "# Results: four parallel drafters vs EAGLE-3 on SmolLM2-135M-Instruct",
         "",
@@ -431,7 +471,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "",
         f"- recipe: `{recipe_path.name}` (sha256 `{recipe_hash(recipe_path)}`, with the files it extends)",
         f"- commit: {run_commit(run)}; torch {_version('torch')}, transformers {_version('transformers')},"
-        f" vllm {_version('vllm')}",
+        f" vllm {_version('vllm')}{stage_commits(commits)}",
         f"- machine: {os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
         f"- data: {recipe.data.generate.num_conversations} self-generated conversations, {budget(recipe)}",
         "",
@@ -476,22 +516,23 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             shutil.copyfile(png, figures / f"acceptance-{name}.png")
             out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
     out += draft_length_section(run)
-    out += ["", "## How it was made", "", "| stage | command | wall |", "|---|---|---|"]
+    out += ["", "## How it was made", "", "| stage | command | commit | wall |", "|---|---|---|---|"]
     seen = set()
     for entry in log:
         if entry["stage"] in seen:
             continue
         seen.add(entry["stage"])
-        out.append(
-            f"| {entry['stage']} | `{' '.join(entry['command'])}` | {_minutes(walls[entry['stage']])} |"
-        )
+        stage = entry["stage"]
+        ran_at = ", ".join(f"`{c}`" for c in commits[stage]) or "-"
+        out.append(f"| {stage} | `{' '.join(entry['command'])}` | {ran_at} | {_minutes(walls[stage])} |")
     out += [
         "",
         "Wall times are summed over the invocations of `make results` (a rerun that reuses a finished",
-        "stage adds only its start-up). Bench speedups are against plain decoding measured in the same",
-        "run; `= plain` counts prompts whose greedy output ids equal plain decoding's. The embedded",
-        "engine runs transformers' forward (F.linear) for plain decoding, verification and drafting",
-        "alike; how much its speedups depend on that kernel is measured in",
+        "stage adds only its start-up; one stopped mid-stage keeps the time it ran, and the rerun",
+        "resumes the stage from its last checkpoint). Bench speedups are against plain decoding",
+        "measured in the same run; `= plain` counts prompts whose greedy output ids equal plain",
+        "decoding's. The embedded engine runs transformers' forward (F.linear) for plain decoding,",
+        "verification and drafting alike; how much its speedups depend on that kernel is measured in",
         "[performance.md](performance.md#verify-what-a-wider-verify-costs).",
         "",
     ]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
-from benchmarks.results import bench_is_current, budget, recipe_hash, render, stages
+import benchmarks.results as results_mod
+from benchmarks.results import bench_is_current, budget, recipe_hash, render, run_logged, stages
 from specctl.drafters import DRAFTERS
 from specctl.recipe import load_recipe, resolve_recipe_path
 
@@ -257,3 +259,56 @@ def test_recipe_hash_covers_the_extended_recipe(tmp_path):
     before = recipe_hash(child)
     base.write_text("name: a\ntrain:\n  max_steps: 3\n")
     assert recipe_hash(child) != before
+
+
+def test_a_running_stage_keeps_its_wall_time_in_the_log(tmp_path, monkeypatch):
+    """A stage killed with its invocation (a session's end) must not take its time with it: the
+    log holds the wall so far while the stage runs, and the final exit code once it ends."""
+    monkeypatch.setattr(results_mod, "LOG_EVERY_S", 0.05)
+    log_path = tmp_path / "results-stages.json"
+    entry = {"stage": "train dflash", "command": ["specctl", "train"], "commit": "abc1234"}
+    log = [{"stage": "collect", "wall_s": 5.0, "rc": 0}, entry]
+    # the stage itself reads the log halfway through: exit 0 only if it saw itself running
+    child = (
+        "import json, sys, time; time.sleep(0.5); e = json.load(open(sys.argv[1]))[-1];"
+        "sys.exit(0 if e['rc'] is None and e['wall_s'] > 0.2 and e['commit'] == 'abc1234' else 3)"
+    )
+    assert run_logged([sys.executable, "-c", child, str(log_path)], entry, log, log_path) == 0
+    final = json.loads(log_path.read_text())
+    assert final[0] == {"stage": "collect", "wall_s": 5.0, "rc": 0}
+    assert final[1]["rc"] == 0 and final[1]["wall_s"] >= 0.5
+    assert run_logged([sys.executable, "-c", "raise SystemExit(4)"], entry, log, log_path) == 4
+    assert json.loads(log_path.read_text())[1]["rc"] == 4
+
+
+def test_a_run_resumed_at_another_commit_names_both(recipe, tmp_path):
+    """Walls are summed over invocations; the commits each stage ran at are listed, and the
+    header says the run spans commits."""
+    run = recipe.run_dir
+    run.mkdir(parents=True)
+    log = [
+        {
+            "stage": "collect",
+            "command": ["specctl", "collect-hidden-states", "r.yaml"],
+            "wall_s": 600.0,
+            "rc": 0,
+        },
+        {
+            "stage": "train peagle",
+            "command": ["specctl", "train", "r.yaml"],
+            "commit": "aaaaaaa",
+            "wall_s": 120.0,
+        }
+        | {"rc": None},
+        {"stage": "train peagle", "command": ["specctl", "train", "r.yaml", "--resume"], "commit": "bbbbbbb"}
+        | {"wall_s": 60.0, "rc": 0},
+    ]
+    (run / "results-stages.json").write_text(json.dumps(log))
+    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    assert "| collect | `specctl collect-hidden-states r.yaml` | - | 10.0 min |" in page  # not recorded
+    assert "| train peagle | `specctl train r.yaml` | `aaaaaaa`, `bbbbbbb` | 3.0 min |" in page
+    assert "its stages ran at `aaaaaaa`, `bbbbbbb` (How it was made)" in page
+    log[2]["commit"] = "aaaaaaa"
+    (run / "results-stages.json").write_text(json.dumps(log))
+    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    assert "its stages ran at" not in page and "| `aaaaaaa` | 3.0 min |" in page
