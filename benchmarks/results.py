@@ -17,7 +17,6 @@ the recipe's hash and the commit, so every figure on it can be traced and reprod
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -171,15 +170,19 @@ def run_logged(command: list[str], entry: dict[str, Any], log: list[dict[str, An
     log_path.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(command)
     code = None
+
+    def save() -> None:
+        entry.update(wall_s=round(time.perf_counter() - start, 1), rc=code)
+        write_atomic(log_path, json.dumps(log, indent=1), durable=False)
+
     try:
         while code is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 code = proc.wait(timeout=LOG_EVERY_S)
-            entry |= {"wall_s": round(time.perf_counter() - start, 1), "rc": code}
-            write_atomic(log_path, json.dumps(log, indent=1), durable=False)
-    finally:  # Ctrl-C: the stage (same process group) stops too; keep the time it ran
-        entry |= {"wall_s": round(time.perf_counter() - start, 1), "rc": code}
-        write_atomic(log_path, json.dumps(log, indent=1), durable=False)
+            except subprocess.TimeoutExpired:
+                save()
+    finally:  # at the end, and on Ctrl-C (the stage, in the same process group, stops too)
+        save()
     return code
 
 
