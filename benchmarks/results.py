@@ -237,10 +237,16 @@ def stage_commits(commits: dict[str, list[str]]) -> str:
 
 def rerun_note(run: Path, report: dict[str, Any]) -> str:
     """A bench section measured later than the run's embedded bench (its stage rerun at another
-    commit) says when and at which commit, so the page never passes it off as the same run."""
+    commit, or on another machine) says when, where and at which commit, so the page never passes
+    it off as the same run."""
     base = run_provenance(run)
     prov = report.get("provenance") or {}
-    if not base or not prov.get("git_commit") or prov.get("git_commit") == base.get("git_commit"):
+    if not base or not prov.get("git_commit"):
+        return ""
+    # a run resumed in another session may land on another kind of machine at the same commit
+    first, later = ((d.get("cpu"), d.get("cpu_count")) for d in (base, prov))
+    same_machine = None in first + later or first == later  # unknown: judged by the commit alone
+    if prov["git_commit"] == base.get("git_commit") and same_machine:
         return ""
     when = (prov.get("timestamp") or "?")[:10]
     commit = _short(prov["git_commit"], bool(prov.get("git_dirty")))

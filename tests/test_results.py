@@ -192,6 +192,15 @@ def test_a_bench_stage_rerun_at_another_commit_says_so(recipe, tmp_path):
     vllm = page[page.index("## vLLM") :]
     assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC)" in vllm
     assert "Measured later" not in page[: page.index("## vLLM")]
+    # the same commit on another kind of machine (a run resumed in another session) says so too
+    (run / "bench" / "report.json").write_text(
+        json.dumps(_report(1.2) | {"provenance": later | {"cpu": "Xeon"}})
+    )
+    (run / "bench-vllm" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
+    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC)" in page
+    (run / "bench" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
+    assert "Measured later" not in render(resolve_recipe_path("results.yaml"), recipe, doc)
 
 
 def test_a_k_sweep_lists_every_k_and_stars_the_fastest(recipe, tmp_path):
