@@ -226,13 +226,20 @@ def run_commit(run: Path) -> str:
     return f"`{_short(*measured)}` (page rendered at `{_short(*here)}`)"
 
 
-def stage_commits(commits: dict[str, list[str]]) -> str:
+def stage_commits(commits: dict[str, list[str | None]]) -> str:
     """The header's word on the stages' commits when the run's invocations were not all at one:
     a run resumed across commits names them, so no figure is credited to code it did not run."""
     distinct = list(dict.fromkeys(c for ran_at in commits.values() for c in ran_at))
     if len(distinct) < 2:
         return ""
-    return "; its stages ran at " + ", ".join(f"`{c}`" for c in distinct) + " (How it was made)"
+    return "; its stages ran at " + _commit_list(distinct) + " (How it was made)"
+
+
+def _commit_list(commits: list[str | None]) -> str:
+    """Commits as the page names them; None = an invocation logged before entries carried one
+    (said plainly rather than left out, so a stage's time is never credited to the commits listed)."""
+    named = [f"`{c}`" for c in commits if c is not None]
+    return ", ".join(named + ["an unrecorded commit"] * (None in commits))
 
 
 def rerun_note(run: Path, report: dict[str, Any]) -> str:
@@ -465,12 +472,12 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
     log_path = run / "results-stages.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else []
     walls: dict[str, float] = {}
-    commits: dict[str, list[str]] = {}  # per stage, each commit it ran at, in order
+    commits: dict[str, list[str | None]] = {}  # per stage, each commit it ran at, in order
     for entry in log:
         walls[entry["stage"]] = walls.get(entry["stage"], 0.0) + entry.get("wall_s", 0.0)
         ran_at = commits.setdefault(entry["stage"], [])
-        if entry.get("commit") and entry["commit"] not in ran_at:
-            ran_at.append(entry["commit"])
+        if entry.get("commit") not in ran_at:
+            ran_at.append(entry.get("commit"))
     out = [
         "# Results: four parallel drafters vs EAGLE-3 on SmolLM2-135M-Instruct",
         "",
@@ -532,7 +539,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             continue
         seen.add(entry["stage"])
         stage = entry["stage"]
-        ran_at = ", ".join(f"`{c}`" for c in commits[stage]) or "-"
+        ran_at = _commit_list(commits[stage])
         out.append(f"| {stage} | `{' '.join(entry['command'])}` | {ran_at} | {_minutes(walls[stage])} |")
     out += [
         "",
