@@ -85,6 +85,21 @@ def test_kl_loss_matches_cross_entropy_to_the_renormalised_kept_distribution():
     assert valid.all() and correct.dtype == torch.bool
 
 
+def test_correct_is_the_first_maximal_draft_id_against_the_verifier_argmax_even_with_ties():
+    """`correct` is what greedy verification accepts: the draft's first maximal id (mapped to
+    target ids) equals the verifier's. Checked row by row in Python on bf16 logits full of ties
+    (autocast's dtype, where draft_loss takes its fast path)."""
+    g = torch.Generator().manual_seed(5)
+    _, t2d = build_draft_vocab(torch.rand(V, generator=g), 30)
+    d2t = t2d.nonzero()[:, 0]  # [Vd] draft id -> target id
+    draft = torch.randint(-2, 2, (200, 30), generator=g).to(torch.bfloat16)  # [N, Vd], many ties
+    target = targets_from_logits(torch.randn(200, V, generator=g), t2d)
+    target.argmax = d2t[torch.randint(0, 30, (200,), generator=g)]  # the verifier's top ids, all kept
+    _, correct, _ = draft_loss(draft, target, t2d, "kl")
+    expected = [int(d2t[row.index(max(row))]) == int(top) for row, top in zip(draft.tolist(), target.argmax)]
+    assert correct.tolist() == expected and 0 < sum(expected) < 200
+
+
 def _hidden_batch(seed: int):
     g = torch.Generator().manual_seed(seed)
     return g, {

@@ -302,5 +302,7 @@ def draft_loss(
     if target_argmax is None:
         return loss, None, valid
     d2t_table = None if t2d is None else d2t_from_t2d(t2d)
-    predicted = draft_to_target(draft_logits.argmax(-1), d2t_table)
+    # max(-1).indices = argmax(-1), first maximal index on ties alike; on a CPU it is 4x faster on
+    # bf16 rows (autocast's draft logits): 5.6 ms against 23 ms for [1536, 8192] (2-core EPYC)
+    predicted = draft_to_target(draft_logits.max(-1).indices, d2t_table)
     return loss, predicted == target_argmax, valid
