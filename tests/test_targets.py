@@ -96,7 +96,8 @@ def test_correct_is_the_first_maximal_draft_id_against_the_verifier_argmax_even_
     target = targets_from_logits(torch.randn(200, V, generator=g), t2d)
     target.argmax = d2t[torch.randint(0, 30, (200,), generator=g)]  # the verifier's top ids, all kept
     _, correct, _ = draft_loss(draft, target, t2d, "kl")
-    expected = [int(d2t[row.index(max(row))]) == int(top) for row, top in zip(draft.tolist(), target.argmax)]
+    rows = zip(draft.tolist(), target.argmax.tolist(), strict=True)
+    expected = [int(d2t[row.index(max(row))]) == top for row, top in rows]
     assert correct.tolist() == expected and 0 < sum(expected) < 200
 
 
