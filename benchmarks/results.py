@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -33,11 +32,11 @@ from statistics import median
 from typing import Any
 
 from specctl.bench.plan import BASELINE, PLAIN
-from specctl.bench.render import k_cell, passes, rates
+from specctl.bench.render import hardware, k_cell, passes, rates
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
 from specctl.durable import write_atomic
-from specctl.provenance import git_state
+from specctl.provenance import cpu_model, git_state
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
 DEFAULT_RECIPE = "results.yaml"
@@ -259,8 +258,16 @@ def rerun_note(run: Path, report: dict[str, Any]) -> str:
     commit = _short(prov["git_commit"], bool(prov.get("git_dirty")))
     return (
         f" **Measured later than the run above:** at `{commit}`"
-        f" on {when} ({prov.get('cpu_count', '?')}x {prov.get('cpu', '?')}), on the same exported drafters."
+        f" on {when} ({hardware(prov)}), on the same exported drafters."
     )
+
+
+def machine(prov: dict[str, Any]) -> str:
+    """The machine the run's embedded bench measured on, from its provenance (the renderer's own
+    only before that bench exists): a page rendered elsewhere must not name the renderer's CPU."""
+    if not prov:
+        return f"{os.cpu_count()}x {cpu_model()} (where this page was rendered: the run has no bench yet)"
+    return hardware(prov)
 
 
 def budget(recipe: Recipe) -> str:
@@ -488,7 +495,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         f"- recipe: `{recipe_path.name}` (sha256 `{recipe_hash(recipe_path)}`, with the files it extends)",
         f"- commit: {run_commit(run)}; torch {_version('torch')}, transformers {_version('transformers')},"
         f" vllm {_version('vllm')}{stage_commits(commits)}",
-        f"- machine: {os.cpu_count()} CPU cores, {platform.machine()}, no GPU",
+        f"- machine: {machine(run_provenance(run))}",
         f"- data: {recipe.data.generate.num_conversations} self-generated conversations, {budget(recipe)}",
         "",
         "## Training (held-out conversations)",

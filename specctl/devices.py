@@ -59,13 +59,19 @@ def vllm_dtype(dtype: str, device: torch.device) -> str | None:
     return dtype
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX tiles (what oneDNN's bf16 matmuls use), as PyTorch reports them."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+def cpu_bf16_kind() -> str | None:
+    """The CPU's bf16 matmul instructions as PyTorch reports them: "amx" (tiles), "avx512_bf16",
+    or None (emulated). Reports record it: a CPU speedup depends on which (docs/performance.md)."""
+    checks = (("amx", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported"))
     try:
-        return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+        return next((kind for kind, name in checks if getattr(torch.cpu, name, lambda: False)()), None)
     except RuntimeError:  # a PyTorch built without the CPU capability probes
-        return False
+        return None
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX tiles (what oneDNN's bf16 matmuls use)."""
+    return cpu_bf16_kind() is not None
 
 
 def native_bf16(device: torch.device) -> bool:

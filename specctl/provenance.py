@@ -77,10 +77,12 @@ def provenance(
     recipe_yaml: str | None = None, server: dict[str, Any] | None = None, engine: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The `provenance` block of a report: package versions, specctl's git commit (when run from
-    a checkout), CPU and GPU model and count, a UTC timestamp, the resolved recipe's sha256 (None
-    without a recipe), for a remote server what it said about itself, and for the embedded engine
-    the dtype and matmul kernel it ran (speedups on a CPU depend on both: docs/performance.md)."""
+    a checkout), CPU and GPU model and count, the CPU's bf16 instructions, a UTC timestamp, the
+    resolved recipe's sha256 (None without a recipe), for a remote server what it said about
+    itself, and for the embedded engine the dtype and matmul kernel it ran (speedups on a CPU
+    depend on both: docs/performance.md)."""
     import specctl
+    from specctl.devices import cpu_bf16_kind  # torch, which gpus() loads anyway
 
     commit, dirty = git_state(Path(specctl.__file__).resolve().parent)
     gpu, gpu_count = gpus()
@@ -94,6 +96,7 @@ def provenance(
         "git_dirty": dirty,
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_bf16": cpu_bf16_kind(),
         "gpu": gpu,
         "gpu_count": gpu_count,
         "timestamp": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -904,6 +904,7 @@ def test_report_records_provenance(tmp_path, tiny_verifier_dir, fake_engine):
     assert p["versions"]["torch"] == torch.__version__
     assert re.fullmatch(r"[0-9a-f]{40}", p["git_commit"])  # the tests run from a checkout
     assert p["cpu"] and p["cpu_count"] >= 1 and p["gpu_count"] == torch.cuda.device_count()
+    assert p["cpu_bf16"] in ("amx", "avx512_bf16", None)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", p["timestamp"])
     assert p["recipe_sha256"] == hashlib.sha256(dump_recipe(recipe).encode()).hexdigest()
     assert p["server"] is None
@@ -916,6 +917,8 @@ def test_report_records_provenance(tmp_path, tiny_verifier_dir, fake_engine):
     assert len(line) == 1 and f"recipe sha256 {p['recipe_sha256'][:12]}" in line[0]
     assert f"engine float32, {kernel} matmuls" in line[0]
     assert f"specctl {p['versions']['specctl']}" in line[0] and p["git_commit"][:12] in line[0]
+    bf16 = {"amx": "AMX bf16", "avx512_bf16": "AVX512-BF16, no AMX", None: "bf16 emulated"}[p["cpu_bf16"]]
+    assert f"{p['cpu_count']}x {p['cpu']} ({bf16})" in line[0]
 
 
 @fault(stage="bench", fault="Ctrl-C mid-benchmark", result="exit 130 with a partial report marked INCOMPLETE")

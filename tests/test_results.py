@@ -151,6 +151,7 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     report["results"].append(cut)
     report["sweep"] = {"points": [report["results"][0], fixed, cut]}
     report["provenance"] = {"git_commit": "0123456789abcdef" * 2 + "01234567", "git_dirty": True}
+    report["provenance"] |= {"cpu": "Some CPU", "cpu_count": 96, "cpu_bf16": "amx", "gpu": None}
     (run / "bench" / "report.json").write_text(json.dumps(report))
     (run / "bench" / "acceptance.png").write_bytes(b"png")
     log = [{"stage": "train dflash", "command": ["specctl", "train", "r.yaml"], "wall_s": 60.0, "rc": 0}] * 2
@@ -162,6 +163,7 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     assert "| dflash | 1.50 | 1.20x | - | - |" in page  # per category, a missing one shown as -
     assert recipe_hash(resolve_recipe_path("results.yaml")) in page
     assert "- commit: `0123456+dirty` (page rendered at `" in page  # the run's commit, not the page's
+    assert "- machine: 96x Some CPU (AMX bf16), no GPU" in page  # the run's machine, not the renderer's
     assert (doc.parent / "results" / "acceptance-bench.png").read_bytes() == b"png"
     # learning curves: one column per token count any drafter was validated at
     assert "| drafter | 0.02M | 0.03M | 0.04M |" in page
@@ -190,7 +192,7 @@ def test_a_bench_stage_rerun_at_another_commit_says_so(recipe, tmp_path):
     (run / "bench-vllm" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
     page = render(resolve_recipe_path("results.yaml"), recipe, doc)
     vllm = page[page.index("## vLLM") :]
-    assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC)" in vllm
+    assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC, no GPU)" in vllm
     assert "Measured later" not in page[: page.index("## vLLM")]
     # the same commit on another kind of machine (a run resumed in another session) says so too
     (run / "bench" / "report.json").write_text(
@@ -198,7 +200,7 @@ def test_a_bench_stage_rerun_at_another_commit_says_so(recipe, tmp_path):
     )
     (run / "bench-vllm" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
     page = render(resolve_recipe_path("results.yaml"), recipe, doc)
-    assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC)" in page
+    assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC, no GPU)" in page
     (run / "bench" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
     assert "Measured later" not in render(resolve_recipe_path("results.yaml"), recipe, doc)
 

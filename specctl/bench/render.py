@@ -267,6 +267,17 @@ def rich_latency(report: BenchReport | dict[str, Any]):
     return table
 
 
+BF16_KINDS = {"amx": "AMX bf16", "avx512_bf16": "AVX512-BF16, no AMX", None: "bf16 emulated"}
+
+
+def hardware(p: dict[str, Any]) -> str:
+    """A provenance's machine: "2x AMD EPYC (AVX512-BF16, no AMX), no GPU" (the bf16 part only
+    where the report recorded it, since 2026-12-04)."""
+    bf16 = f" ({BF16_KINDS.get(p['cpu_bf16'], p['cpu_bf16'])})" if "cpu_bf16" in p else ""
+    gpus = f"{p['gpu_count']}x {p['gpu']}" if p.get("gpu_count") else "no GPU"
+    return f"{p.get('cpu_count', '?')}x {p.get('cpu', '?')}{bf16}, {gpus}"
+
+
 def provenance_line(d: dict[str, Any]) -> str | None:
     """report.json's provenance in one line: versions, commit, hardware, time, recipe hash."""
     p = d.get("provenance")
@@ -276,8 +287,7 @@ def provenance_line(d: dict[str, Any]) -> str | None:
     commit = (
         f" ({p['git_commit'][:12]}{'+dirty' if p.get('git_dirty') else ''})" if p.get("git_commit") else ""
     )
-    gpus = f"{p['gpu_count']}x {p['gpu']}" if p.get("gpu_count") else "no GPU"
-    parts = [f"{versions}{commit}", f"{p['cpu_count']}x {p['cpu']}, {gpus}", p["timestamp"]]
+    parts = [f"{versions}{commit}", hardware(p), p["timestamp"]]
     if p.get("recipe_sha256"):
         parts.append(f"recipe sha256 {p['recipe_sha256'][:12]}")
     server = p.get("server")
