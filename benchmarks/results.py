@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from statistics import median
@@ -36,7 +36,7 @@ from specctl.bench.render import hardware, k_cell, passes, rates
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
 from specctl.durable import write_atomic
-from specctl.provenance import cpu_model, git_state
+from specctl.provenance import cpu_model, git_state, provenance
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
 DEFAULT_RECIPE = "results.yaml"
@@ -136,17 +136,18 @@ def bench_is_current(out_dir: Path, exports: Any) -> bool:
 
 
 def run_stages(todo: list[Stage], log_path: Path) -> None:
-    """Run each stage not yet done; record its command, the commit it ran at and its wall time
-    (one entry per invocation: the page sums them and names every commit)."""
+    """Run each stage not yet done; record its command, the commit and machine it ran at and its
+    wall time (one entry per invocation: the page sums them and names every commit and machine)."""
     log = json.loads(log_path.read_text()) if log_path.exists() else []
     commit = _short(*git_state(Path(__file__).resolve().parent))
+    here = hardware(provenance())  # a run resumed in another session may land on another machine
     for stage in todo:
         command = [sys.executable, "-m", "specctl", *stage.args]
         if stage.current():
             print(f"== {stage.name}: done, reused", flush=True)
             continue
         print(f"== {stage.name}: {' '.join(['specctl', *stage.args])}", flush=True)
-        entry = {"stage": stage.name, "command": ["specctl", *stage.args], "commit": commit}
+        entry = {"stage": stage.name, "command": ["specctl", *stage.args], "commit": commit, "machine": here}
         log.append(entry)
         code = run_logged(command, entry, log, log_path)
         if code != 0:
@@ -477,14 +478,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
     """docs/results.md from the run's files; figures are copied next to the page."""
     run = recipe.run_dir
     log_path = run / "results-stages.json"
-    log = json.loads(log_path.read_text()) if log_path.exists() else []
-    walls: dict[str, float] = {}
-    commits: dict[str, list[str | None]] = {}  # per stage, each commit it ran at, in order
-    for entry in log:
-        walls[entry["stage"]] = walls.get(entry["stage"], 0.0) + entry.get("wall_s", 0.0)
-        ran_at = commits.setdefault(entry["stage"], [])
-        if entry.get("commit") not in ran_at:
-            ran_at.append(entry.get("commit"))
+    times = stage_times(json.loads(log_path.read_text()) if log_path.exists() else [])
     out = [
         "# Results: four parallel drafters vs EAGLE-3 on SmolLM2-135M-Instruct",
         "",
@@ -494,8 +488,8 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "",
         f"- recipe: `{recipe_path.name}` (sha256 `{recipe_hash(recipe_path)}`, with the files it extends)",
         f"- commit: {run_commit(run)}; torch {_version('torch')}, transformers {_version('transformers')},"
-        f" vllm {_version('vllm')}{stage_commits(commits)}",
-        f"- machine: {machine(run_provenance(run))}",
+        f" vllm {_version('vllm')}{stage_commits(times.commits)}",
+        f"- machine: {machine(run_provenance(run))}{stage_machines(times.machines)}",
         f"- data: {recipe.data.generate.num_conversations} self-generated conversations, {budget(recipe)}",
         "",
         "## Training (held-out conversations)",
@@ -507,7 +501,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         tau = f"{row['tau_hat']:.3f}" if row["tau_hat"] is not None else "-"
         acc = rates(row["val_acc"])
         tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
-        wall = walls.get(f"train {row['algo']}")
+        wall = times.walls.get(f"train {row['algo']}")
         out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
     figures = doc.parent / "results"
     out += curves_section(run, figures)
@@ -539,15 +533,7 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
             shutil.copyfile(png, figures / f"acceptance-{name}.png")
             out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
     out += draft_length_section(run)
-    out += ["", "## How it was made", "", "| stage | command | commit | wall |", "|---|---|---|---|"]
-    seen = set()
-    for entry in log:
-        if entry["stage"] in seen:
-            continue
-        seen.add(entry["stage"])
-        stage = entry["stage"]
-        ran_at = _commit_list(commits[stage])
-        out.append(f"| {stage} | `{' '.join(entry['command'])}` | {ran_at} | {_minutes(walls[stage])} |")
+    out += made_section(times)
     out += [
         "",
         "Wall times are summed over the invocations of `make results` (a rerun that reuses a finished",
@@ -560,6 +546,56 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+@dataclass
+class StageTimes:
+    """The stage log (one entry per invocation) per stage, in order of first run: wall summed,
+    each commit and machine it ran at (None: logged before entries carried one)."""
+
+    commands: dict[str, list[str]] = field(default_factory=dict)  # the first invocation's
+    walls: dict[str, float] = field(default_factory=dict)
+    commits: dict[str, list[str | None]] = field(default_factory=dict)
+    machines: dict[str, list[str | None]] = field(default_factory=dict)
+
+
+def stage_times(log: list[dict[str, Any]]) -> StageTimes:
+    times = StageTimes()
+    for entry in log:
+        stage = entry["stage"]
+        times.commands.setdefault(stage, entry["command"])
+        times.walls[stage] = times.walls.get(stage, 0.0) + entry.get("wall_s", 0.0)
+        for seen, key in ((times.commits, "commit"), (times.machines, "machine")):
+            ran = seen.setdefault(stage, [])
+            if entry.get(key) not in ran:
+                ran.append(entry.get(key))
+    return times
+
+
+def _distinct_machines(machines: dict[str, list[str | None]]) -> list[str]:
+    return list(dict.fromkeys(m for ran_on in machines.values() for m in ran_on if m is not None))
+
+
+def stage_machines(machines: dict[str, list[str | None]]) -> str:
+    """The header's word when the stages ran on more than one machine (a run resumed in another
+    session): its training walls and bench figures may then come from different CPUs."""
+    distinct = _distinct_machines(machines)
+    return "" if len(distinct) < 2 else "; its stages ran on " + "; ".join(distinct) + " (How it was made)"
+
+
+def made_section(times: StageTimes) -> list[str]:
+    """How it was made: each stage's command, commits and summed wall; a machine column when the
+    stages ran on more than one."""
+    by_machine = len(_distinct_machines(times.machines)) > 1
+    head = "| stage | command | commit | wall |" + (" machine |" if by_machine else "")
+    out = ["", "## How it was made", "", head, "|---|---|---|---|" + ("---|" if by_machine else "")]
+    for stage, command in times.commands.items():
+        ran_at, wall = _commit_list(times.commits[stage]), _minutes(times.walls[stage])
+        row = f"| {stage} | `{' '.join(command)}` | {ran_at} | {wall} |"
+        if by_machine:
+            row += " " + ("; ".join(m or "not recorded" for m in times.machines[stage])) + " |"
+        out.append(row)
+    return out
 
 
 def _minutes(seconds: float | None) -> str:

@@ -9,8 +9,19 @@ import sys
 import pytest
 
 import benchmarks.results as results_mod
-from benchmarks.results import bench_is_current, budget, recipe_hash, render, run_logged, stages
+from benchmarks.results import (
+    Stage,
+    bench_is_current,
+    budget,
+    recipe_hash,
+    render,
+    run_logged,
+    run_stages,
+    stages,
+)
+from specctl.bench.render import hardware
 from specctl.drafters import DRAFTERS
+from specctl.provenance import provenance
 from specctl.recipe import load_recipe, resolve_recipe_path
 
 
@@ -292,6 +303,16 @@ def test_a_running_stage_keeps_its_wall_time_in_the_log(tmp_path, monkeypatch):
     assert json.loads(log_path.read_text())[1]["rc"] == 4
 
 
+def test_each_invocation_records_the_commit_and_machine_it_ran_on(tmp_path):
+    """A run can span sessions, and so machines: every stage entry says where it ran."""
+    log_path = tmp_path / "results-stages.json"
+    run_stages([Stage("collect", ["--help"]), Stage("export", ["--help"], lambda: True)], log_path)
+    (entry,) = json.loads(log_path.read_text())  # export was current: reused, not logged
+    assert entry["stage"] == "collect" and entry["rc"] == 0 and entry["command"] == ["specctl", "--help"]
+    assert entry["machine"] == hardware(provenance()) != hardware({})  # the CPU's model and count, known
+    assert entry["commit"] and entry["commit"] != "unknown"  # the tests run from a checkout
+
+
 def test_a_run_resumed_at_another_commit_names_both(recipe, tmp_path):
     """Walls are summed over invocations; the commits each stage ran at are listed, and the
     header says the run spans commits."""
@@ -314,15 +335,21 @@ def test_a_run_resumed_at_another_commit_names_both(recipe, tmp_path):
         {"stage": "train peagle", "command": ["specctl", "train", "r.yaml", "--resume"], "commit": "bbbbbbb"}
         | {"wall_s": 60.0, "rc": 0},
     ]
+    log[1]["machine"], log[2]["machine"] = "2x A (AMX bf16), no GPU", "2x B (bf16 emulated), no GPU"
     (run / "results-stages.json").write_text(json.dumps(log))
     page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
     assert "| collect | `specctl collect-hidden-states r.yaml` | an unrecorded commit | 10.0 min |" in page
     assert "its stages ran at `aaaaaaa`, `bbbbbbb`, an unrecorded commit (How it was made)" in page
     assert "| train peagle | `specctl train r.yaml` | `aaaaaaa`, `bbbbbbb` | 3.0 min |" in page
+    # two machines: the header says so and each stage names where it ran (old entries: not recorded)
+    assert "its stages ran on 2x A (AMX bf16), no GPU; 2x B (bf16 emulated), no GPU (How it was made)" in page
+    assert "| 3.0 min | 2x A (AMX bf16), no GPU; 2x B (bf16 emulated), no GPU |" in page
+    assert "| 10.0 min | not recorded |" in page
     log[2]["commit"] = "aaaaaaa"
+    log[2]["machine"] = log[1]["machine"]  # one machine: no machine column, no word in the header
     (run / "results-stages.json").write_text(json.dumps(log))
     page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
-    assert "| `aaaaaaa` | 3.0 min |" in page
+    assert "| `aaaaaaa` | 3.0 min |" in page and "ran on" not in page and "| not recorded |" not in page
     log[0]["commit"] = "aaaaaaa"  # every invocation at one commit: the header names none
     (run / "results-stages.json").write_text(json.dumps(log))
     page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
