@@ -229,7 +229,7 @@ def run_commit(run: Path) -> str:
 def stage_commits(commits: dict[str, list[str | None]]) -> str:
     """The header's word on the stages' commits when the run's invocations were not all at one:
     a run resumed across commits names them, so no figure is credited to code it did not run."""
-    distinct = list(dict.fromkeys(c for ran_at in commits.values() for c in ran_at))
+    distinct = _distinct(commits, keep_none=True)
     if len(distinct) < 2:
         return ""
     return "; its stages ran at " + _commit_list(distinct) + " (How it was made)"
@@ -572,21 +572,22 @@ def stage_times(log: list[dict[str, Any]]) -> StageTimes:
     return times
 
 
-def _distinct_machines(machines: dict[str, list[str | None]]) -> list[str]:
-    return list(dict.fromkeys(m for ran_on in machines.values() for m in ran_on if m is not None))
+def _distinct(per_stage: dict[str, list[str | None]], keep_none: bool = False) -> list[str | None]:
+    """Every value the stages ran at / on, once, in order (None = not recorded, kept if asked)."""
+    return list(dict.fromkeys(v for vals in per_stage.values() for v in vals if keep_none or v is not None))
 
 
 def stage_machines(machines: dict[str, list[str | None]]) -> str:
     """The header's word when the stages ran on more than one machine (a run resumed in another
     session): its training walls and bench figures may then come from different CPUs."""
-    distinct = _distinct_machines(machines)
+    distinct = _distinct(machines)
     return "" if len(distinct) < 2 else "; its stages ran on " + "; ".join(distinct) + " (How it was made)"
 
 
 def made_section(times: StageTimes) -> list[str]:
     """How it was made: each stage's command, commits and summed wall; a machine column when the
     stages ran on more than one."""
-    by_machine = len(_distinct_machines(times.machines)) > 1
+    by_machine = len(_distinct(times.machines)) > 1
     head = "| stage | command | commit | wall |" + (" machine |" if by_machine else "")
     out = ["", "## How it was made", "", head, "|---|---|---|---|" + ("---|" if by_machine else "")]
     for stage, command in times.commands.items():
