@@ -74,6 +74,9 @@ class Stage:
     args: list[str]  # after `python -m specctl`
     # asked when the stage's turn comes (after the stages before it ran): its output is there
     current: Callable[[], bool] = lambda: False
+    # the stage starts its output over (a bench, an export, a training without --resume), so the
+    # time of its earlier invocations no longer describes what the page shows
+    fresh: bool = True
 
 
 def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
@@ -81,10 +84,12 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
     benches are skipped when their turn comes if what they would write is current."""
     run = recipe.run_dir
     exports = {algo: run / "drafters" / algo / "export" for algo in DRAFTERS}
-    out = [Stage("collect", ["collect-hidden-states", recipe_arg])]
+    out = [Stage("collect", ["collect-hidden-states", recipe_arg], fresh=False)]  # resumes by itself
     for algo in DRAFTERS:
         resume = ["--resume"] if (run / "drafters" / algo / "checkpoints" / "latest").exists() else []
-        out.append(Stage(f"train {algo}", ["train", recipe_arg, "--algo", algo, *resume]))
+        if resume:
+            refuse_stale_training(run, recipe, algo)
+        out.append(Stage(f"train {algo}", ["train", recipe_arg, "--algo", algo, *resume], fresh=not resume))
     out.append(Stage("export", ["export", str(run)], partial(export_is_current, run)))
     baseline = ["--baseline", str(exports[BASELINE])]
     benches = [("bench embedded", [recipe_arg, *baseline], run / "bench")]
@@ -111,6 +116,32 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
         command = ["bench", *args, "--output", str(out_dir)]
         out.append(Stage(name, command, partial(bench_is_current, out_dir, list(exports.values()))))
     return out
+
+
+# Training settings that change neither the weights nor the learning curve: a run may resume with
+# them changed. Any other difference means the drafter was not trained as the recipe now says.
+BOOKKEEPING = {"per_algo", "save_every", "log_every", "keep_checkpoints", "report_to"}
+
+
+def refuse_stale_training(run: Path, recipe: Recipe, algo: str) -> None:
+    """Stop before anything runs when `algo`'s checkpoint was trained with other settings than the
+    recipe gives it now (e.g. more steps): resuming would extend it on another schedule than a clean
+    run of the recipe, and the page would state a budget the drafter was not trained on."""
+    from specctl.checkpoint import latest_checkpoint, saved_recipe
+    from specctl.recipe import config_diff
+
+    checkpoint = latest_checkpoint(run / "drafters" / algo / "checkpoints")
+    if checkpoint is None:
+        return
+    before = saved_recipe(checkpoint).train.for_algo(algo).model_dump(mode="json", exclude=BOOKKEEPING)
+    now = recipe.train.for_algo(algo).model_dump(mode="json", exclude=BOOKKEEPING)
+    if before != now:
+        old = run / "drafters" / algo
+        raise SystemExit(
+            f"results: {old} was trained with other settings than the recipe gives {algo} now "
+            f"(train: {config_diff(before, now)}); move it away (`mv {old} {run}/{algo}-before`) and "
+            "rerun `make results` to train it as the recipe says"
+        )
 
 
 def export_is_current(run: Path) -> bool:
@@ -148,6 +179,7 @@ def run_stages(todo: list[Stage], log_path: Path) -> None:
             continue
         print(f"== {stage.name}: {' '.join(['specctl', *stage.args])}", flush=True)
         entry = {"stage": stage.name, "command": ["specctl", *stage.args], "commit": commit, "machine": here}
+        entry["fresh"] = stage.fresh
         log.append(entry)
         code = run_logged(command, entry, log, log_path)
         if code != 0:
@@ -536,9 +568,10 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
     out += made_section(times)
     out += [
         "",
-        "Wall times are summed over the invocations of `make results` (a rerun that reuses a finished",
+        "Wall times are summed over the invocations of `make results` since the stage last started",
+        "over (a bench, the export, a training without `--resume`): a rerun that reuses a finished",
         "stage adds only its start-up; one stopped mid-stage keeps the time it ran, and the rerun",
-        "resumes the stage from its last checkpoint). Bench speedups are against plain decoding",
+        "resumes the stage from its last checkpoint. Bench speedups are against plain decoding",
         "measured in the same run; `= plain` counts prompts whose greedy output ids equal plain",
         "decoding's. The embedded engine runs transformers' forward (F.linear) for plain decoding,",
         "verification and drafting alike; how much its speedups depend on that kernel is measured in",
@@ -551,7 +584,9 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
 @dataclass
 class StageTimes:
     """The stage log (one entry per invocation) per stage, in order of first run: wall summed,
-    each commit and machine it ran at (None: logged before entries carried one)."""
+    each commit and machine it ran at (None: logged before entries carried one), counted from the
+    stage's last fresh start (an entry without `fresh` was logged before entries carried it: it
+    continues the stage, as every invocation was then counted)."""
 
     commands: dict[str, list[str]] = field(default_factory=dict)  # the first invocation's
     walls: dict[str, float] = field(default_factory=dict)
@@ -563,6 +598,9 @@ def stage_times(log: list[dict[str, Any]]) -> StageTimes:
     times = StageTimes()
     for entry in log:
         stage = entry["stage"]
+        if entry.get("fresh"):  # what the earlier invocations made was replaced
+            for per_stage in (times.commands, times.walls, times.commits, times.machines):
+                per_stage.pop(stage, None)
         times.commands.setdefault(stage, entry["command"])
         times.walls[stage] = times.walls.get(stage, 0.0) + entry.get("wall_s", 0.0)
         for seen, key in ((times.commits, "commit"), (times.machines, "machine")):

@@ -354,3 +354,60 @@ def test_a_run_resumed_at_another_commit_names_both(recipe, tmp_path):
     (run / "results-stages.json").write_text(json.dumps(log))
     page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
     assert "its stages ran at" not in page
+
+
+def _checkpoint(run, algo: str, trained_with) -> None:
+    """A complete checkpoint of `algo`, named `latest`, whose recipe.yaml is `trained_with`."""
+    from specctl.checkpoint import LATEST, RECIPE_FILE, REQUIRED
+    from specctl.recipe import dump_recipe
+
+    root = run / "drafters" / algo / "checkpoints"
+    (root / "step-100").mkdir(parents=True)
+    for name in REQUIRED:
+        (root / "step-100" / name).write_text("")
+    (root / "step-100" / RECIPE_FILE).write_text(dump_recipe(trained_with))
+    (root / LATEST).write_text("step-100")
+
+
+def _with_train(recipe, algo: str, **settings):
+    """`recipe` as it would have been had `algo` trained with `settings` changed."""
+    train = recipe.train
+    per_algo = {**train.per_algo, algo: train.for_algo(algo).model_copy(update=settings)}
+    return recipe.model_copy(update={"train": train.model_copy(update={"per_algo": per_algo})})
+
+
+def test_a_drafter_trained_with_other_settings_is_not_extended_but_refused(recipe):
+    """More steps in the recipe must not resume the old run on a new schedule (the page would
+    state a budget it was not trained on): stop before any stage, say what changed and what to do."""
+    run = recipe.run_dir
+    _checkpoint(run, "eagle3", _with_train(recipe, "eagle3", save_every=7, report_to="none"))
+    plan = {s.name: s for s in stages("r.yaml", recipe, has_vllm=False)}  # bookkeeping only: resumes
+    assert plan["train eagle3"].args[-1] == "--resume" and not plan["train eagle3"].fresh
+    assert plan["train dflash"].fresh and not plan["collect"].fresh and plan["export"].fresh
+    _checkpoint(run, "dflash", _with_train(recipe, "dflash", max_steps=9))
+    with pytest.raises(SystemExit) as stop:
+        stages("r.yaml", recipe, has_vllm=False)
+    msg, steps = str(stop.value), recipe.train.for_algo("dflash").max_steps
+    assert "drafters/dflash" in msg and f"max_steps: 9 -> {steps}" in msg and "mv " in msg
+    assert "\n" not in msg
+
+
+def test_stage_walls_count_from_the_stages_last_fresh_start(recipe, tmp_path):
+    """A drafter retrained from scratch, or a bench measured again, replaces what the earlier
+    invocations made: their time and commits leave the page; resumed invocations add up."""
+    from benchmarks.results import stage_times
+
+    log = [
+        {"stage": "collect", "command": ["specctl", "collect"], "wall_s": 600.0},  # before `fresh`
+        {"stage": "train dflash", "command": ["specctl", "train"], "commit": "aaaaaaa", "wall_s": 100.0},
+        {"stage": "collect", "command": ["specctl", "collect"], "commit": "bbbbbbb", "wall_s": 5.0}
+        | {"fresh": False},
+        {"stage": "train dflash", "command": ["specctl", "train"], "commit": "bbbbbbb", "wall_s": 80.0}
+        | {"fresh": True},
+        {"stage": "train dflash", "command": ["specctl", "train", "--resume"], "commit": "ccccccc"}
+        | {"wall_s": 40.0, "fresh": False},
+    ]
+    times = stage_times(log)
+    assert times.walls == {"collect": 605.0, "train dflash": 120.0}
+    assert times.commits == {"collect": [None, "bbbbbbb"], "train dflash": ["bbbbbbb", "ccccccc"]}
+    assert list(times.commands) == ["collect", "train dflash"]
