@@ -598,8 +598,9 @@ def stage_times(log: list[dict[str, Any]]) -> StageTimes:
     times = StageTimes()
     for entry in log:
         stage = entry["stage"]
-        if entry.get("fresh"):  # what the earlier invocations made was replaced
-            for per_stage in (times.commands, times.walls, times.commits, times.machines):
+        if entry.get("fresh"):  # what the earlier invocations made was replaced; the row keeps its place
+            times.commands[stage] = entry["command"]
+            for per_stage in (times.walls, times.commits, times.machines):
                 per_stage.pop(stage, None)
         times.commands.setdefault(stage, entry["command"])
         times.walls[stage] = times.walls.get(stage, 0.0) + entry.get("wall_s", 0.0)

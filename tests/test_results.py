@@ -400,6 +400,7 @@ def test_stage_walls_count_from_the_stages_last_fresh_start(recipe, tmp_path):
     log = [
         {"stage": "collect", "command": ["specctl", "collect"], "wall_s": 600.0},  # before `fresh`
         {"stage": "train dflash", "command": ["specctl", "train"], "commit": "aaaaaaa", "wall_s": 100.0},
+        {"stage": "train eagle3", "command": ["specctl", "train"], "commit": "aaaaaaa", "wall_s": 90.0},
         {"stage": "collect", "command": ["specctl", "collect"], "commit": "bbbbbbb", "wall_s": 5.0}
         | {"fresh": False},
         {"stage": "train dflash", "command": ["specctl", "train"], "commit": "bbbbbbb", "wall_s": 80.0}
@@ -408,6 +409,7 @@ def test_stage_walls_count_from_the_stages_last_fresh_start(recipe, tmp_path):
         | {"wall_s": 40.0, "fresh": False},
     ]
     times = stage_times(log)
-    assert times.walls == {"collect": 605.0, "train dflash": 120.0}
-    assert times.commits == {"collect": [None, "bbbbbbb"], "train dflash": ["bbbbbbb", "ccccccc"]}
-    assert list(times.commands) == ["collect", "train dflash"]
+    assert times.walls == {"collect": 605.0, "train dflash": 120.0, "train eagle3": 90.0}
+    assert times.commits["collect"] == [None, "bbbbbbb"]
+    assert times.commits["train dflash"] == ["bbbbbbb", "ccccccc"]
+    assert list(times.commands) == ["collect", "train dflash", "train eagle3"]  # the pipeline's order
