@@ -588,7 +588,7 @@ class StageTimes:
     stage's last fresh start (an entry without `fresh` was logged before entries carried it: it
     continues the stage, as every invocation was then counted)."""
 
-    commands: dict[str, list[str]] = field(default_factory=dict)  # the first invocation's
+    commands: dict[str, list[str]] = field(default_factory=dict)  # the first counted invocation's
     walls: dict[str, float] = field(default_factory=dict)
     commits: dict[str, list[str | None]] = field(default_factory=dict)
     machines: dict[str, list[str | None]] = field(default_factory=dict)

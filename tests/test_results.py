@@ -392,7 +392,7 @@ def test_a_drafter_trained_with_other_settings_is_not_extended_but_refused(recip
     assert "\n" not in msg
 
 
-def test_stage_walls_count_from_the_stages_last_fresh_start(recipe, tmp_path):
+def test_stage_walls_count_from_the_stages_last_fresh_start():
     """A drafter retrained from scratch, or a bench measured again, replaces what the earlier
     invocations made: their time and commits leave the page; resumed invocations add up."""
     from benchmarks.results import stage_times
