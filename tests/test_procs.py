@@ -49,11 +49,17 @@ STAND_IN = textwrap.dedent(
 )
 
 
+def _stand_in_env(tmp_path: Path) -> dict[str, str]:
+    """specctl importable; its temp files (the group's socket directory, which a kill -9 of specctl
+    leaves behind) under the test's own directory."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return env | {"TMPDIR": str(tmp_path)}
+
+
 def start_stand_in(tmp_path: Path) -> tuple[subprocess.Popen, ProcessTree, str]:
     """The stand-in specctl with GROUP running below it; its tree and the segment's name."""
     log = tmp_path / "group.log"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, GROUP, str(log)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, GROUP, str(log)], env=_stand_in_env(tmp_path))
     tree = ProcessTree(proc.pid)
     deadline = time.monotonic() + 60
     while "up" not in (log.read_text() if log.exists() else ""):
@@ -101,8 +107,7 @@ def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path):
 def test_leader_dies_with_specctl_even_without_the_watchdog(tmp_path):
     code = "import time; print('up', 'x', flush=True); time.sleep(600)"  # SIGTERM ends it
     log = tmp_path / "group.log"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, code, str(log)], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, code, str(log)], env=_stand_in_env(tmp_path))
     tree = ProcessTree(proc.pid)
     try:
         deadline = time.monotonic() + 60
@@ -142,3 +147,38 @@ def test_a_logging_level_the_user_set_reaches_process_and_children(monkeypatch):
     procs.quiet_vllm_import()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
     assert procs.vllm_env(cpu=False)["VLLM_LOGGING_LEVEL"] == "WARNING"
+
+
+def test_the_sockets_a_killed_group_leaves_go_with_it(tmp_path, monkeypatch):
+    """vLLM unlinks its IPC socket files only in a graceful shutdown, which a group stopped at once
+    never runs: they must live in a directory of the group's own, removed with it."""
+    from specctl.procs import SOCKET_DIR_VAR, process_group
+
+    child = textwrap.dedent(
+        """
+        import os, socket, sys, time
+        path = os.path.join(os.environ[sys.argv[2]], "engine.sock")
+        s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen()
+        open(sys.argv[1], "w").write(path)
+        time.sleep(60)
+        """
+    )
+    said = tmp_path / "path"
+    monkeypatch.delenv(SOCKET_DIR_VAR, raising=False)
+    with process_group([sys.executable, "-c", child, str(said), SOCKET_DIR_VAR], tmp_path / "log"):
+        deadline = time.monotonic() + 30
+        while not (said.exists() and said.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        bound = Path(said.read_text())
+        assert bound.is_socket() and bound.parent != Path(os.environ.get("TMPDIR", "/tmp"))
+    assert not bound.exists() and not bound.parent.exists()
+
+    mine = tmp_path / "mine"  # a directory the user named is theirs: used, and left alone
+    mine.mkdir()
+    said.unlink()
+    monkeypatch.setenv(SOCKET_DIR_VAR, str(mine))
+    with process_group([sys.executable, "-c", child, str(said), SOCKET_DIR_VAR], tmp_path / "log"):
+        while not (said.exists() and said.read_text()) and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        assert Path(said.read_text()) == mine / "engine.sock"
+    assert mine.is_dir()
