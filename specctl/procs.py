@@ -264,7 +264,7 @@ class _Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
-        self._groups: dict[int, int] = {}  # pgid -> leader start time
+        self._groups: dict[int, str] = {}  # pgid -> "LEADER_START [DIR]" as the watchdog reads it
 
     def _send(self, line: str) -> None:
         for attempt in range(2):
@@ -284,10 +284,11 @@ class _Watchdog:
                 if attempt:
                     raise
 
-    def watch(self, pgid: int, leader_start: int) -> None:
+    def watch(self, pgid: int, leader_start: int, directory: str | None = None) -> None:
+        """Record a group; `directory` is removed once the watchdog has stopped it."""
         with self._lock:
-            self._groups[pgid] = leader_start
-            self._send(f"watch {pgid} {leader_start}\n")
+            self._groups[pgid] = f"{leader_start} {directory}" if directory else str(leader_start)
+            self._send(f"watch {pgid} {self._groups[pgid]}\n")
 
     def forget(self, pgid: int) -> None:
         with self._lock:
@@ -346,8 +347,7 @@ def process_group(
     graceful shutdown, which frees nothing the kill does not (memory, ports; the tracker frees the
     shared memory) and took 10 s per engine (its worker and engine-core waits). After a Ctrl-C
     the group gets INTERRUPT_GRACE_S of SIGTERM first, as the watchdog gives it. The sockets the
-    children leave (SOCKET_DIR_VAR) go with the group; after a kill -9 of specctl their directory
-    stays, empty of anything alive."""
+    children leave (SOCKET_DIR_VAR) go with the group, removed by the watchdog if specctl dies."""
     env = dict(os.environ if env is None else env)
     sockets = None if SOCKET_DIR_VAR in env else tempfile.mkdtemp(prefix="specctl-ipc-")
     if sockets is not None:
@@ -359,7 +359,7 @@ def process_group(
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "wb") as log:
                 proc = _start(command, log, env, pass_fds)
-        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0)
+        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0, sockets)
     interrupted = False
     try:
         held.redeliver()

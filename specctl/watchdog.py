@@ -12,11 +12,12 @@ starts in milliseconds and cannot pick up another copy of specctl):
   (same pid; the setting survives exec but not fork, so it covers the group leader only). procs
   forks from one long-lived thread, so the signal means "specctl is gone", never "a worker thread
   finished". A parent that died before the prctl is caught by the getppid() check after it.
-- `watch` (the watchdog, one per specctl process while any child runs): reads "watch PGID START" /
-  "forget PGID" lines on its stdin, a pipe whose write end only specctl holds. At EOF, or when its
+- `watch` (the watchdog, one per specctl process while any child runs): reads "watch PGID START
+  [DIR]" / "forget PGID" lines on its stdin, a pipe whose write end only specctl holds. At EOF, or when its
   parent pid changes (a forked child of specctl may hold the write end open), specctl is gone: it
   SIGTERMs every recorded group, waits GRACE_S, SIGKILLs what is left (`kill_group`: vLLM's
-  resource tracker last, so the shared memory is unlinked) and exits. A group id
+  resource tracker last, so the shared memory is unlinked), removes each group's DIR (the
+  directory of the sockets its killed processes cannot unlink) and exits. A group id
   survives its leader's death and reparenting, so EngineCore and Worker (vLLM's children, in the
   leader's group) are reached after their parent died; a recorded group whose leader pid now
   belongs to another process (its start time differs) is gone already and is left alone.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import sys
 import time
@@ -141,8 +143,10 @@ def stop_groups(groups: dict[int, int], grace_s: float = GRACE_S) -> None:
 
 
 def watch(fd: int, parent: int) -> None:
-    """The watchdog's loop: record groups until specctl is gone, then stop them."""
+    """The watchdog's loop: record groups until specctl is gone, then stop them and remove
+    their directories."""
     groups: dict[int, int] = {}
+    dirs: dict[int, str] = {}
     pending = b""
     while True:
         orphaned = os.getppid() != parent
@@ -157,12 +161,17 @@ def watch(fd: int, parent: int) -> None:
             break
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
-            words = line.decode().split()
-            if len(words) == 3 and words[0] == "watch":
+            words = line.decode().split(maxsplit=3)  # a DIR may hold spaces
+            if len(words) in (3, 4) and words[0] == "watch":
                 groups[int(words[1])] = int(words[2])
+                if len(words) == 4:
+                    dirs[int(words[1])] = words[3]
             elif len(words) == 2 and words[0] == "forget":
                 groups.pop(int(words[1]), None)
+                dirs.pop(int(words[1]), None)
     stop_groups(groups)
+    for path in dirs.values():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def exec_child(parent: int, argv: list[str]) -> None:

@@ -50,10 +50,11 @@ STAND_IN = textwrap.dedent(
 
 
 def _stand_in_env(tmp_path: Path) -> dict[str, str]:
-    """specctl importable; its temp files (the group's socket directory, which a kill -9 of specctl
-    leaves behind) under the test's own directory."""
+    """specctl importable; its temp dir (where the group's socket directory goes) the test's own,
+    with a space in its name as a user's may have."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return env | {"TMPDIR": str(tmp_path)}
+    (tmp_path / "temp dir").mkdir()
+    return env | {"TMPDIR": str(tmp_path / "temp dir")}
 
 
 def start_stand_in(tmp_path: Path) -> tuple[subprocess.Popen, ProcessTree, str]:
@@ -81,7 +82,8 @@ def _cleanup(proc: subprocess.Popen, tree: ProcessTree) -> None:
 @fault(
     stage="bench",
     fault="kill -9 of specctl while a group it started ignores SIGTERM (child, grandchild, shared memory)",
-    result="the watchdog kills the group after its grace period: nothing alive, the /dev/shm segment gone",
+    result="the watchdog kills the group after its grace period: nothing alive, the /dev/shm segment "
+    "and the group's socket directory gone",
 )
 def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path):
     proc, tree, segment = start_stand_in(tmp_path)
@@ -89,11 +91,13 @@ def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path):
         names = tree.living(include_root=False)
         assert len(names) >= 4, tree.alive()  # leader, its child, the resource tracker, the watchdog
         assert Path("/dev/shm", segment).exists()
+        (sockets,) = (tmp_path / "temp dir").glob("specctl-ipc-*")
         proc.send_signal(signal.SIGKILL)
         seconds = tree.wait_gone(15.0)
         assert not tree.living(), tree.alive()
         assert GRACE_S <= seconds < 15.0  # SIGTERM was ignored: SIGKILL after the grace period
         assert not Path("/dev/shm", segment).exists()  # the tracker outlived the rest and unlinked it
+        assert not sockets.exists()  # removed by the watchdog once the group was gone
     finally:
         _cleanup(proc, tree)
 
