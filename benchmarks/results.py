@@ -118,23 +118,17 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
     return out
 
 
-# Training settings that change neither the weights nor the learning curve: a run may resume with
-# them changed. Any other difference means the drafter was not trained as the recipe now says.
-BOOKKEEPING = {"per_algo", "save_every", "log_every", "keep_checkpoints", "report_to"}
-
-
 def refuse_stale_training(run: Path, recipe: Recipe, algo: str) -> None:
     """Stop before anything runs when `algo`'s checkpoint was trained with other settings than the
     recipe gives it now (e.g. more steps): resuming would extend it on another schedule than a clean
     run of the recipe, and the page would state a budget the drafter was not trained on."""
-    from specctl.checkpoint import latest_checkpoint, saved_recipe
+    from specctl.checkpoint import latest_checkpoint, saved_recipe, training_settings
     from specctl.recipe import config_diff
 
     checkpoint = latest_checkpoint(run / "drafters" / algo / "checkpoints")
     if checkpoint is None:
         return
-    before = saved_recipe(checkpoint).train.for_algo(algo).model_dump(mode="json", exclude=BOOKKEEPING)
-    now = recipe.train.for_algo(algo).model_dump(mode="json", exclude=BOOKKEEPING)
+    before, now = training_settings(saved_recipe(checkpoint), algo), training_settings(recipe, algo)
     if before != now:
         old = run / "drafters" / algo
         raise SystemExit(

@@ -163,6 +163,17 @@ def drafter_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
     return {"drafter": {algo: own, "draft_vocab_size": d.draft_vocab_size, "mask_token_id": d.mask_token_id}}
 
 
+# Training settings that change neither the weights nor the learning curve (cadence of saving and
+# logging, where metrics go); per_algo is applied by `for_algo`, not compared itself.
+BOOKKEEPING = frozenset({"per_algo", "save_every", "log_every", "keep_checkpoints", "report_to"})
+
+
+def training_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
+    """How the `algo` drafter is trained in a recipe (its `per_algo` entry applied), bookkeeping
+    aside: two runs with equal settings train the same weights on the same schedule."""
+    return recipe.train.for_algo(algo).model_dump(mode="json", exclude=set(BOOKKEEPING))
+
+
 def check_resumable(checkpoint: Path, recipe: Recipe) -> None:
     """Refuse to resume a checkpoint as a different drafter. Shapes alone do not catch it: a DFlash
     block of 8 and one of 4 have the same weights, so the run would go on training (and export) a
