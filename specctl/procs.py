@@ -284,7 +284,7 @@ class _Watchdog:
                 if attempt:
                     raise
 
-    def watch(self, pgid: int, leader_start: int, directory: str | None = None) -> None:
+    def watch(self, pgid: int, leader_start: int, directory: Path | None = None) -> None:
         """Record a group; `directory` is removed once the watchdog has stopped it."""
         with self._lock:
             self._groups[pgid] = f"{leader_start} {directory}" if directory else str(leader_start)
@@ -337,6 +337,7 @@ def process_group(
     log_path: Path | None,
     env: dict[str, str] | None = None,
     pass_fds: Sequence[int] = (),
+    group_dir: Path | None = None,
 ) -> Iterator[subprocess.Popen]:
     """Run `command` (an argument list, never a shell string) in its own process group, output to
     `log_path` (None: to specctl's stderr), `pass_fds` inherited; the group is stopped when the
@@ -347,11 +348,15 @@ def process_group(
     graceful shutdown, which frees nothing the kill does not (memory, ports; the tracker frees the
     shared memory) and took 10 s per engine (its worker and engine-core waits). After a Ctrl-C
     the group gets INTERRUPT_GRACE_S of SIGTERM first, as the watchdog gives it. The sockets the
-    children leave (SOCKET_DIR_VAR) go with the group, removed by the watchdog if specctl dies."""
+    children leave (SOCKET_DIR_VAR) go with the group, removed by the watchdog if specctl dies.
+
+    `group_dir`: a directory the caller made for this group (a socket it names in `command`), which
+    goes the same way; it also holds vLLM's sockets unless the user named a directory for them."""
     env = dict(os.environ if env is None else env)
-    sockets = None if SOCKET_DIR_VAR in env else tempfile.mkdtemp(prefix="specctl-ipc-")
-    if sockets is not None:
-        env[SOCKET_DIR_VAR] = sockets
+    if group_dir is None and SOCKET_DIR_VAR not in env:
+        group_dir = Path(tempfile.mkdtemp(prefix="specctl-ipc-"))
+    if group_dir is not None:
+        env.setdefault(SOCKET_DIR_VAR, str(group_dir))
     with _signals_held() as held:  # a Ctrl-C now would leave a child nobody stops
         if log_path is None:
             proc = _start(command, sys.stderr.fileno(), env, pass_fds)
@@ -359,7 +364,7 @@ def process_group(
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "wb") as log:
                 proc = _start(command, log, env, pass_fds)
-        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0, sockets)
+        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0, group_dir)
     interrupted = False
     try:
         held.redeliver()
@@ -370,8 +375,8 @@ def process_group(
     finally:
         late = stop_process_group(proc, INTERRUPT_GRACE_S if interrupted else 0.0)
         _WATCHDOG.forget(proc.pid)
-        if sockets is not None:  # the group is gone: nothing listens on them any more
-            shutil.rmtree(sockets, ignore_errors=True)
+        if group_dir is not None:  # the group is gone: nothing listens on its sockets any more
+            shutil.rmtree(group_dir, ignore_errors=True)
         if late and not interrupted:
             held.received = late
             held.redeliver()

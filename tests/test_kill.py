@@ -57,15 +57,19 @@ class Ended:
     ready_s: float  # seconds from start until vLLM was up
 
 
-def run_and_signal(cwd: Path, args: list[str], ready: Callable[[ProcessTree], bool], sig: int) -> Ended:
-    """Start `python -m specctl ARGS` in `cwd`, wait until `ready(tree)`, send `sig` to specctl only
-    (as `kill` or the OOM killer would: vLLM runs in process groups of its own), and wait until
-    every process recorded below it is gone."""
+def run_and_signal(
+    cwd: Path, args: list[str], ready: Callable[[ProcessTree], bool], sig: int, tmpdir: Path | None = None
+) -> Ended:
+    """Start `python -m specctl ARGS` in `cwd` (with TMPDIR=`tmpdir` if given), wait until
+    `ready(tree)`, send `sig` to specctl only (as `kill` or the OOM killer would: vLLM runs in
+    process groups of its own), and wait until every process recorded below it is gone."""
     stderr_path = cwd / f"stderr-{signal.Signals(sig).name}-{time.monotonic_ns()}.txt"
     with stderr_path.open("w") as err:
         # vLLM's INFO lines are what `ready()` reads: an earlier test in this process may have set
         # VLLM_LOGGING_LEVEL=WARNING (specctl does, before importing vLLM in-process)
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
+        if tmpdir is not None:
+            env["TMPDIR"] = str(tmpdir)
         proc = subprocess.Popen(
             [sys.executable, "-m", "specctl", *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err, env=env
         )
@@ -211,19 +215,24 @@ def test_kill_9_during_an_offline_bench(bench_dir):
 @fault(
     stage="data",
     fault="kill -9 of specctl while its vLLM data-generation worker writes self-generated conversations",
-    result="within 15 s no process specctl started is alive (checked by pid), the worker included",
+    result="within 15 s no process specctl started is alive (checked by pid), the worker included; "
+    "the worker's socket directory is gone",
 )
 def test_kill_9_during_vllm_data_generation(tmp_path):
     """The data stage's worker (`specctl.data.vllm_worker`, vLLM's offline engine inside) is
     started through the same process groups as the benches' engines: killing specctl must take it
-    down too, or it keeps both cores and its KV cache for the rest of the machine's life."""
+    down too, or it keeps both cores and its KV cache for the rest of the machine's life. The
+    directory of the socket it listens on goes with it (each make test left one in /tmp)."""
     pytest.importorskip("vllm")
     quickstart = ROOT / "specctl" / "recipes" / "quickstart.yaml"
     recipe = f"name: generating\nextends: {quickstart}\ndata:\n  engine: vllm\n  generate:\n"
     (tmp_path / "recipe.yaml").write_text(recipe + "    num_conversations: 256\n")
     ready = log_says("init engine", tmp_path / "runs" / "generating" / "logs" / "data-vllm-0.log")
-    ended = run_and_signal(tmp_path, COLLECT, ready, signal.SIGKILL)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    ended = run_and_signal(tmp_path, COLLECT, ready, signal.SIGKILL, tmpdir=temp)
     assert_all_dead(ended, engine_in="specctl.data.vllm_worker")
+    assert not list(temp.glob("specctl-*")), list(temp.iterdir())
     assert len(ended.names_at_signal) >= 2, ended.names_at_signal  # the worker and the watchdog, at least
     assert not (tmp_path / "runs" / "generating" / "data" / "manifest.json").exists(), (
         "too late to test the kill: the data stage finished"

@@ -191,3 +191,35 @@ def test_the_sockets_a_killed_group_leaves_go_with_it(tmp_path, monkeypatch):
             time.sleep(0.05)
         assert Path(said.read_text()) == mine / "engine.sock"
     assert mine.is_dir()
+
+
+@fault(
+    stage="data",
+    fault="a group whose caller made it a directory (the data worker's listening socket) is stopped",
+    result="the directory goes with the group and holds vLLM's sockets; a socket directory the user "
+    "named still gets them",
+)
+def test_a_directory_the_caller_made_for_a_group_goes_with_it(tmp_path, monkeypatch):
+    """A worker's own listening socket lives in a directory its caller made (`group_dir`): it holds
+    vLLM's sockets too, and is removed with the group; a socket directory the user named still
+    gets vLLM's sockets, while the caller's directory still goes."""
+    from specctl.procs import SOCKET_DIR_VAR, process_group
+
+    child = "import os, sys; open(sys.argv[1], 'w').write(os.environ[sys.argv[2]])"
+    said = tmp_path / "said"
+    for user_dir in (None, tmp_path / "mine"):
+        if user_dir is None:
+            monkeypatch.delenv(SOCKET_DIR_VAR, raising=False)
+        else:
+            user_dir.mkdir()
+            monkeypatch.setenv(SOCKET_DIR_VAR, str(user_dir))
+        group_dir = tmp_path / f"group-{user_dir is None}"
+        group_dir.mkdir()
+        (group_dir / "worker.sock").touch()
+        with process_group(
+            [sys.executable, "-c", child, str(said), SOCKET_DIR_VAR], tmp_path / "log", group_dir=group_dir
+        ) as proc:
+            proc.wait(timeout=30)
+        assert said.read_text() == str(user_dir or group_dir)
+        assert not group_dir.exists()
+        assert user_dir is None or user_dir.is_dir()

@@ -27,7 +27,6 @@ import asyncio
 import os
 import queue
 import secrets
-import shutil
 import sys
 import tempfile
 import threading
@@ -284,6 +283,7 @@ class _Worker:
     index: int
     proc: Any  # subprocess.Popen
     log_path: Path
+    address: str  # the Unix socket it listens on
     conn: Connection | None = None
     queued: list[Request] = field(default_factory=list)
     unfinished: int = 0  # requests the worker holds
@@ -441,9 +441,7 @@ def open_vllm_engine(
     from specctl.procs import process_group, vllm_env
 
     authkey = secrets.token_bytes(32)
-    sockets = Path(tempfile.mkdtemp(prefix="specctl-gen-"))  # short: AF_UNIX paths are <= 107 bytes
     with ExitStack() as stack:
-        stack.callback(shutil.rmtree, sockets, ignore_errors=True)
         base = dict(os.environ)
         if cpu:
             base.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
@@ -455,12 +453,16 @@ def open_vllm_engine(
             if device is not None:
                 env["CUDA_VISIBLE_DEVICES"] = device
             log_path = log_dir / f"data-vllm-{i}.log"
-            argv = [sys.executable, "-m", "specctl.data.vllm_worker", str(sockets / f"w{i}.sock")]
-            proc = stack.enter_context(process_group(argv, log_path, env))
-            workers.append(_Worker(i, proc, log_path))
+            # the worker's socket in a directory of its group's: removed with the group, also when
+            # the watchdog stops it after a kill -9 of specctl (short: AF_UNIX paths <= 107 bytes)
+            group_dir = Path(tempfile.mkdtemp(prefix="specctl-gen-"))
+            address = str(group_dir / "worker.sock")
+            argv = [sys.executable, "-m", "specctl.data.vllm_worker", address]
+            proc = stack.enter_context(process_group(argv, log_path, env, group_dir=group_dir))
+            workers.append(_Worker(i, proc, log_path, address))
         deadline = time.monotonic() + ready_timeout_s
         for w in workers:
-            w.conn = _connect(w, str(sockets / f"w{w.index}.sock"), authkey, deadline)
+            w.conn = _connect(w, w.address, authkey, deadline)
             stack.callback(w.conn.close)
             send_message(w.conn, {"op": "start", "llm": llm_args, "stop_token_ids": list(stop_ids)})
         _wait_ready(workers, deadline)
