@@ -141,7 +141,12 @@ def dist_out(tmp_path_factory) -> Path:
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
         proc = subprocess.run(
-            [*TORCHRUN, __file__, str(out)], env=env, capture_output=True, text=True, timeout=600
+            # --log-dir: torchrun's own logs in the test's directory, not a torchelastic_* left in /tmp
+            [*TORCHRUN, "--log-dir", str(out / "torchrun-logs"), __file__, str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
