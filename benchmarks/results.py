@@ -592,11 +592,12 @@ def stage_times(log: list[dict[str, Any]]) -> StageTimes:
     times = StageTimes()
     for entry in log:
         stage = entry["stage"]
-        if entry.get("fresh"):  # what the earlier invocations made was replaced; the row keeps its place
-            times.commands[stage] = entry["command"]
+        if entry.get("fresh"):  # what the earlier invocations made was replaced
+            times.commands[stage] = entry["command"]  # assigned, not popped: the row keeps its place
             for per_stage in (times.walls, times.commits, times.machines):
                 per_stage.pop(stage, None)
-        times.commands.setdefault(stage, entry["command"])
+        else:
+            times.commands.setdefault(stage, entry["command"])
         times.walls[stage] = times.walls.get(stage, 0.0) + entry.get("wall_s", 0.0)
         for seen, key in ((times.commits, "commit"), (times.machines, "machine")):
             ran = seen.setdefault(stage, [])
