@@ -5,7 +5,7 @@ until the stage ends. So when stderr is not a terminal `progress_bar` returns a 
 instead: same calls (`add_task`, `update`, `advance`, `reset`, `with bar:`), and while it runs a
 background thread prints one line per task every SPECCTL_PROGRESS_INTERVAL seconds (default 30):
 
-    [12:04:31] generating conversations: 310/2,048 conv (15.1%), 2.41 conv/s, 2m08s elapsed, ETA 12m01s
+    [12:04:31] collect hidden states: 19,664/72,832 tok (27.0%), 655 tok/s, 30s elapsed, ETA 1m21s
 
 Every stage (data, collect, train's live view, bench) goes through this one function.
 """

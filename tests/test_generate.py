@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -228,6 +229,36 @@ class ScriptedEngine:
         return out
 
 
+def test_progress_counts_turns_as_they_finish_against_a_bound_that_ends_exact(tiny_tokenizer):
+    """The progress line's tokens move with every turn, long before the first conversation is done,
+    and its total (every conversation's bound, less what the finished ones left unused) is always
+    at least the tokens still to come and equals the count at the end."""
+    from specctl.data.prepare import TokenBound
+
+    tok = tiny_tokenizer
+    spec = GenerationSpec(Sampling(16, 1.0, 1.0), Sampling(16, 0.0, 1.0), 2, None, 4096)
+    convs = [MagpieConversation(k, spec) for k in range(5)]
+    engine = ScriptedEngine(tok, " function x")  # every turn the same few tokens, under 16
+    bound = TokenBound(sum(c.max_new_tokens() for c in convs), len(convs))
+    assert bound.tokens == 5 * 2 * (16 + 16)
+    seen = []  # (new tokens, conversations finished, the bound) at each report
+
+    def on_finished(batch, stats):
+        bound.finished(batch)
+
+    def on_progress(stats):
+        seen.append((stats.new_tokens, bound.done, bound.tokens))
+
+    stats = run_conversations(engine, tok, convs, on_finished, on_progress=on_progress)
+    per_turn = len(tok(" function x", add_special_tokens=False)["input_ids"])
+    assert per_turn < 16
+    assert stats.new_tokens == 5 * 2 * 2 * per_turn == bound.tokens  # exact at the end
+    assert bound.conversations() == "5/5"
+    assert seen[0][0] > 0 and seen[0][1] == 0  # tokens counted before any conversation finished
+    for (tokens, _, total), (later, _, _) in zip(seen, seen[1:], strict=False):
+        assert tokens <= later and total >= stats.new_tokens  # never below what is still to come
+
+
 def test_steered_first_user_turns_take_their_prefix_in_turn_and_later_turns_are_free(tiny_tokenizer):
     tok = tiny_tokenizer
     prefixes = ("", "Write a Python", "Solve ")
@@ -387,7 +418,7 @@ def test_kill_9_mid_generation_then_rerun_keeps_finished_conversations(tmp_path,
 
     def progress_lines() -> list[str]:
         text = (tmp_path / "stderr.txt").read_text()
-        return [line for line in text.splitlines() if "generating" in line and " conv (" in line]
+        return [line for line in text.splitlines() if "generating" in line and " tok (" in line]
 
     def finished() -> int:
         try:
@@ -403,7 +434,8 @@ def test_kill_9_mid_generation_then_rerun_keeps_finished_conversations(tmp_path,
     proc.kill()
     assert proc.wait() == -signal.SIGKILL
     lines = progress_lines()
-    assert "ETA" in lines[-1] and "conv/s" in lines[-1]  # done/total, rate, ETA, while it ran
+    assert "ETA" in lines[-1] and "tok/s" in lines[-1]  # done/total, rate, ETA, while it ran
+    assert re.search(r", conv \d+/80$", lines[-1]), lines[-1]  # and the conversations finished
     kept = journal_lines(out)[1:]
     assert 6 <= len(kept) < n, "the kill came after the end"
     assert not (out / "manifest.json").exists()
@@ -653,7 +685,9 @@ def test_smollm2_quickstart_generates_through_vllm_by_default(tmp_path):
     assert (
         "starting 1 vLLM worker" in done.stderr and "generating 4 of 4 conversations with vllm" in done.stderr
     )
-    assert "collect: 4 samples" in done.stderr and " conv (" in done.stderr
+    assert (
+        "collect: 4 samples" in done.stderr and " tok (100.0%)" in done.stderr and "conv 4/4" in done.stderr
+    )
     out = tmp_path / "runs" / "quickstart" / "data"
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["engine"], manifest["conversations_generated"]) == ("vllm", 4)

@@ -276,9 +276,12 @@ def run_conversations(
     conversations: Sequence[Conversation],
     on_finished: Callable[[list[Conversation], GenerationStats], None],
     stats: GenerationStats | None = None,
+    on_progress: Callable[[GenerationStats], None] | None = None,
 ) -> GenerationStats:
     """Generate every conversation through `engine`; `on_finished(batch, stats)` gets each batch of
-    finished conversations as soon as their last answer is in (see the module docstring)."""
+    finished conversations as soon as their last answer is in (see the module docstring), and
+    `on_progress(stats)` the totals after every turn the engine returns: with many conversations in
+    flight the first one finishes late, while turns finish all along."""
     stats = stats or GenerationStats()
     queues = [deque(conversations[i] for i in lane) for lane in split_lanes(len(conversations), engine.lanes)]
     active = [0] * engine.lanes
@@ -331,6 +334,9 @@ def run_conversations(
                 follow.append(request)
                 in_flight[request.id] = (conv, lane, request)
         engine.submit(follow + start_more())
+        if on_progress is not None:
+            stats.seconds = time.perf_counter() - start
+            on_progress(stats)
     stats.seconds = time.perf_counter() - start
     return stats
 

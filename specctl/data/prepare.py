@@ -455,28 +455,50 @@ def _run_engine(
         )
         convs = [make(k, spec) for k in todo]
         reused = f"; {gen.reused:,} reused from {journal.path}" if gen.reused else ""
+        bound = TokenBound(sum(c.max_new_tokens() for c in convs), len(convs))
         say(
             f"data: generating {len(convs):,} of {total:,} conversations with {engine.name} "
-            f"({engine.lanes} x {engine.capacity} in flight{reused}); at most "
-            f"{sum(c.max_new_tokens() for c in convs):,} new tokens"
+            f"({engine.lanes} x {engine.capacity} in flight{reused}); at most {bound.tokens:,} new tokens"
         )
         warmup = _Warmup(tokenizer, len(convs), total, engine.lanes * engine.capacity, gen.on_plan, say)
-        with progress_bar("conv", enabled=gen.progress) as bar:
-            task = bar.add_task("generating conversations", total=len(convs))
+        with progress_bar("tok", enabled=gen.progress, fields=(("conv", "conv"),)) as bar:
+            task = bar.add_task("generating conversations", total=bound.tokens, conv=bound.conversations())
 
             def on_finished(batch, stats: GenerationStats) -> None:
                 journal.append([c.record() for c in batch])  # on disk before anything can refuse
-                bar.update(
-                    task, advance=len(batch), description=f"generating ({stats.tokens_per_s:,.0f} tok/s)"
-                )
+                bound.finished(batch)
+                bar.update(task, total=bound.tokens, conv=bound.conversations())
                 warmup(batch, stats)
 
-            run_conversations(engine, tokenizer, convs, on_finished, gen.stats)
+            def on_progress(stats: GenerationStats) -> None:
+                bar.update(task, completed=stats.new_tokens, total=max(bound.tokens, stats.new_tokens))
+
+            run_conversations(engine, tokenizer, convs, on_finished, gen.stats, on_progress)
         gen.generated, gen.engine = len(convs), engine.name
     say(
         f"data: generated {len(convs):,} conversations in {duration(gen.stats.seconds)} "
         f"({gen.stats.tokens_per_s:,.0f} new tokens/s, {engine.name})"
     )
+
+
+class TokenBound:
+    """The progress line's total: new tokens the generation can still come to, at most.
+
+    It counts in tokens, not conversations: with hundreds in flight the first conversation
+    finishes minutes in, so finished-per-elapsed said "ETA 2h39m" for a 3-minute stage, while
+    turns finish all along. It starts at every conversation's bound (`max_new_tokens`) and drops
+    by what each finished one left unused, so the ETA is an upper bound that is exact at the end.
+    """
+
+    def __init__(self, tokens: int, todo: int):
+        self.tokens, self.todo, self.done = tokens, todo, 0
+
+    def finished(self, batch) -> None:
+        self.tokens -= sum(max(0, c.max_new_tokens() - c.new_tokens) for c in batch)
+        self.done += len(batch)
+
+    def conversations(self) -> str:
+        return f"{self.done:,}/{self.todo:,}"
 
 
 class _Warmup:
