@@ -42,6 +42,20 @@ WATCHDOG = Path(__file__).with_name("watchdog.py")
 # 800 on a machine after a day). Each group gets a directory of its own, removed with the group;
 # a path the user set is left alone.
 SOCKET_DIR_VAR = "VLLM_RPC_BASE_PATH"
+# A Unix socket's path holds at most 107 bytes; vLLM names its sockets <dir>/<uuid4> (37 more).
+SOCKET_PATH_MAX = 107
+VLLM_SOCKET_NAME = 37
+
+
+def socket_dir(prefix: str) -> Path:
+    """A new private directory for Unix sockets (a group's, a worker's): in the temp dir, or in
+    /tmp when the temp dir's path is too long for the sockets vLLM names inside it (a TMPDIR deep
+    in a job's scratch space made the data worker fail with "AF_UNIX path too long")."""
+    base = tempfile.gettempdir()
+    longest = len(os.fsencode(base)) + 1 + len(prefix) + 8 + 1 + VLLM_SOCKET_NAME  # mkdtemp: 8 random
+    if longest > SOCKET_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def on_cpu() -> bool:
@@ -354,7 +368,7 @@ def process_group(
     goes the same way; it also holds vLLM's sockets unless the user named a directory for them."""
     env = dict(os.environ if env is None else env)
     if group_dir is None and SOCKET_DIR_VAR not in env:
-        group_dir = Path(tempfile.mkdtemp(prefix="specctl-ipc-"))
+        group_dir = socket_dir("specctl-ipc-")
     if group_dir is not None:
         env.setdefault(SOCKET_DIR_VAR, str(group_dir))
     with _signals_held() as held:  # a Ctrl-C now would leave a child nobody stops

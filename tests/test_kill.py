@@ -17,9 +17,11 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,12 +229,22 @@ def test_kill_9_during_vllm_data_generation(tmp_path):
     quickstart = ROOT / "specctl" / "recipes" / "quickstart.yaml"
     recipe = f"name: generating\nextends: {quickstart}\ndata:\n  engine: vllm\n  generate:\n"
     (tmp_path / "recipe.yaml").write_text(recipe + "    num_conversations: 256\n")
-    ready = log_says("init engine", tmp_path / "runs" / "generating" / "logs" / "data-vllm-0.log")
-    temp = tmp_path / "temp"
-    temp.mkdir()
-    ended = run_and_signal(tmp_path, COLLECT, ready, signal.SIGKILL, tmpdir=temp)
-    assert_all_dead(ended, engine_in="specctl.data.vllm_worker")
-    assert not list(temp.glob("specctl-*")), list(temp.iterdir())
+    up = log_says("init engine", tmp_path / "runs" / "generating" / "logs" / "data-vllm-0.log")
+    # a temp dir short enough that the socket directories go in it (`procs.socket_dir`)
+    temp = Path(tempfile.mkdtemp(prefix="kill-", dir="/tmp"))
+    made: list[Path] = []
+
+    def ready(tree: ProcessTree) -> bool:
+        made[:] = temp.glob("specctl-*")  # the worker's directory, there while it runs
+        return up(tree)
+
+    try:
+        ended = run_and_signal(tmp_path, COLLECT, ready, signal.SIGKILL, tmpdir=temp)
+        assert_all_dead(ended, engine_in="specctl.data.vllm_worker")
+        assert [p.name[:12] for p in made] == ["specctl-gen-"], made
+        assert not list(temp.glob("specctl-*")), list(temp.iterdir())
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert len(ended.names_at_signal) >= 2, ended.names_at_signal  # the worker and the watchdog, at least
     assert not (tmp_path / "runs" / "generating" / "data" / "manifest.json").exists(), (
         "too late to test the kill: the data stage finished"

@@ -8,11 +8,14 @@ vLLM start does) is killed while the group runs; its processes are followed by p
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,18 +52,25 @@ STAND_IN = textwrap.dedent(
 )
 
 
-def _stand_in_env(tmp_path: Path) -> dict[str, str]:
-    """specctl importable; its temp dir (where the group's socket directory goes) the test's own,
-    with a space in its name as a user's may have."""
+@pytest.fixture
+def temp_dir() -> Iterator[Path]:
+    """A temp dir of the test's own, with a space in its name as a user's may have, and short: in
+    a longer one the group's socket directory would go to /tmp (`socket_dir`)."""
+    path = Path(tempfile.mkdtemp(prefix="specctl test ", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _stand_in_env(temp: Path) -> dict[str, str]:
+    """specctl importable; its temp dir (where the group's socket directory goes) `temp`."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    (tmp_path / "temp dir").mkdir()
-    return env | {"TMPDIR": str(tmp_path / "temp dir")}
+    return env | {"TMPDIR": str(temp)}
 
 
-def start_stand_in(tmp_path: Path) -> tuple[subprocess.Popen, ProcessTree, str]:
+def start_stand_in(tmp_path: Path, temp: Path) -> tuple[subprocess.Popen, ProcessTree, str]:
     """The stand-in specctl with GROUP running below it; its tree and the segment's name."""
     log = tmp_path / "group.log"
-    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, GROUP, str(log)], env=_stand_in_env(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, GROUP, str(log)], env=_stand_in_env(temp))
     tree = ProcessTree(proc.pid)
     deadline = time.monotonic() + 60
     while "up" not in (log.read_text() if log.exists() else ""):
@@ -85,13 +95,13 @@ def _cleanup(proc: subprocess.Popen, tree: ProcessTree) -> None:
     result="the watchdog kills the group after its grace period: nothing alive, the /dev/shm segment "
     "and the group's socket directory gone",
 )
-def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path):
-    proc, tree, segment = start_stand_in(tmp_path)
+def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path, temp_dir):
+    proc, tree, segment = start_stand_in(tmp_path, temp_dir)
     try:
         names = tree.living(include_root=False)
         assert len(names) >= 4, tree.alive()  # leader, its child, the resource tracker, the watchdog
         assert Path("/dev/shm", segment).exists()
-        (sockets,) = (tmp_path / "temp dir").glob("specctl-ipc-*")
+        (sockets,) = temp_dir.glob("specctl-ipc-*")
         proc.send_signal(signal.SIGKILL)
         seconds = tree.wait_gone(15.0)
         assert not tree.living(), tree.alive()
@@ -108,10 +118,10 @@ def test_kill_9_leaves_no_process_and_no_shared_memory(tmp_path):
     fault="the watchdog killed first, then specctl (kill -9 of both)",
     result="the group leader still gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and exits",
 )
-def test_leader_dies_with_specctl_even_without_the_watchdog(tmp_path):
+def test_leader_dies_with_specctl_even_without_the_watchdog(tmp_path, temp_dir):
     code = "import time; print('up', 'x', flush=True); time.sleep(600)"  # SIGTERM ends it
     log = tmp_path / "group.log"
-    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, code, str(log)], env=_stand_in_env(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, code, str(log)], env=_stand_in_env(temp_dir))
     tree = ProcessTree(proc.pid)
     try:
         deadline = time.monotonic() + 60
@@ -223,3 +233,23 @@ def test_a_directory_the_caller_made_for_a_group_goes_with_it(tmp_path, monkeypa
         assert said.read_text() == str(user_dir or group_dir)
         assert not group_dir.exists()
         assert user_dir is None or user_dir.is_dir()
+
+
+def test_socket_directories_stay_short_enough_for_vllms_sockets(monkeypatch, tmp_path):
+    """In the temp dir while vLLM's <dir>/<uuid4> socket paths fit in AF_UNIX's 107 bytes there,
+    else in /tmp: a deep TMPDIR must not fail the data worker or vLLM ("AF_UNIX path too long")."""
+    from specctl.procs import SOCKET_PATH_MAX, VLLM_SOCKET_NAME, socket_dir
+
+    short = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    try:
+        for base, inside in ((short, True), (deep, False)):
+            monkeypatch.setattr(tempfile, "tempdir", str(base))
+            made = socket_dir("specctl-ipc-")
+            assert made.is_dir() and (made.parent == base) is inside
+            assert made.parent == (base if inside else Path("/tmp"))
+            assert len(os.fsencode(made)) + 1 + VLLM_SOCKET_NAME <= SOCKET_PATH_MAX
+            made.rmdir()
+    finally:
+        shutil.rmtree(short)

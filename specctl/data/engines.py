@@ -28,7 +28,6 @@ import os
 import queue
 import secrets
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -438,7 +437,7 @@ def open_vllm_engine(
     """Start one worker per entry of `devices` (its CUDA_VISIBLE_DEVICES), each in its own process
     group through specctl.procs; yield the engine once every worker has loaded the model; stop
     every group afterwards, however the block ends. Each worker's log: log_dir/data-vllm-<i>.log."""
-    from specctl.procs import process_group, vllm_env
+    from specctl.procs import process_group, socket_dir, vllm_env
 
     authkey = secrets.token_bytes(32)
     with ExitStack() as stack:
@@ -454,8 +453,8 @@ def open_vllm_engine(
                 env["CUDA_VISIBLE_DEVICES"] = device
             log_path = log_dir / f"data-vllm-{i}.log"
             # the worker's socket in a directory of its group's: removed with the group, also when
-            # the watchdog stops it after a kill -9 of specctl (short: AF_UNIX paths <= 107 bytes)
-            group_dir = Path(tempfile.mkdtemp(prefix="specctl-gen-"))
+            # the watchdog stops it after a kill -9 of specctl
+            group_dir = socket_dir("specctl-gen-")
             address = str(group_dir / "worker.sock")
             argv = [sys.executable, "-m", "specctl.data.vllm_worker", address]
             proc = stack.enter_context(process_group(argv, log_path, env, group_dir=group_dir))
