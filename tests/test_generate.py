@@ -128,7 +128,10 @@ def test_vllm_worker_loop_adds_then_steps_until_a_request_finishes():
 
         def step_until_finished(self):
             shortest = min(self.left, key=lambda r: len(self.left[r]), default=None)
-            return [] if shortest is None else [[shortest, self.left.pop(shortest)]]
+            if shortest is None:
+                return [], 0
+            ids = self.left.pop(shortest)
+            return [[shortest, ids]], len(ids) * (1 + len(self.left))  # every one in flight wrote as many
 
     parent, child = Pipe()
     worker = threading.Thread(target=lambda: results.append(serve(child, Fake)))
@@ -137,15 +140,49 @@ def test_vllm_worker_loop_adds_then_steps_until_a_request_finishes():
     send_message(parent, {"op": "start", "llm": {"model": "m"}, "stop_token_ids": [2]})
     assert recv_message(parent) == {"op": "ready"}
     send_message(parent, {"op": "step", "add": [["a:1", [1], 3, 0.0, 1.0], ["b:1", [1], 1, 1.0, 0.9]]})
-    assert recv_message(parent) == {"op": "done", "done": [["b:1", [0]]]}
+    assert recv_message(parent) == {"op": "done", "done": [["b:1", [0]]], "stepped": 2}
     send_message(parent, {"op": "step", "add": []})
-    assert recv_message(parent) == {"op": "done", "done": [["a:1", [0, 1, 2]]]}
+    assert recv_message(parent) == {"op": "done", "done": [["a:1", [0, 1, 2]]], "stepped": 3}
     send_message(parent, {"op": "step", "add": []})
-    assert recv_message(parent) == {"op": "done", "done": []}
+    assert recv_message(parent) == {"op": "done", "done": [], "stepped": 0}
     send_message(parent, {"op": "step", "add": [["c:1", [666], 2, 0.0, 1.0]]})
     assert recv_message(parent) == {"op": "error", "message": "ValueError: prompt too long"}
     worker.join(5)
     assert results == [1]
+
+
+def test_vllm_engine_counts_what_its_workers_steps_wrote():
+    """`VllmEngine.generated()` is the sum of the workers' "stepped": the progress line's count
+    while turns are still being written (finished turns alone said nothing for minutes)."""
+    from specctl.data.engines import VllmEngine, _Worker
+
+    class Fake:  # two tokens a step for every request in flight; one request ends per reply
+        def __init__(self, start):
+            self.left: dict[str, int] = {}
+
+        def add(self, rid, prompt, max_tokens, temperature, top_p):
+            self.left[rid] = max_tokens
+
+        def step_until_finished(self):
+            rid = min(self.left, key=self.left.get)
+            return [[rid, [7] * self.left.pop(rid)]], 2 * (1 + len(self.left))
+
+    class Alive:
+        def poll(self):
+            return None
+
+    parent, child = Pipe()
+    threading.Thread(target=serve, args=(child, Fake), daemon=True).start()
+    send_message(parent, {"op": "start", "llm": {}, "stop_token_ids": []})
+    assert recv_message(parent) == {"op": "ready"}
+    engine = VllmEngine([_Worker(0, Alive(), Path("log"), "unused", conn=parent)], 4, [])
+    assert engine.generated() == 0
+    sampling = Sampling(8, 0.0, 1.0)
+    engine.submit([Request(f"{i}:0", [1], n, sampling, "answer") for i, n in enumerate((3, 5, 4))])
+    assert [c.num_tokens for c in engine.poll()] == [3] and engine.generated() == 6
+    assert [c.num_tokens for c in engine.poll()] == [4] and engine.generated() == 6 + 4
+    assert [c.num_tokens for c in engine.poll()] == [5] and engine.generated() == 6 + 4 + 2
+    parent.close()
 
 
 def test_log_progress_prints_done_total_rate_eta_and_fields_at_an_interval():
@@ -218,6 +255,9 @@ class ScriptedEngine:
     def submit(self, requests):
         self.pending += requests
         self.seen += requests
+
+    def generated(self):
+        return None  # only finished requests' tokens, like the HF engine
 
     def poll(self):
         done, self.pending = self.pending, []

@@ -93,6 +93,11 @@ class Engine(Protocol):
         """Block until >= 1 submitted request is done; return every done one ([] if none is pending)."""
         ...
 
+    def generated(self) -> int | None:
+        """New tokens written so far, the unfinished requests' included (about), for the progress
+        line; None when the engine tells only finished requests' tokens."""
+        ...
+
 
 # ---------------------------------------------------------------- shared helpers
 
@@ -224,6 +229,9 @@ class HFEngine:
     def submit(self, requests: Sequence[Request]) -> None:
         self.pending.extend(requests)
 
+    def generated(self) -> None:
+        return None  # a batch's tokens are known when it returns
+
     def poll(self) -> list[Completion]:
         if not self.pending:
             return []
@@ -313,6 +321,10 @@ class VllmEngine:
     def __init__(self, workers: list[_Worker], capacity: int, stop_ids: Sequence[int]):
         self.workers, self.capacity, self.stop_ids = workers, capacity, list(stop_ids)
         self.lanes = len(workers)
+        self.stepped = 0  # tokens the workers' steps wrote (their replies' "stepped")
+
+    def generated(self) -> int:
+        return self.stepped
 
     def submit(self, requests: Sequence[Request]) -> None:
         for r in requests:
@@ -352,6 +364,7 @@ class VllmEngine:
             if reply.get("op") == "error":
                 raise w.failure(f"failed: {reply.get('message')}")
             w.waiting = False
+            self.stepped += reply.get("stepped", 0)
             for rid, ids in reply["done"]:
                 kept, n = cut_at_stop(ids, self.stop_ids)
                 done.append(Completion(rid, kept, n))
@@ -512,6 +525,9 @@ class ServerEngine:
         for r in requests:
             asyncio.run_coroutine_threadsafe(self._one(r), self.loop)
             self.pending += 1
+
+    def generated(self) -> None:
+        return None  # a completion's tokens are known when it returns
 
     async def _one(self, r: Request) -> None:
         try:

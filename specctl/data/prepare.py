@@ -471,9 +471,12 @@ def _run_engine(
                 warmup(batch, stats)
 
             def on_progress(stats: GenerationStats) -> None:
-                bar.update(task, completed=stats.new_tokens, total=max(bound.tokens, stats.new_tokens))
+                live = engine.generated()  # turns still being written, where the engine tells
+                done = stats.new_tokens if live is None else max(stats.new_tokens, min(live, bound.tokens))
+                bar.update(task, completed=done, total=max(bound.tokens, done))
 
             run_conversations(engine, tokenizer, convs, on_finished, gen.stats, on_progress)
+            bar.update(task, completed=gen.stats.new_tokens, total=gen.stats.new_tokens)
         gen.generated, gen.engine = len(convs), engine.name
     say(
         f"data: generated {len(convs):,} conversations in {duration(gen.stats.seconds)} "
@@ -485,9 +488,10 @@ class TokenBound:
     """The progress line's total: new tokens the generation can still come to, at most.
 
     It counts in tokens, not conversations: with hundreds in flight the first conversation
-    finishes minutes in, so finished-per-elapsed said "ETA 2h39m" for a 3-minute stage, while
-    turns finish all along. It starts at every conversation's bound (`max_new_tokens`) and drops
-    by what each finished one left unused, so the ETA is an upper bound that is exact at the end.
+    finishes minutes in, so finished-per-elapsed said "ETA 2h39m" for a 3-minute stage. The count
+    is the engine's own where it has one (vLLM: the tokens its steps wrote, unfinished turns
+    included), else the finished turns'. The total starts at every conversation's bound
+    (`max_new_tokens`) and drops by what each finished one left unused: exact at the end.
     """
 
     def __init__(self, tokens: int, todo: int):

@@ -8,7 +8,8 @@ tell a slow start from a dead one; the parent authenticates with a key passed in
   parent -> worker  {"op": "start", "llm": {vllm.LLM kwargs}, "stop_token_ids": [...]}
   worker -> parent  {"op": "ready"} | {"op": "error", "message": "..."}
   parent -> worker  {"op": "step", "add": [[id, prompt_ids, max_tokens, temperature, top_p], ...]}
-  worker -> parent  {"op": "done", "done": [[id, token_ids], ...]}   (at least one, unless idle)
+  worker -> parent  {"op": "done", "done": [[id, token_ids], ...], "stepped": N}   (at least one done,
+                    unless idle; N: tokens the requests in flight wrote in these steps, for progress)
 
 When the parent has every conversation it asked for, it closes the socket and kills this process's
 group (specctl.procs.process_group): the engine is never shut down gracefully, which frees nothing
@@ -71,14 +72,19 @@ class Stepper:
         )
         self.llm.llm_engine.add_request(rid, {"prompt_token_ids": prompt}, params)
 
-    def step_until_finished(self) -> list[list[Any]]:
+    def step_until_finished(self) -> tuple[list[list[Any]], int]:
+        """The requests that finished, and about how many tokens the steps wrote: each unfinished
+        request takes one a step (a prompt's prefill steps count too, a few per request). Finished
+        requests alone would show no progress for minutes while hundreds are in flight."""
         done: list[list[Any]] = []
+        stepped = 0
         engine = self.llm.llm_engine
         while not done and engine.has_unfinished_requests():
+            stepped += engine.get_num_unfinished_requests()
             for out in engine.step():
                 if out.finished:
                     done.append([out.request_id, list(out.outputs[0].token_ids)])
-        return done
+        return done, stepped
 
 
 def gpu_memory_share(default: float = 0.9) -> float:
@@ -110,11 +116,11 @@ def serve(conn: Connection, make_stepper: Callable[[dict[str, Any]], Any]) -> in
         try:
             for rid, prompt, max_tokens, temperature, top_p in message["add"]:
                 stepper.add(rid, prompt, max_tokens, temperature, top_p)
-            done = stepper.step_until_finished()
+            done, stepped = stepper.step_until_finished()
         except Exception as e:
             send_message(conn, {"op": "error", "message": _first_line(e)})
             return 1
-        send_message(conn, {"op": "done", "done": done})
+        send_message(conn, {"op": "done", "done": done, "stepped": stepped})
 
 
 def main(address: str) -> int:
