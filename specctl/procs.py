@@ -300,9 +300,11 @@ class _Watchdog:
 
     def watch(self, pgid: int, leader_start: int, directory: Path | None = None) -> None:
         """Record a group; `directory` is removed once the watchdog has stopped it."""
+        entry = f"{leader_start} {directory}" if directory else str(leader_start)
         with self._lock:
-            self._groups[pgid] = f"{leader_start} {directory}" if directory else str(leader_start)
-            self._send(f"watch {pgid} {self._groups[pgid]}\n")
+            # recorded after the send: a watchdog started by it is told of the others, then this one
+            self._send(f"watch {pgid} {entry}\n")
+            self._groups[pgid] = entry
 
     def forget(self, pgid: int) -> None:
         with self._lock:
