@@ -95,6 +95,21 @@ def wrap(model: nn.Module, ctx: DistContext, strategy: str = "ddp") -> nn.Module
     )
 
 
+def checkpoint_layers(model: nn.Module) -> int:
+    """Recompute each of the drafter's decoder layers (`model.layers`) in the backward instead of
+    keeping its activations (train.activation_checkpointing): a layer's saved tensors were most of a
+    DFlash step's memory at 8B width (specctl plan). The layer's own `forward` is wrapped, not the
+    module: state-dict names, checkpoints and exports stay as they are. Returns the layers wrapped."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    layers = getattr(model, "layers", None) or []
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    return len(layers)
+
+
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Around forward + backward of a micro-batch: reduce gradients only on the last one of a step."""

@@ -224,6 +224,19 @@ class TrainSettings(Section):
     grad_clip: float = Field(1.0, ge=0, description="Max gradient norm (0 = off).")
     batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (per rank).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Most padded tokens in one forward/backward (per rank): a micro-batch of batch_tokens "
+        "is split into pieces of at most this many whose gradients accumulate, so each step sees the "
+        "data batch_tokens says while activations are one piece's. None = batch_tokens. A sample "
+        "longer than it is a piece of its own. `specctl plan` prints the largest that fits.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each drafter layer's activations in the backward instead of keeping them "
+        "(less memory per token, about a third more layer compute).",
+    )
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Held-out share of samples.")
     seed: int = Field(0, description="Seed for the split, batching, anchors and init.")
     eval_every: int = Field(100, ge=1, description="Validate every N steps.")

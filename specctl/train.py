@@ -453,6 +453,8 @@ def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
     d2t = draft_vocab(recipe, source.spec.vocab_size)
     torch.manual_seed(cfg.seed)
     drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
+    if cfg.activation_checkpointing:
+        distributed.checkpoint_layers(drafter)
     model = distributed.wrap(drafter.to(ctx.device), ctx, cfg.parallelism)
     optimizer = build_optimizer(drafter, cfg, vocab_sizes(source.spec.vocab_size, d2t))
     train_ids, val_ids = split_indices(len(source.lengths), cfg.val_fraction, cfg.seed)
@@ -493,24 +495,43 @@ class StepFigures:
     grad_norm: float | None
 
 
+def pieces(indices: list[int], lengths: list[int], micro_tokens: int | None) -> list[tuple[list[int], float]]:
+    """A micro-batch's samples split into forward/backward pieces of at most `micro_tokens` padded
+    tokens (train.micro_batch_tokens), each with its share of the micro-batch's tokens as the weight
+    of its loss: one piece of weight 1 when it fits whole (the step is then what it always was)."""
+    if micro_tokens is None or len(indices) * max(lengths[i] for i in indices) <= micro_tokens:
+        return [(indices, 1.0)]
+    split = length_buckets(lengths, micro_tokens, indices)
+    total = sum(lengths[i] for i in indices)
+    return [(piece, sum(lengths[i] for i in piece) / total) for piece in split]
+
+
 def optimizer_step(p: Pieces, cfg: Any, ctx: DistContext, cursor: int) -> StepFigures:
     """This rank's share of the step's micro-batches (from `cursor`): forward, backward (gradients
     synchronised on the last), clip, optimizer and scheduler step. Each micro-batch reseeds the RNG
-    from its global index, so what it samples does not depend on the rank or on a resume."""
+    from its global index, so what it samples does not depend on the rank or on a resume; a
+    micro-batch split into pieces (train.micro_batch_tokens) reseeds each piece from the same index."""
     per_step = ctx.world_size * cfg.grad_accum
     p.model.train()
     chunk = [micro_batch_at(p.buckets, cursor + i, cfg.seed) for i in range(per_step)]
     mine = rank_share(chunk, cfg.grad_accum, ctx.rank)
+    work = [
+        (i, piece, weight)
+        for i, indices in enumerate(mine)
+        for piece, weight in pieces(indices, p.source.lengths, cfg.micro_batch_tokens)
+    ]
     totals = torch.zeros(3, device=ctx.device)  # loss sum, counted predictions, tokens
-    for i, indices in enumerate(mine):
-        torch.manual_seed(micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i))
+    for n, (i, indices, weight) in enumerate(work):
+        seed = micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i)
+        torch.manual_seed(seed if weight == 1.0 else (seed + n * 2**40) % 2**63)
         batch = p.source.batch(indices, ctx.device, cfg.batch_tokens)
-        with distributed.gradient_sync(p.model, enabled=i == len(mine) - 1):
+        with distributed.gradient_sync(p.model, enabled=n == len(work) - 1):
             with p.autocast:
                 loss, metrics = p.model(batch)
-            (loss / cfg.grad_accum).backward()
+            (loss * weight / cfg.grad_accum).backward()
         counted = metrics["count"].sum().float()
-        totals += torch.stack([loss.detach().float(), counted, batch["attention_mask"].sum().float()])
+        tokens = batch["attention_mask"].sum().float()
+        totals += torch.stack([loss.detach().float() * weight, counted, tokens])
     loss_sum, counted, tokens = all_reduce_sum(totals, ctx).tolist()
     figures = StepFigures(loss_sum / per_step, counted, int(tokens), None)
     if not math.isfinite(figures.loss):  # before the update: the checkpoints stay finite
