@@ -9,9 +9,8 @@ stream after k decoder layers -- the same states vLLM's target model hands its d
 
 from __future__ import annotations
 
-import importlib.util
-
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
