@@ -381,6 +381,73 @@ def bench(
         raise typer.Exit(1)
 
 
+@app.command()
+def plan(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    algo: Annotated[
+        str | None, typer.Option(help="Plan training for this algorithm (default: the recipe's).")
+    ] = None,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs per node (torchrun --nproc-per-node).")] = 8,
+    gpu_memory: Annotated[float, typer.Option(min=0.1, help="Memory of one GPU, GiB.")] = 80.0,
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes.")] = 1,
+    disk: Annotated[float | None, typer.Option(min=0, help="Free disk for the run directory, TB.")] = None,
+    tflops: Annotated[
+        float, typer.Option(min=0.1, help="Dense bf16 TFLOP/s of one GPU (H100: 989).")
+    ] = 989.0,
+    mfu: Annotated[float, typer.Option(min=0.01, max=1.0, help="Share of --tflops a step reaches.")] = 0.35,
+    as_json: Annotated[bool, Flag("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Say before any work whether each stage fits and what it costs: peak memory per GPU (each term
+    and how it was obtained), disk, tokens and time. Exit 1 with one line when a stage does not fit.
+
+    Example: specctl plan recipes/dflash-llama.yaml --gpus 8 --gpu-memory 80
+    """
+    from specctl.recipe import load_recipe
+    from specctl.resources import GIB, Cluster, plan_recipe, refusal
+
+    loaded = load_recipe(recipe, list(set_ or []) + ([f"drafter.algo={algo}"] if algo else []))
+    cluster = Cluster(
+        "cuda", gpus, int(gpu_memory * GIB), nodes, None if disk is None else int(disk * 1e12), tflops, mfu
+    )
+    result = plan_recipe(loaded, cluster)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        _print_plan(result)
+    reason = refusal(result)
+    if reason is not None:
+        err.print(f"[red]error:[/red] {reason}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _print_plan(result) -> None:
+    """The stages table, then each stage's terms and assumptions."""
+    from specctl.estimate import human_bytes, human_count
+    from specctl.progress import duration
+
+    gib = lambda n: f"{n / (1 << 30):,.1f} GiB"  # noqa: E731
+    c = result.cluster
+    table = Table(title=f"plan: {result.recipe} on {c.nodes} x {c.gpus} GPU(s) of {gib(c.memory)}")
+    for column in ("stage", "peak / GPU", "fits", "disk", "tokens", "time"):
+        table.add_column(column)
+    for s in result.stages:
+        fits = "-" if not s.capacity else ("yes" if s.fits else "[red]NO[/red]")
+        peak = gib(s.peak) if s.capacity else f"{gib(s.peak)} host" if s.terms else "-"
+        time = duration(s.seconds) if s.seconds else "-"
+        table.add_row(
+            s.stage, peak, fits, human_bytes(s.disk), human_count(s.tokens) if s.tokens else "-", time
+        )
+    out.print(table)
+    for s in result.stages:
+        for t in s.terms:
+            out.print(
+                f"  {s.stage:8} {gib(t.bytes):>11}  {t.what} ({t.how})", highlight=False, soft_wrap=True
+            )
+        for a in s.assumptions:
+            out.print(f"  {s.stage:8} {'':>11}  assumes: {a}", highlight=False, soft_wrap=True)
+
+
 recipe_app = typer.Typer(
     help="Inspect recipes.\n\nExample: specctl recipe show quickstart --set train.lr=1e-4",
     no_args_is_help=True,

@@ -127,9 +127,7 @@ class MemoryTrace(TorchDispatchMode):
                 out = func(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
-        count = flop_registry.get(func.overloadpacket)
-        if count is not None:
-            self.flops += int(count(*args, **kwargs, out_val=out))
+        self.flops += op_flops(func, args, kwargs, out)
         tree_map(self._track, out)
         return out
 
@@ -137,6 +135,21 @@ class MemoryTrace(TorchDispatchMode):
         if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor):
             return self.fake.from_tensor(a)
         return a
+
+
+def op_flops(func, args: tuple, kwargs: dict, out: object) -> int:
+    """FLOPs of one op: torch.utils.flop_counter's formula, or for the composite ops it leaves out
+    (they reach a dispatch mode whole when autograd is off, as in the collect forward) the same
+    count by hand: linear / matmul 2*M*N*K, scaled_dot_product_attention 4*B*h*Lq*Lk*d."""
+    count = flop_registry.get(func.overloadpacket)
+    if count is not None:
+        return int(count(*args, **kwargs, out_val=out))
+    if func.overloadpacket in (aten.linear, aten.matmul) and isinstance(out, torch.Tensor):
+        return 2 * out.numel() * args[0].shape[-1]
+    if func.overloadpacket is aten.scaled_dot_product_attention:
+        q, k = args[0], args[1]
+        return 4 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return 0
 
 
 def _bool_indices_as_positions(indices: list) -> list:

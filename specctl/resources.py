@@ -1,0 +1,691 @@
+"""The resource plan behind `specctl plan`: per stage, peak memory per device, disk, tokens, time.
+
+A 3-day job should fail in its first second, not at step 1 after hours of collection. For each
+stage the plan adds named terms, each with how it was obtained:
+
+- what is exact by counting: verifier and drafter weights (modules built on the meta device),
+  the feature store's bytes per token (features.layout_bytes_per_token), checkpoint sizes;
+- what depends on code paths too intricate to model by hand -- a drafter's training step
+  (anchors, blocks, its loss over the vocabulary, optimizer state), the verifier's feature forward
+  -- is *traced*: the stage's own code runs at the recipe's real shapes with fake heavy tensors
+  (specctl.memtrace), and its live-bytes peak and FLOPs are read off. The trace runs the worst
+  micro-batch the recipe allows: sequences of data.max_length, every token a loss token;
+- what the trace cannot see is a named, stated assumption (CUDA context and NCCL buffers, the
+  caching allocator's fragmentation, vLLM's preallocation, throughput per GPU).
+
+`make rehearse` checks the traced figures against peaks measured on this CPU at real width
+(docs/performance.md). Every stage checks its own plan when it starts (`check_stage`) and refuses
+with one line and the numbers when it does not fit; `--force` overrides.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specctl.errors import SpecctlError, UsageError
+
+GIB = 1 << 30
+# Assumptions that no trace sees, each printed with the plan it enters.
+CUDA_RESERVE = 2 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers per process
+FRAGMENTATION = 0.10  # the CUDA caching allocator's blocks beyond the live bytes it holds
+VLLM_MEMORY_UTILIZATION = 0.9  # vLLM's default share of each GPU it preallocates
+DECODE_TOKENS_PER_S_8B = 2500.0  # vLLM output tokens/s per 8B-sized engine at batch 256 (H100-class)
+
+
+class PlanError(SpecctlError):
+    """A stage will not fit (one line: the stage, its numbers, what to change; --force overrides)."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a recipe will run: `gpus` devices per node, each with `memory` bytes."""
+
+    device: str  # "cuda" or "cpu" (cpu: one device per node, the host's memory)
+    gpus: int
+    memory: int
+    nodes: int = 1
+    disk: int | None = None  # bytes free for the run directory, None = not checked
+    tflops: float = 989.0  # dense bf16 peak of one device (H100 SXM)
+    mfu: float = 0.35  # the share of it a training step reaches
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+def this_machine(path: Path | None = None) -> Cluster:
+    """The machine a stage starts on: its visible GPUs (the smallest one's memory), else its host
+    memory; the free disk where `path` lives."""
+    from specctl.estimate import free_bytes
+
+    disk = free_bytes(path) if path is not None else None
+    nodes = max(
+        1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    )
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        return Cluster("cuda", count, memory, nodes, disk)
+    return Cluster("cpu", 1, host_memory(), 1, disk, tflops=1.0, mfu=0.5)
+
+
+def host_memory() -> int:
+    """Total memory of this host (bytes), from /proc/meminfo; os.sysconf elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named part of a stage's peak: its bytes per device and how they were obtained."""
+
+    what: str
+    bytes: int
+    how: str
+
+
+@dataclass
+class StagePlan:
+    """One stage on one device: the terms of its peak, against the device's capacity."""
+
+    stage: str
+    terms: list[Term]
+    capacity: int  # bytes per device (0: the stage uses no device memory)
+    disk: int  # bytes this stage adds to the run directory
+    tokens: int
+    seconds: float | None
+    assumptions: list[str] = field(default_factory=list)
+    fix: str = ""  # what to change when it does not fit
+
+    @property
+    def peak(self) -> int:
+        return sum(t.bytes for t in self.terms)
+
+    @property
+    def fits(self) -> bool:
+        return self.capacity == 0 or self.peak <= self.capacity
+
+
+@dataclass
+class Plan:
+    recipe: str
+    cluster: Cluster
+    stages: list[StagePlan]
+
+    def failures(self) -> list[StagePlan]:
+        return [s for s in self.stages if not s.fits]
+
+    def disk_total(self) -> int:
+        return sum(s.disk for s in self.stages)
+
+    def to_json(self) -> dict[str, Any]:
+        stages = []
+        for s in self.stages:
+            entry = asdict(s)
+            entry.update(peak_bytes=s.peak, fits=s.fits)
+            stages.append(entry)
+        fits = not self.failures() and (self.cluster.disk is None or self.disk_total() <= self.cluster.disk)
+        return {
+            "recipe": self.recipe,
+            "cluster": asdict(self.cluster),
+            "stages": stages,
+            "disk_bytes": self.disk_total(),
+            "fits": fits,
+        }
+
+
+def refusal(plan: Plan) -> str | None:
+    """The one-line reason the plan does not fit (the first stage that does not), or None."""
+    from specctl.estimate import human_bytes
+
+    for s in plan.failures():
+        return (
+            f"{s.stage} does not fit: {gib(s.peak)} per {plan.cluster.device} device against "
+            f"{gib(s.capacity)} ({plan.cluster.nodes} x {plan.cluster.gpus}); {s.fix}"
+        )
+    disk = plan.cluster.disk
+    if disk is not None and plan.disk_total() > disk:
+        return (
+            f"the run needs {human_bytes(plan.disk_total())} of disk but {human_bytes(disk)} is free; "
+            "store compact features (features.aux_dtype=fp8, features.target=topk) or fewer samples"
+        )
+    return None
+
+
+def gib(n: float) -> str:
+    """Bytes in GiB, the unit GPU memory is sold and set in (--gpu-memory)."""
+    return f"{n / GIB:,.1f} GiB"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _bytes_of(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def verifier_config(section: Any) -> Any:
+    """The verifier's transformers config: the published one for a listed hub id (no download),
+    else from its directory, the built-in alias or the hub cache."""
+    from specctl.model_configs import published_config
+
+    config = published_config(section.name_or_path)
+    if config is not None:
+        return config
+    from transformers import AutoConfig
+
+    from specctl.verifier import locate_verifier
+
+    source, _ = locate_verifier(section.name_or_path, section.revision)
+    try:
+        return AutoConfig.from_pretrained(source, revision=section.revision)
+    except (OSError, ValueError) as e:
+        raise UsageError(
+            f"verifier {section.name_or_path!r}: no config to plan from ({str(e).splitlines()[0][:120]}); "
+            "pass a local HF directory as verifier.name_or_path"
+        ) from None
+
+
+def count_parameters(config: Any) -> int:
+    """Parameters of the verifier `config` describes (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- traced stages
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """A training step traced at real shapes (bytes on one rank; FLOPs of one piece's fwd+bwd)."""
+
+    weights: int  # drafter parameters and the verifier tensors it borrows, as built
+    batch: int  # one piece's batch as the drafter reads it
+    optimizer: int  # optimizer state after a step
+    grads: int  # gradients after a backward
+    peak: int  # the largest live bytes of a steady-state step (the second), everything included
+    flops: int
+    trainable: int  # trainable parameters (numel)
+    sequences: int  # sequences in the traced piece
+    length: int  # their length
+
+
+def _synthetic_batch(recipe: Any, spec: Any, sequences: int, length: int, trace: Any) -> dict[str, Any]:
+    """The worst piece the recipe allows, as the drafter contract reads it: `sequences` rows of
+    `length` tokens, every token real and a loss token; features heavy (fake), ids and masks real."""
+    B, T, H, V = sequences, length, spec.hidden_size, spec.vocab_size
+    g = torch.Generator().manual_seed(0)
+    batch: dict[str, Any] = {
+        "input_ids": torch.randint(0, V, (B, T), generator=g),
+        "loss_mask": torch.ones(B, T, dtype=torch.bool),
+        "attention_mask": torch.ones(B, T, dtype=torch.bool),
+    }
+    batch["loss_mask"][:, :1] = False  # the first token of a conversation is never scored
+    with trace.heavy():
+        batch["aux_hidden_states"] = torch.empty(B, T, len(spec.aux_layer_ids), H)
+        if recipe.features.target == "topk":
+            k = min(recipe.features.topk, V)
+            batch["topk_logprobs"] = torch.empty(B, T, k)
+            batch["logsumexp"] = torch.empty(B, T)
+        else:
+            batch["last_hidden_state"] = torch.empty(B, T, H)
+    if recipe.features.target == "topk":
+        batch["topk_ids"] = torch.randint(0, V, (B, T, min(recipe.features.topk, V)), generator=g)
+    return batch
+
+
+def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> StepTrace:
+    """Two optimizer steps of the recipe's drafter over its worst piece of `micro_tokens`, traced.
+
+    The second step is the steady state: optimizer state exists through its forward and backward.
+    `device` "cuda" traces bf16 autocast (as train.precision auto does there); on the CPU it
+    follows train.precision as this machine resolves it.
+    """
+    from specctl import devices, distributed
+    from specctl.drafters import DRAFTERS
+    from specctl.drafters.api import VerifierWeights
+    from specctl.memtrace import MemoryTrace
+    from specctl.optim import build_optimizer, vocab_sizes
+
+    cfg, algo = recipe.train, recipe.drafter.algo
+    length = min(recipe.data.max_length, cfg.batch_tokens)
+    sequences = max(1, min(micro_tokens, cfg.batch_tokens) // length)
+    if device == "cuda":
+        dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
+    else:
+        dtype = devices.compute_dtype(torch.device("cpu"), cfg.precision)
+    vdtype = _verifier_dtype(recipe, device)
+    V, H = spec.vocab_size, spec.hidden_size
+    with MemoryTrace() as t:
+        with t.heavy():
+            lm_head = torch.empty(V, H, dtype=vdtype)
+            embed = lm_head if spec.tie_word_embeddings else torch.empty(V, H, dtype=vdtype)
+            weights = VerifierWeights(embed, lm_head, torch.empty(H, dtype=vdtype))
+            torch.manual_seed(cfg.seed)
+            drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, None, cfg.loss)
+        if cfg.activation_checkpointing:
+            distributed.checkpoint_layers(drafter)
+        optimizer = build_optimizer(drafter, cfg, vocab_sizes(V, None))
+        built = t.mark().live
+        batch = _synthetic_batch(recipe, spec, sequences, length, t)
+        with_batch = t.mark().live
+        autocast = devices.autocast(torch.device("cpu"), dtype)
+        for step in range(2):
+            if step == 1:
+                before = t.mark()
+            with autocast:
+                loss, _ = drafter(batch)
+            loss.backward()
+            grads = sum(p.grad.nbytes for p in drafter.parameters() if p.grad is not None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        after = t.mark()
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    return StepTrace(
+        weights=built,
+        batch=with_batch - built,
+        optimizer=before.live - with_batch,
+        grads=grads,
+        peak=after.peak,
+        flops=(after.flops - before.flops),
+        trainable=trainable,
+        sequences=sequences,
+        length=length,
+    )
+
+
+def _verifier_dtype(recipe: Any, device: str) -> torch.dtype:
+    from specctl import devices
+
+    return devices.resolve_dtype(recipe.verifier.dtype, torch.device(device))
+
+
+@dataclass(frozen=True)
+class ForwardTrace:
+    """The collect forward of one batch of features.batch_tokens, traced on one device."""
+
+    weights: int  # the verifier's weights as loaded (and the float32 LM head a top-k layout keeps)
+    peak: int  # the largest live bytes, weights included
+    flops: int
+    sequences: int
+    length: int
+
+
+def trace_collect_forward(recipe: Any, config: Any, device: str) -> ForwardTrace:
+    """The HF backend's feature forward (decoder, hooks, the layout's encoding: fp8, top-k over the
+    vocabulary) over the worst batch: features.batch_tokens of data.max_length sequences."""
+    from transformers import AutoModelForCausalLM
+
+    from specctl.features import Layout, TargetHead, encode_features
+    from specctl.memtrace import MemoryTrace
+    from specctl.verifier import capture_hidden_states, check_aux_layer_ids, default_aux_layer_ids
+
+    L = config.num_hidden_layers
+    aux_ids = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    layout = Layout.from_section(recipe.features)
+    length = min(recipe.data.max_length, recipe.features.batch_tokens)
+    sequences = max(1, recipe.features.batch_tokens // length)
+    with MemoryTrace() as t:
+        with t.heavy():
+            model = AutoModelForCausalLM.from_config(config, dtype=_verifier_dtype(recipe, device)).eval()
+            head = None
+            if layout.needs_head:
+                w = model.get_output_embeddings().weight
+                head = TargetHead(model.get_decoder().norm.weight.float(), w.float(), config.rms_norm_eps)
+        built = t.mark().live
+        ids = torch.randint(0, config.vocab_size, (sequences, length))
+        mask = torch.ones(sequences, length, dtype=torch.long)
+        aux, last = capture_hidden_states(model, ids, mask, aux_ids)
+        with torch.inference_mode():
+            encoded = encode_features(aux.flatten(0, 1), last.flatten(0, 1), layout, head)
+        del encoded, aux, last
+        point = t.mark()
+    return ForwardTrace(built, point.peak, point.flops, sequences, length)
+
+
+# ---------------------------------------------------------------- stages
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What every stage's plan reads: the recipe, where it runs, and the verifier's shape."""
+
+    recipe: Any
+    cluster: Cluster
+    config: Any  # the verifier's transformers config
+    params: int  # the verifier's parameters
+    spec: Any  # the VerifierSpec drafters are built from
+
+    @property
+    def tp(self) -> int:
+        return getattr(self.recipe.verifier, "tensor_parallel_size", 1)
+
+    @property
+    def cuda(self) -> bool:
+        return self.cluster.device == "cuda"
+
+    @property
+    def vdtype_bytes(self) -> int:
+        return _bytes_of(_verifier_dtype(self.recipe, self.cluster.device))
+
+    def max_tokens(self) -> int:
+        """Tokens of the data at most: every conversation at data.max_length."""
+        samples = self.recipe.data.max_samples or _generated_count(self.recipe)
+        return samples * self.recipe.data.max_length
+
+    def overheads(self, traced: int) -> list[Term]:
+        """What a CUDA process holds beyond the live tensors a trace counts."""
+        if not self.cuda:
+            return []
+        return [
+            Term(
+                "allocator fragmentation",
+                int(traced * FRAGMENTATION),
+                f"assumed {FRAGMENTATION:.0%} of traced",
+            ),
+            Term("CUDA context, cuBLAS, NCCL", CUDA_RESERVE, "assumed per process"),
+        ]
+
+
+def _generated_count(recipe: Any) -> int:
+    return recipe.data.generate.num_conversations
+
+
+def _gpu_seconds(flops: float, cluster: Cluster, devices: int) -> float:
+    return flops / (cluster.tflops * 1e12 * cluster.mfu * max(1, devices))
+
+
+def vllm_stage(
+    stage: str, x: Inputs, tokens: int, seconds: float | None, disk: int, extra: int = 0
+) -> StagePlan:
+    """A stage served by vLLM engines of verifier.tensor_parallel_size GPUs each: vLLM takes its
+    share of every GPU up front; what must fit inside it is the weights' slice and one sequence's KV."""
+    c, tp = x.config, x.tp
+    weights = x.params * x.vdtype_bytes // tp + extra
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * x.vdtype_bytes // tp
+    one_sequence = kv_per_token * x.recipe.data.max_length
+    share = int(x.cluster.memory * VLLM_MEMORY_UTILIZATION)
+    terms = [
+        Term("verifier weights / TP", weights, f"{x.params / 1e9:.1f}B params x {x.vdtype_bytes} B / {tp}"),
+        Term("KV cache + activations", max(share - weights, one_sequence), "the rest of vLLM's share"),
+    ]
+    engines = max(1, x.cluster.world // tp)
+    return StagePlan(
+        stage,
+        terms,
+        x.cluster.memory if x.cuda else 0,
+        disk,
+        tokens,
+        seconds,
+        [
+            f"vLLM preallocates gpu_memory_utilization {VLLM_MEMORY_UTILIZATION} of each GPU",
+            f"{engines} engine(s) of TP {tp}; one {x.recipe.data.max_length}-token sequence needs "
+            f"{one_sequence / GIB:.2f} GiB of KV per GPU",
+        ],
+        f"raise verifier.tensor_parallel_size (now {tp}) until the weights' slice fits",
+    )
+
+
+def plan_data(x: Inputs) -> StagePlan:
+    """Conversations: tokenizing a source costs no device; generating answers runs vLLM engines
+    (data.engine auto/vllm on GPUs) or the HF model, or remote servers (data.engine server)."""
+    from specctl.data import sources
+
+    d = x.recipe.data
+    generating = sources.is_self_generated(d.source) or d.regenerate
+    tokens = x.max_tokens()
+    disk = tokens * 9  # int32 ids + bool mask + ~4 bytes of jsonl text per token
+    if not generating or d.engine == "server" or not x.cuda:
+        return StagePlan("data", [], 0, disk, tokens, None, ["no verifier on this machine's devices"])
+    new_tokens = (d.max_samples or _generated_count(x.recipe)) * d.max_new_tokens
+    engines = max(1, x.cluster.world // x.tp)
+    rate = DECODE_TOKENS_PER_S_8B * 8e9 / x.params * x.tp
+    plan = vllm_stage("data", x, tokens, new_tokens / (rate * engines), disk)
+    plan.assumptions.append(
+        f"assumed {rate:,.0f} output tok/s per engine ({DECODE_TOKENS_PER_S_8B:,.0f} at 8B, TP 1)"
+    )
+    return plan
+
+
+def plan_collect(x: Inputs) -> StagePlan:
+    """The feature forward: HF (traced; weights split over verifier.tensor_parallel_size GPUs by a
+    device map) or vLLM engines; the store's bytes from its layout."""
+    from specctl.features import Layout, layout_bytes_per_token
+
+    r = x.recipe
+    layout = Layout.from_section(r.features)
+    n_aux = len(x.spec.aux_layer_ids)
+    bpt = layout_bytes_per_token(layout, x.config.hidden_size, n_aux, x.config.vocab_size)
+    tokens = x.max_tokens()
+    disk = tokens * bpt
+    flops_per_token = 2 * x.params  # decoder + LM head, the top-k chunked over the vocabulary
+    seconds = _gpu_seconds(flops_per_token * tokens, x.cluster, x.cluster.world) if x.cuda else None
+    if r.features.backend == "vllm":
+        return vllm_stage("collect", x, tokens, seconds, disk)
+    ft = trace_collect_forward(r, x.config, x.cluster.device)
+    tp = x.tp
+    activations = ft.peak - ft.weights
+    terms = [
+        Term("verifier weights / TP", ft.weights // tp, f"built at {x.params / 1e9:.2f}B params, / {tp}"),
+        Term(
+            "forward of one batch",
+            activations,
+            f"traced: {ft.sequences} x {ft.length} tokens (features.batch_tokens), hooks, encoding",
+        ),
+        *x.overheads(ft.peak),
+    ]
+    shard = r.features.shard_tokens * bpt
+    return StagePlan(
+        "collect",
+        terms,
+        x.cluster.memory,
+        disk,
+        tokens,
+        _gpu_seconds(ft.flops * tokens / (ft.sequences * ft.length), x.cluster, x.cluster.world)
+        if x.cuda
+        else None,
+        [
+            f"{bpt:,} B/token on disk; a shard ({shard / GIB:.1f} GiB) is held in host memory until written"
+        ],
+        f"raise verifier.tensor_parallel_size (now {tp}) or lower features.batch_tokens "
+        f"(now {r.features.batch_tokens})",
+    )
+
+
+def train_terms(x: Inputs, st: StepTrace) -> list[Term]:
+    """A rank's peak from a traced step, with what the trace (one process, no DDP) leaves out."""
+    r, cluster = x.recipe, x.cluster
+    cfg = r.train
+    sharded = cfg.parallelism == "fsdp" and cluster.world > 1
+    saving = int((st.grads + st.optimizer) * (1 - 1 / cluster.world)) if sharded else 0
+    terms = [
+        Term(
+            "drafter + borrowed verifier tensors", st.weights, f"built: {st.trainable / 1e6:,.0f}M trainable"
+        ),
+        Term("optimizer state", st.optimizer, f"traced ({cfg.optimizer})"),
+        Term(
+            "step: batch, activations, gradients, loss",
+            st.peak - st.weights - st.optimizer,
+            f"traced: {st.sequences} x {st.length} tokens"
+            + (", activation checkpointing" if cfg.activation_checkpointing else ""),
+        ),
+    ]
+    if sharded:
+        terms.append(Term("FSDP: gradients and optimizer sharded", -saving, f"/ {cluster.world} ranks"))
+    elif cluster.world > 1:
+        terms.append(Term("DDP gradient buckets", st.grads, "one copy of the gradients"))
+    if r.train.mode == "online":
+        terms.append(Term("online: the verifier on every rank", x.params * x.vdtype_bytes, "weights only"))
+    return terms + x.overheads(st.peak)
+
+
+def micro_tokens(recipe: Any) -> int:
+    cfg = recipe.train
+    return min(cfg.micro_batch_tokens or cfg.batch_tokens, cfg.batch_tokens)
+
+
+def plan_train(x: Inputs) -> StagePlan:
+    """One rank's training step at train.micro_batch_tokens, traced; when it does not fit, the
+    largest micro-batch that does (halving down to one sequence) goes into the fix."""
+    r, cluster = x.recipe, x.cluster
+    cfg = r.train
+    micro = micro_tokens(r)
+    st = trace_train_step(r, x.spec, micro, cluster.device)
+    terms = train_terms(x, st)
+    pieces = ceil_div(cfg.batch_tokens, st.sequences * st.length)
+    steps_flops = st.flops * pieces * cfg.grad_accum * cfg.max_steps
+    tokens = cfg.max_steps * cfg.batch_tokens * cfg.grad_accum * cluster.world
+    plan = StagePlan(
+        "train",
+        terms,
+        cluster.memory,
+        cfg.keep_checkpoints * (st.trainable * 4 + st.optimizer),
+        tokens,
+        _gpu_seconds(steps_flops, cluster, 1) if x.cuda else None,
+        [
+            f"{pieces} piece(s) of {st.sequences} x {st.length} tokens per micro-batch of "
+            f"{cfg.batch_tokens:,} (train.micro_batch_tokens), every token a loss token",
+            f"{st.flops / 1e12:,.1f} TFLOP per piece (traced), MFU {cluster.mfu:.0%} of "
+            f"{cluster.tflops:,.0f} TFLOP/s"
+            if x.cuda
+            else "time not estimated on the CPU",
+        ],
+    )
+    if not plan.fits:
+        plan.fix = train_fix(x, micro, plan.capacity)
+    return plan
+
+
+def train_fix(x: Inputs, micro: int, capacity: int) -> str:
+    """What to change when the step does not fit: the largest micro-batch that does, else the
+    switches that cut memory further."""
+    r = x.recipe
+    length = min(r.data.max_length, r.train.batch_tokens)
+    candidate = micro // 2
+    while candidate >= length:
+        st = trace_train_step(r, x.spec, candidate, x.cluster.device)
+        if sum(t.bytes for t in train_terms(x, st)) <= capacity:
+            return f"set train.micro_batch_tokens={candidate} (the largest power-of-two share that fits)"
+        candidate //= 2
+    switches = []
+    if not r.train.activation_checkpointing:
+        switches.append("train.activation_checkpointing=true")
+    if r.train.parallelism != "fsdp":
+        switches.append("train.parallelism=fsdp")
+    switches.append("a smaller drafter or data.max_length, or GPUs with more memory")
+    return f"even one {length}-token sequence per piece does not fit; try " + ", ".join(switches)
+
+
+def plan_export(x: Inputs, st_trainable: int | None = None) -> StagePlan:
+    """Export on the host: the checkpoint's float32 state, and its copy in export.dtype."""
+    from specctl.drafters import DRAFTERS
+
+    if st_trainable is None:
+        st_trainable = drafter_parameters(x)
+    out_bytes = _bytes_of(getattr(torch, x.recipe.export.dtype))
+    del DRAFTERS
+    terms = [
+        Term("checkpoint state (float32)", st_trainable * 4, "trainable parameters"),
+        Term(f"export copy ({x.recipe.export.dtype})", st_trainable * out_bytes, "written, then validated"),
+    ]
+    return StagePlan("export", terms, 0, st_trainable * out_bytes, 0, None, ["runs on the host"])
+
+
+def drafter_parameters(x: Inputs) -> int:
+    """Trainable parameters of the recipe's drafter (built on the meta device)."""
+    from specctl.drafters import DRAFTERS
+    from specctl.drafters.api import VerifierWeights
+
+    V, H = x.spec.vocab_size, x.spec.hidden_size
+    algo = x.recipe.drafter.algo
+    with torch.device("meta"):
+        weights = VerifierWeights(torch.empty(V, H), torch.empty(V, H), torch.empty(H))
+        drafter = DRAFTERS[algo].build(
+            getattr(x.recipe.drafter, algo), x.spec, weights, None, x.recipe.train.loss
+        )
+    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+
+
+def plan_bench(x: Inputs) -> StagePlan:
+    """Serving the exported drafter beside the verifier: vLLM engines, or the embedded engine
+    (the whole verifier on one device)."""
+    draft = drafter_parameters(x) * _bytes_of(getattr(torch, x.recipe.export.dtype))
+    if x.recipe.bench.backend != "embedded" and x.cuda:
+        return vllm_stage("bench", x, 0, None, 0, extra=draft)
+    weights = x.params * x.vdtype_bytes
+    terms = [
+        Term("verifier weights", weights, f"{x.params / 1e9:.2f}B params, one device"),
+        Term("drafter", draft, f"export.dtype {x.recipe.export.dtype}"),
+        *x.overheads(weights + draft),
+    ]
+    return StagePlan(
+        "bench",
+        terms,
+        x.cluster.memory,
+        0,
+        0,
+        None,
+        ["embedded engine: batch 1, short KV"],
+        "bench with --backend vllm and verifier.tensor_parallel_size, or on a larger GPU",
+    )
+
+
+STAGES = {
+    "data": plan_data,
+    "collect": plan_collect,
+    "train": plan_train,
+    "export": plan_export,
+    "bench": plan_bench,
+}
+
+
+def inputs(recipe: Any, cluster: Cluster) -> Inputs:
+    from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, spec_from_config
+
+    config = verifier_config(recipe.verifier)
+    L = config.num_hidden_layers
+    aux = check_aux_layer_ids(recipe.features.aux_layer_ids or default_aux_layer_ids(L), L)
+    mask = recipe.drafter.mask_token_id if recipe.drafter.mask_token_id is not None else config.vocab_size - 1
+    spec = spec_from_config(config, recipe.verifier.name_or_path, aux, mask)
+    return Inputs(recipe, cluster, config, count_parameters(config), spec)
+
+
+def plan_recipe(recipe: Any, cluster: Cluster, stages: tuple[str, ...] = tuple(STAGES)) -> Plan:
+    """The plan of `stages` of `recipe` (as `train --algo` trains it) on `cluster`."""
+    recipe = recipe.for_training()
+    x = inputs(recipe, cluster)
+    return Plan(recipe.name, cluster, [STAGES[s](x) for s in stages])
+
+
+def check_stage(
+    recipe: Any, stage: str, force: bool = False, say=None, path: Path | None = None
+) -> StagePlan:
+    """The stage's plan on this machine, said in one line; PlanError when it does not fit (unless
+    `force`, which says the refusal as a warning and goes on)."""
+    plan = plan_recipe(recipe, this_machine(path), (stage,))
+    s = plan.stages[0]
+    if say is not None and s.capacity:
+        say(
+            f"plan: {stage} peak {gib(s.peak)} per {plan.cluster.device} device of {gib(s.capacity)}"
+        )
+    message = refusal(plan)
+    if message is not None and not force:
+        raise PlanError(message + " (or pass --force)")
+    if message is not None and say is not None:
+        say(f"warning (--force): {message}")
+    return s
