@@ -15,6 +15,8 @@ Rules that make the mix work (each one a place where a fake tensor meets real co
   which become their real `nonzero()` positions first (the output shape depends on their values);
 - a factory op (no tensor input) larger than `FAKE_FACTORY_ELEMENTS` is made fake: a [rows, V]
   buffer filled with -inf is heavy, an `arange` over a batch's rows steers;
+- a real tensor an op writes fake values into (`kept[rows, cols] = fake_logits`) is fake from then
+  on (its fake twin stands in for it in every later op), its bytes counted once, as the real one;
 - reading a value out of a fake tensor (`.item()`, `bool(t.all())`) gives 1 / True: the traced code
   takes its common branch (no NaN rows, every row valid). The figure is that branch's.
 
@@ -79,6 +81,7 @@ class MemoryTrace(TorchDispatchMode):
         self.flops = 0
         self._sizes: dict[int, int] = {}  # storage id -> bytes, for the storages alive now
         self._all_fake = False
+        self._poisoned: set[int] = set()  # real storages an op wrote fake values into
 
     @contextlib.contextmanager
     def heavy(self) -> Iterator[None]:
@@ -114,14 +117,18 @@ class MemoryTrace(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(a, FakeTensor) for a in flat):
+        if any(isinstance(a, FakeTensor) or self._poisoned_real(a) for a in flat):
             if func is aten._local_scalar_dense.default:  # .item() of a fake: the common branch
                 return True if args[0].dtype == torch.bool else 1
             if func in _INDEX_OPS:
                 args = (args[0], _bool_indices_as_positions(args[1]), *args[2:])
+            written = [a for a in _written_args(func, args) if not isinstance(a, FakeTensor)]
             args, kwargs = tree_map(self._as_fake, (args, kwargs))
             with self.fake:
                 out = func(*args, **kwargs)
+            if written:  # a real tensor written with fake values: fake from now on, its bytes counted
+                self._poisoned.update(a.untyped_storage()._cdata for a in written)
+                return out
         elif not any(isinstance(a, torch.Tensor) for a in flat) and (self._all_fake or _large_factory(args)):
             with self.fake:
                 out = func(*args, **kwargs)
@@ -131,10 +138,27 @@ class MemoryTrace(TorchDispatchMode):
         tree_map(self._track, out)
         return out
 
+    def _poisoned_real(self, a: object) -> bool:
+        return (
+            isinstance(a, torch.Tensor)
+            and not isinstance(a, FakeTensor)
+            and a.untyped_storage()._cdata in self._poisoned
+        )
+
     def _as_fake(self, a: object) -> object:
         if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor):
             return self.fake.from_tensor(a)
         return a
+
+
+def _written_args(func, args: tuple) -> list:
+    """The positional tensor arguments `func` writes in place (self of add_, index_put_, ...)."""
+    schema = func._schema.arguments
+    return [
+        a
+        for a, spec in zip(args, schema, strict=False)
+        if isinstance(a, torch.Tensor) and spec.alias_info is not None and spec.alias_info.is_write
+    ]
 
 
 def op_flops(func, args: tuple, kwargs: dict, out: object) -> int:
