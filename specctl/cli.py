@@ -85,7 +85,9 @@ def collect_hidden_states(
     force: Annotated[
         bool,
         typer.Option(
-            "--force", help="Start even if the estimate says the features will not fit on the disk."
+            "--force",
+            help="Start even if the estimate says the features will not fit on the disk, or the plan "
+            "that the verifier forward will not fit this machine's memory.",
         ),
     ] = False,
 ) -> None:
@@ -129,6 +131,9 @@ def train(
     ] = None,
     set_: SetOpt = None,
     resume: Annotated[bool, Flag("--resume", help="Continue from the latest checkpoint.")] = False,
+    force: Annotated[
+        bool, Flag("--force", help="Start even if `specctl plan` says the step will not fit this machine.")
+    ] = False,
 ) -> None:
     """Train a drafter on the recipe's feature store (or online, with train.mode=online).
 
@@ -142,7 +147,7 @@ def train(
     overrides = list(set_ or [])
     if algo is not None:
         overrides.append(f"drafter.algo={algo}")
-    s = run_training(load_recipe(recipe, overrides), resume=resume)
+    s = run_training(load_recipe(recipe, overrides), resume=resume, force=force)
     if s is None:  # non-zero ranks under torchrun print nothing
         return
     acc = s.val_acc_per_position

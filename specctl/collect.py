@@ -40,6 +40,7 @@ from specctl.features import (
 )
 from specctl.progress import duration, note, progress_bar
 from specctl.recipe import Recipe
+from specctl.resources import check_stage
 from specctl.verifier import (
     VerifierBackend,
     check_aux_layer_ids,
@@ -99,11 +100,13 @@ def collect(
 ) -> CollectSummary:
     """Make (or finish) runs/<name>/features for the recipe; see module docstring.
 
-    `force` starts even when the estimate says the store will not fit on the disk.
+    `force` starts even when the estimate says the store will not fit on the disk, or the plan
+    that the verifier forward will not fit the device (resources.check_stage).
     """
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
+    check_stage(recipe, "collect", force, lambda text: note(text, enabled=progress), run_dir)
     if verifier is None:  # the vLLM engine's log beside the data stage's (one per shard worker)
         log = run_dir / "logs" / ("collect-vllm.log" if world == 1 else f"collect-vllm-{rank}.log")
         verifier = _load_verifier(recipe, log)

@@ -276,10 +276,11 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
             embed = lm_head if spec.tie_word_embeddings else torch.empty(V, H, dtype=vdtype)
             weights = VerifierWeights(embed, lm_head, torch.empty(H, dtype=vdtype))
             torch.manual_seed(cfg.seed)
-            drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, None, cfg.loss)
+            d2t = draft_offsets(recipe)
+            drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, cfg.loss)
         if cfg.activation_checkpointing:
             distributed.checkpoint_layers(drafter)
-        optimizer = build_optimizer(drafter, cfg, vocab_sizes(V, None))
+        optimizer = build_optimizer(drafter, cfg, vocab_sizes(V, d2t))
         built = t.mark().live
         batch = _synthetic_batch(recipe, spec, sequences, length, t)
         with_batch = t.mark().live
@@ -306,6 +307,13 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
         sequences=sequences,
         length=length,
     )
+
+
+def draft_offsets(recipe: Any) -> torch.Tensor | None:
+    """A d2t table of drafter.draft_vocab_size entries (the first ids kept): the shapes of the one
+    training builds from token frequencies (None: the full vocabulary)."""
+    size = recipe.drafter.draft_vocab_size
+    return None if size is None else torch.zeros(size, dtype=torch.long)
 
 
 def _verifier_dtype(recipe: Any, device: str) -> torch.dtype:
@@ -674,15 +682,19 @@ def plan_recipe(recipe: Any, cluster: Cluster, stages: tuple[str, ...] = tuple(S
 
 def check_stage(
     recipe: Any, stage: str, force: bool = False, say=None, path: Path | None = None
-) -> StagePlan:
+) -> StagePlan | None:
     """The stage's plan on this machine, said in one line; PlanError when it does not fit (unless
-    `force`, which says the refusal as a warning and goes on)."""
-    plan = plan_recipe(recipe, this_machine(path), (stage,))
+    `force`, which says the refusal as a warning and goes on). A verifier whose config cannot be
+    read here is said and skipped: the stage itself then says what is wrong with it."""
+    try:
+        plan = plan_recipe(recipe, this_machine(path), (stage,))
+    except UsageError as e:
+        if say is not None:
+            say(f"plan: not checked ({e})")
+        return None
     s = plan.stages[0]
     if say is not None and s.capacity:
-        say(
-            f"plan: {stage} peak {gib(s.peak)} per {plan.cluster.device} device of {gib(s.capacity)}"
-        )
+        say(f"plan: {stage} peak {gib(s.peak)} per {plan.cluster.device} device of {gib(s.capacity)}")
     message = refusal(plan)
     if message is not None and not force:
         raise PlanError(message + " (or pass --force)")

@@ -40,7 +40,9 @@ from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
 from specctl.features import FEATURE_KEYS, Layout, open_features
 from specctl.optim import build_optimizer, build_scheduler, restore_scheduler, vocab_sizes
+from specctl.progress import note
 from specctl.recipe import Recipe, dump_recipe
+from specctl.resources import check_stage
 from specctl.tracking import Tracker, check_tracker, open_tracker
 from specctl.verifier import (
     capture_hidden_states,
@@ -419,15 +421,17 @@ def live_view(enabled: bool, total: int, start: int) -> Iterator[Callable[..., N
 # ---------------------------------------------------------------- the loop
 
 
-def run_training(recipe: Recipe, resume: bool = False, progress: bool = True) -> TrainSummary | None:
+def run_training(
+    recipe: Recipe, resume: bool = False, progress: bool = True, force: bool = False
+) -> TrainSummary | None:
     """Train `recipe.drafter.algo` as the recipe says (`train.per_algo` included); under torchrun,
-    on every rank.
+    on every rank. `force` starts even when the plan says the step will not fit this machine.
 
     Returns the summary on rank 0 and None on the other ranks (which write and print nothing).
     """
     ctx = distributed.setup(recipe.verifier.device)
     try:
-        return train(recipe.for_training(), ctx, resume, progress)
+        return train(recipe.for_training(), ctx, resume, progress, force)
     finally:
         distributed.teardown(ctx)
 
@@ -559,7 +563,9 @@ def check_step(s: StepFigures, step: int, first: bool) -> None:
         )
 
 
-def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> TrainSummary | None:
+def train(
+    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool = False
+) -> TrainSummary | None:
     """The loop, on this process's rank of `ctx` (see run_training)."""
     cfg, algo = recipe.train, recipe.drafter.algo
     out_dir = recipe.run_dir / "drafters" / algo
@@ -569,6 +575,8 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
         raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
     if resume_from is not None:
         check_resumable(resume_from, recipe)
+    say = lambda text: note(text, enabled=progress and ctx.is_main)  # noqa: E731
+    check_stage(recipe, "train", force, say, recipe.run_dir)
     p = build_pieces(recipe, ctx, progress)
 
     step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
