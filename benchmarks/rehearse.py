@@ -21,6 +21,7 @@ Usage: python -m benchmarks.rehearse [--models llama,qwen3] [--algos dflash,dspa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -88,11 +89,14 @@ def write_conversations(path: Path, count: int, max_length: int) -> Path:
     """`count` conversations whose assistant turn alone runs past `max_length` byte tokens: every
     sample is cropped to max_length, so each batch is the plan's worst case (full length, loss
     tokens throughout the answer)."""
-    words = "the drafter reads the verifier's hidden states and proposes a block of tokens at once ".split()
+    words = ["the", "drafter", "reads", "the", "verifier's", "hidden", "states", "and", "proposes"]
     with path.open("w") as f:
         for i in range(count):
             answer = " ".join(words[(i + j) % len(words)] for j in range(max_length))
-            messages = [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": answer}]
+            messages = [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": answer},
+            ]
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
@@ -151,6 +155,9 @@ def measure_stage(stage: str, recipe_path: str, algo: str | None) -> dict[str, A
     import specctl.export
     import specctl.train
     import specctl.vllm_check  # noqa: F401  (imported before the baseline, like the others)
+
+    with contextlib.suppress(ImportError):  # export --check parses the config with vLLM's code
+        import vllm.config  # noqa: F401
     from specctl.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, [f"drafter.algo={algo}"] if algo else [])

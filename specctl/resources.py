@@ -599,23 +599,34 @@ def train_fix(x: Inputs, micro: int, capacity: int) -> str:
     return f"even one {length}-token sequence per piece does not fit; try " + ", ".join(switches)
 
 
-def plan_export(x: Inputs, st_trainable: int | None = None) -> StagePlan:
-    """Export on the host: the checkpoint's float32 state, and its copy in export.dtype."""
-    from specctl.drafters import DRAFTERS
-
-    if st_trainable is None:
-        st_trainable = drafter_parameters(x)
-    out_bytes = _bytes_of(getattr(torch, x.recipe.export.dtype))
-    del DRAFTERS
+def plan_export(x: Inputs) -> StagePlan:
+    """Export on the host, as export.save_drafter does it: the checkpoint's float32 state, its copy in
+    export.dtype, safetensors' in-memory serialization of that copy, and the written file read back
+    to validate it before it replaces anything."""
+    saved, exported = drafter_tensors(x)
+    b = _bytes_of(getattr(torch, x.recipe.export.dtype))
     terms = [
-        Term("checkpoint state (float32)", st_trainable * 4, "trainable parameters"),
-        Term(f"export copy ({x.recipe.export.dtype})", st_trainable * out_bytes, "written, then validated"),
+        Term("checkpoint state (float32)", saved * 4, "the drafter's state dict"),
+        Term(f"export copy ({x.recipe.export.dtype})", exported * b, "export_state(), cast"),
+        Term("safetensors serialization", exported * b, "the file is built in memory"),
+        Term("validation: the file read back", exported * b, "validate_export(values)"),
     ]
-    return StagePlan("export", terms, 0, st_trainable * out_bytes, 0, None, ["runs on the host"])
+    return StagePlan("export", terms, 0, exported * b, 0, None, ["runs on the host"])
 
 
 def drafter_parameters(x: Inputs) -> int:
-    """Trainable parameters of the recipe's drafter (built on the meta device)."""
+    """Trainable parameters of the recipe's drafter."""
+    return sum(p.numel() for p in _meta_drafter(x).parameters() if p.requires_grad)
+
+
+def drafter_tensors(x: Inputs) -> tuple[int, int]:
+    """(floating elements in the drafter's state dict, in its export): counted on the meta device."""
+    drafter = _meta_drafter(x)
+    floating = lambda tensors: sum(t.numel() for t in tensors if t.is_floating_point())  # noqa: E731
+    return floating(drafter.state_dict().values()), floating(drafter.export_state().values())
+
+
+def _meta_drafter(x: Inputs) -> Any:
     from specctl.drafters import DRAFTERS
     from specctl.drafters.api import VerifierWeights
 
@@ -623,16 +634,14 @@ def drafter_parameters(x: Inputs) -> int:
     algo = x.recipe.drafter.algo
     with torch.device("meta"):
         weights = VerifierWeights(torch.empty(V, H), torch.empty(V, H), torch.empty(H))
-        drafter = DRAFTERS[algo].build(
-            getattr(x.recipe.drafter, algo), x.spec, weights, None, x.recipe.train.loss
-        )
-    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        section = getattr(x.recipe.drafter, algo)
+        return DRAFTERS[algo].build(section, x.spec, weights, draft_offsets(x.recipe), x.recipe.train.loss)
 
 
 def plan_bench(x: Inputs) -> StagePlan:
     """Serving the exported drafter beside the verifier: vLLM engines, or the embedded engine
     (the whole verifier on one device)."""
-    draft = drafter_parameters(x) * _bytes_of(getattr(torch, x.recipe.export.dtype))
+    draft = drafter_tensors(x)[1] * _bytes_of(getattr(torch, x.recipe.export.dtype))
     if x.recipe.bench.backend != "embedded" and x.cuda:
         return vllm_stage("bench", x, 0, None, 0, extra=draft)
     weights = x.params * x.vdtype_bytes
