@@ -52,6 +52,15 @@ class VerifierSection(Section):
     trust_remote_code: bool = Field(
         False, description="Run model code shipped with the checkpoint (warns when on)."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one verifier spans, for a verifier too large for one GPU (Llama-3.3-70B in "
+        "bf16: 141 GB). vLLM engines (data generation, `features.backend: vllm`, the vLLM benches) shard "
+        "it with tensor parallelism, one engine per this many GPUs; the HF backend spreads its layers "
+        "over this many GPUs (`device_map`). A torchrun rank r takes GPUs r*N..r*N+N-1. Needs GPUs: "
+        "1 on a CPU.",
+    )
 
 
 class GenerateSection(Section):
