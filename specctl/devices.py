@@ -39,6 +39,17 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0") or 0)
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries ([] without CUDA): entry i is
+    torch's cuda:i, and what a child process is given to see the same GPU."""
+    if not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
 def verifier_gpus(
     tensor_parallel: int, device: torch.device, num_gpus: int, rank: int = 0
 ) -> tuple[int, ...]:

@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import make_tiny_tokenizer, make_tiny_verifier
+from pydantic import ValidationError
 from reliability_matrix import fault
 from test_data import CONVS, assistant_texts, masked_runs, write_jsonl
 
 from specctl.data import load_samples, prepare_data
 from specctl.data.chat import next_user_prefix, render
-from specctl.data.engines import Completion, Request, Sampling, api_base, worker_devices
+from specctl.data.engines import Completion, Request, Sampling, api_base, worker_devices, worker_llm_args
 from specctl.data.generate import (
     GenerationSpec,
     MagpieConversation,
@@ -41,7 +42,7 @@ from specctl.data.generate import (
 from specctl.data.journal import Journal
 from specctl.data.prepare import generation_fingerprint
 from specctl.data.vllm_worker import recv_message, send_message, serve
-from specctl.errors import DataError
+from specctl.errors import DataError, RecipeError
 from specctl.recipe import DataSection, VerifierSection
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -99,9 +100,40 @@ def test_worker_devices_groups_gpus_by_tensor_parallel_size():
     assert worker_devices(["0", "1", "2", "3"], 1) == ["0", "1", "2", "3"]
     assert worker_devices(["4", "5", "6", "7", "0", "1", "2", "3"], 2) == ["4,5", "6,7", "0,1", "2,3"]
     assert worker_devices(["0", "1", "2"], 2) == ["0,1"]  # the odd GPU is left over
-    with pytest.raises(DataError, match="tensor_parallel_size=4 but 2 GPU"):
+    eight = [str(i) for i in range(8)]
+    assert worker_devices(eight, 4) == ["0,1,2,3", "4,5,6,7"]  # the 70B recipe: 2 engines of 4
+    for n in range(1, 9):  # brute force: n // tp disjoint groups of tp consecutive GPUs
+        for tp in range(1, n + 1):
+            groups = [g.split(",") for g in worker_devices(eight[:n], tp)]
+            assert len(groups) == n // tp and all(len(g) == tp for g in groups)
+            assert [i for g in groups for i in g] == eight[: n // tp * tp]
+    with pytest.raises(
+        RecipeError, match=r"verifier.tensor_parallel_size=4 from GPU 0 needs 4 GPU\(s\) but 2"
+    ):
         worker_devices(["0", "1"], 4)
+    with pytest.raises(
+        RecipeError, match="verifier.tensor_parallel_size=2: it spans GPUs, but the verifier runs on cpu"
+    ):
+        worker_devices([], 2)
     assert api_base("http://h:8000") == api_base("http://h:8000/v1/") == "http://h:8000/v1"
+
+
+def test_worker_llm_args_shard_each_engine_over_its_group_and_refuse_tp_in_vllm_args():
+    args = worker_llm_args("m", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=8, cpu=False)
+    assert args["tensor_parallel_size"] == 1
+    four = worker_llm_args(
+        "m",
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=64,
+        max_num_seqs=8,
+        cpu=False,
+        tensor_parallel_size=4,
+        extra={"gpu_memory_utilization": 0.8},
+    )
+    assert four == {**args, "tensor_parallel_size": 4, "gpu_memory_utilization": 0.8}
+    with pytest.raises(ValidationError, match="set once, for every stage, as verifier.tensor_parallel_size"):
+        DataSection(vllm_args={"tensor_parallel_size": 2})
 
 
 def test_next_user_prefix_is_the_conversation_then_the_user_header(tiny_tokenizer):

