@@ -256,6 +256,49 @@ def offloaded_modules(device_map: dict[str, Any] | None, gpus: tuple[int, ...]) 
     return [name for name, where in (device_map or {}).items() if where not in gpus]
 
 
+@dataclass
+class VerifierFiles:
+    """A verifier's tokenizer and config, its weights not loaded (`read_verifier_files`): what the
+    collect stage reads of a verifier spread over GPUs before the data stage, whose vLLM engines
+    need those GPUs; `load_verifier` loads the weights after it."""
+
+    tokenizer: Any
+    config: Any
+    name_or_path: str
+    hub_id: str | None
+    local_path: str | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def generation_model(self) -> None:
+        """None: generation loads what it needs (vLLM engines, or the HF model for the block)."""
+        return None
+
+
+def read_verifier_files(section: VerifierSection) -> VerifierFiles:
+    """Tokenizer + config in seconds, and the GPU group checked (`verifier_gpus`), so a recipe that
+    cannot run fails before the data stage, as `load_verifier` would."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, hub_id = locate_verifier(section.name_or_path, section.revision)
+    device = resolve_device(section.device)
+    num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    verifier_gpus(section.tensor_parallel_size, device, num_gpus, local_rank())
+    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise VerifierError(
+            f"verifier {section.name_or_path!r} could not be loaded ({first_line(e, 160)})"
+        ) from None
+    local = source if Path(source).is_dir() else None
+    return VerifierFiles(tokenizer, config, section.name_or_path, hub_id, local)
+
+
 def load_verifier(section: VerifierSection) -> Verifier:
     """Load tokenizer + causal LM, frozen, on the recipe's device(s) and dtype.
 
