@@ -43,10 +43,12 @@ from specctl.recipe import Recipe
 from specctl.resources import check_stage
 from specctl.verifier import (
     VerifierBackend,
+    VerifierFiles,
     check_aux_layer_ids,
     config_hash,
     default_aux_layer_ids,
     load_verifier,
+    read_verifier_files,
 )
 
 
@@ -128,7 +130,7 @@ def collect(
         recipe.data,
         verifier.tokenizer,
         run_dir / "data",
-        model=verifier.generation_model,  # None for the vLLM backend: generation loads what it needs
+        model=verifier.generation_model,  # None unless the HF model is loaded: generation loads what it needs
         progress=progress,
         verifier=recipe.verifier,
         on_plan=on_plan,
@@ -144,6 +146,8 @@ def collect(
         written = sum(f.stat().st_size for f in path.glob("shard-*.safetensors"))
         estimate = StoreEstimate(path, len(samples), sum(lengths), bytes_per_token, layout, written)
         check_store_fits(estimate, force, say)
+        if isinstance(verifier, VerifierFiles):  # the data stage is done: its GPUs are free
+            verifier = load_verifier(recipe.verifier)
     forward_start = time.perf_counter()
     done_tokens = _capture(verifier, recipe, aux_ids, layout, plan, samples, todo, progress, say)
     manifest = finalize_store(path)
@@ -163,11 +167,16 @@ def collect(
     )
 
 
-def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend:
+def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend | VerifierFiles:
+    """The recipe's verifier; an HF one spread over GPUs (`tensor_parallel_size` > 1) as its files
+    only, its weights loaded once the data stage is done: loaded first, they would hold the GPUs
+    the data stage's vLLM engines start on (a 70B verifier: 35 GB of each of 4 GPUs)."""
     if recipe.features.backend == "vllm":
         from specctl.collect_vllm import load_vllm_verifier
 
         return load_vllm_verifier(recipe.verifier, vllm_log)
+    if recipe.verifier.tensor_parallel_size > 1:
+        return read_verifier_files(recipe.verifier)
     return load_verifier(recipe.verifier)
 
 

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 from specctl.data.vllm_worker import recv_message, send_message
-from specctl.devices import resolve_dtype
+from specctl.devices import local_rank, resolve_dtype, verifier_gpus, visible_gpus
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
@@ -97,6 +97,7 @@ class VllmVerifier:
     storage_dir: Path | None = None  # where the connector writes one file per request
     max_model_len: int = 0
     log_path: Path | None = None  # the engine's output (vLLM's log); None: specctl's stderr
+    gpus: str | None = None  # the engine's CUDA_VISIBLE_DEVICES (its rank's group); None: inherited
 
     @property
     def num_layers(self) -> int:
@@ -168,11 +169,14 @@ def engine_kwargs(
     trust_remote_code: bool = False,
     max_num_batched_tokens: int | None = None,
     kv_cache_gib: float | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """The `vllm.LLM(**kwargs)` that captures `capture_ids` for every prompt into `storage_dir`.
 
     Prefix caching is off: a prefix served from cache skips the verifier forward, and whether
     the hidden-state slots of cached blocks are reused as well is a detail we do not rely on.
+    With `tensor_parallel_size` > 1 the verifier is sharded over that many GPUs; the residual
+    stream the connector reads is whole on every rank, and only rank 0 writes the files.
     """
     connector: dict[str, Any] = {
         # vLLM's ExampleHiddenStatesConnector with specctl's file write; on CPU without CUDA copies
@@ -187,6 +191,7 @@ def engine_kwargs(
         trust_remote_code=trust_remote_code,
         dtype=dtype,
         max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
         enable_prefix_caching=False,
         disable_log_stats=True,
         speculative_config={
@@ -245,6 +250,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | 
         quiet_vllm_import()
     on_cpu = check_vllm_can_run(config)
     return VllmVerifier(
+        gpus=engine_gpus(section.tensor_parallel_size, on_cpu),
         tokenizer=tokenizer,
         config=config,
         name_or_path=section.name_or_path,
@@ -256,6 +262,17 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | 
         dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
         log_path=log_path,
     )
+
+
+def engine_gpus(tensor_parallel: int, on_cpu: bool) -> str | None:
+    """CUDA_VISIBLE_DEVICES of this process's engine: its torchrun rank's group of
+    `tensor_parallel` GPUs (`verifier_gpus`: one-line error if it does not fit), None on a CPU."""
+    if on_cpu:
+        verifier_gpus(tensor_parallel, torch.device("cpu"), 0)  # tp > 1: refused
+        return None
+    visible = visible_gpus()
+    group = verifier_gpus(tensor_parallel, torch.device("cuda"), len(visible), local_rank())
+    return ",".join(visible[i] for i in group)
 
 
 @contextmanager
@@ -294,9 +311,10 @@ def open_vllm_verifier(
         trust_remote_code=v.section.trust_remote_code,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_cache_gib=kv_cache_gib,
+        tensor_parallel_size=v.section.tensor_parallel_size,
     )
     try:
-        with open_engine_worker(kwargs, v.name_or_path, v.log_path) as worker:
+        with open_engine_worker(kwargs, v.name_or_path, v.log_path, v.gpus) as worker:
             yield replace(
                 v, llm=worker, capture_ids=capture, storage_dir=store, max_model_len=worker.max_model_len
             )
@@ -357,12 +375,13 @@ class EngineWorker:
 
 @contextmanager
 def open_engine_worker(
-    llm_kwargs: dict[str, Any], name: str, log_path: Path | None
+    llm_kwargs: dict[str, Any], name: str, log_path: Path | None, gpus: str | None = None
 ) -> Iterator[EngineWorker]:
     """Start the worker, hand it the engine's kwargs, yield once vLLM is up; stop its group after.
 
     Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
-    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr."""
+    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr.
+    `gpus`: its CUDA_VISIBLE_DEVICES (None: this process's)."""
     ours, theirs = socket.socketpair()
     with ExitStack() as stack:
         stack.callback(ours.close)
@@ -371,6 +390,8 @@ def open_engine_worker(
             # a log file gets vLLM's own level, specctl's stderr the quiet one this process has;
             # cpu=False: the KV cache size travels in the engine's kwargs, not the environment
             env = None if log_path is None else vllm_env(cpu=False)
+            if gpus is not None:
+                env = {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": gpus}
             proc = stack.enter_context(process_group(argv, log_path, env, pass_fds=[theirs.fileno()]))
         conn = Connection(os.dup(ours.fileno()))
         stack.callback(conn.close)

@@ -18,8 +18,11 @@ the vLLM verifier all ask here, so the stages never disagree about where a recip
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+
+from specctl.errors import RecipeError
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 
@@ -29,6 +32,55 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def local_rank() -> int:
+    """This process's torchrun LOCAL_RANK (0 outside torchrun): which group of the node's GPUs it takes."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries ([] without CUDA): entry i is
+    torch's cuda:i, and what a child process is given to see the same GPU."""
+    if not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None and listed.strip():
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def verifier_gpus(
+    tensor_parallel: int, device: torch.device, num_gpus: int, rank: int = 0
+) -> tuple[int, ...]:
+    """The GPUs (torch indices) one verifier spans: `tensor_parallel` consecutive ones, from
+    `device`'s index when it names one (`cuda:4`), else from `rank * tensor_parallel`, so that the
+    torchrun ranks of a node take disjoint groups (8 GPUs, tp 4: rank 0 -> 0-3, rank 1 -> 4-7).
+    () off CUDA. A group that does not fit the visible GPUs is a one-line RecipeError naming the
+    field, before any weight is read."""
+    tp = tensor_parallel
+    if device.type != "cuda":
+        if tp > 1:
+            raise RecipeError(
+                f"verifier.tensor_parallel_size={tp}: it spans GPUs, but the verifier runs on {device} "
+                "(no GPU visible, or verifier.device says so); set it to 1 there"
+            )
+        return ()
+    if num_gpus == 0:
+        raise RecipeError(f"verifier.device {device}: no GPU is visible; set verifier.device to auto or cpu")
+    first = device.index if device.index is not None else rank * tp
+    if first + tp <= num_gpus:
+        return tuple(range(first, first + tp))
+    if device.index is None and rank > 0:
+        raise RecipeError(
+            f"verifier.tensor_parallel_size={tp}: torchrun local rank {rank} would take GPUs "
+            f"{first}-{first + tp - 1} but {num_gpus} are visible; start {max(1, num_gpus // tp)} "
+            "process(es) per node (--nproc-per-node) or lower it"
+        )
+    raise RecipeError(
+        f"verifier.tensor_parallel_size={tp} from GPU {first} needs {first + tp} GPU(s) but {num_gpus} "
+        "are visible; lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+    )
 
 
 IF_NATIVE = "bfloat16-if-native"  # verifier.dtype: bf16 where the device has it, float32 where emulated

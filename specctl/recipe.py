@@ -52,6 +52,15 @@ class VerifierSection(Section):
     trust_remote_code: bool = Field(
         False, description="Run model code shipped with the checkpoint (warns when on)."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="GPUs one verifier spans, for a verifier too large for one GPU (Llama-3.3-70B in "
+        "bf16: 141 GB). vLLM engines (data generation, `features.backend: vllm`, the vLLM benches) shard "
+        "it with tensor parallelism, one engine per this many GPUs; the HF backend spreads its layers "
+        "over this many GPUs (`device_map`). A torchrun rank r takes GPUs r*N..r*N+N-1. Needs GPUs: "
+        "1 on a CPU.",
+    )
 
 
 class GenerateSection(Section):
@@ -106,31 +115,66 @@ class DataSection(Section):
     engine: Literal["auto", "hf", "vllm", "server"] = Field(
         "auto",
         description="What writes generated conversations: `vllm` = vLLM's offline engine in worker "
-        "processes (one per GPU, or per `tensor_parallel_size` GPUs); `server` = a running "
-        "OpenAI-compatible server at `server_url`; `hf` = batched HF generate in this process; `auto` = "
+        "processes (one per GPU, or per `verifier.tensor_parallel_size` GPUs); `server` = running "
+        "OpenAI-compatible servers at `server_url`; `hf` = batched HF generate in this process; `auto` = "
         "vllm when it is installed and can run the verifier here, else hf.",
     )
-    server_url: str | None = Field(
+    server_url: str | list[str] | None = Field(
         None,
-        description="Base URL for `engine: server`, e.g. http://127.0.0.1:8000 (an API key, if the server "
-        "needs one, is read from OPENAI_API_KEY).",
+        description="Base URL for `engine: server`, e.g. http://127.0.0.1:8000, or a list of them: each "
+        "request goes to the server with the fewest in flight, and a server that stops answering has its "
+        "requests moved to the others (an API key, if the servers need one, is read from OPENAI_API_KEY).",
     )
     server_model: str | None = Field(
-        None, description="Name the server serves the verifier under (None = the first of its /v1/models)."
+        None,
+        description="Name the servers serve the verifier under (None = the first of the first server's "
+        "/v1/models).",
     )
     max_in_flight: int = Field(
-        256, ge=1, description="Requests in flight per vLLM worker (its max_num_seqs), or to the server."
+        256, ge=1, description="Requests in flight per vLLM worker (its max_num_seqs), or to each server."
     )
     vllm_args: dict[str, Any] = Field(
         default_factory=dict,
-        description="Extra `vllm.LLM` arguments for `engine: vllm`, e.g. `{tensor_parallel_size: 2, "
-        "gpu_memory_utilization: 0.8}`.",
+        description="Extra `vllm.LLM` arguments for `engine: vllm`, e.g. `{gpu_memory_utilization: 0.8, "
+        "enable_chunked_prefill: false}` (GPUs per engine: `verifier.tensor_parallel_size`).",
     )
     generate: GenerateSection = Field(default_factory=GenerateSection)
 
+    @field_validator("server_url")
+    @classmethod
+    def _urls(cls, url: str | list[str] | None) -> str | list[str] | None:
+        urls = [url] if isinstance(url, str) else url or []
+        if isinstance(url, list) and not url:
+            raise ValueError(
+                "an empty list; give one URL or a list of them, e.g. [http://h1:8000, http://h2:8000]"
+            )
+        for u in urls:
+            if not u.strip().startswith(("http://", "https://")):
+                raise ValueError(f"{u!r} is not an http(s) URL; write http://host:port")
+        twice = sorted({u for u in urls if urls.count(u) > 1})
+        if twice:
+            raise ValueError(f"{twice[0]} is listed twice; list each server once")
+        return url
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _no_tensor_parallel(cls, args: dict[str, Any]) -> dict[str, Any]:
+        if "tensor_parallel_size" in args:
+            raise ValueError(
+                "tensor_parallel_size is set once, for every stage, as verifier.tensor_parallel_size; "
+                "move it there"
+            )
+        return args
+
+    @property
+    def server_urls(self) -> list[str]:
+        """`server_url` as a list (one entry for a single URL, [] for none)."""
+        url = self.server_url
+        return [url] if isinstance(url, str) else list(url or [])
+
     @model_validator(mode="after")
     def _server_needs_url(self) -> DataSection:
-        if self.engine == "server" and not self.server_url:
+        if self.engine == "server" and not self.server_urls:
             raise ValueError("data.engine is server: set data.server_url, e.g. http://127.0.0.1:8000")
         return self
 

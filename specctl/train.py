@@ -174,7 +174,10 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     if not ctx.is_main:  # rank 0 first: it may download or convert the model into a shared cache
         distributed.barrier(ctx)
     preflight(recipe)
-    verifier = load_verifier(recipe.verifier.model_copy(update={"device": str(ctx.device)}))
+    # each rank holds the whole verifier on its own GPU (as before verifier.tensor_parallel_size,
+    # which is for the collect and data stages): a rank's GPU group would overlap its neighbours'
+    on_rank = {"device": str(ctx.device), "tensor_parallel_size": 1}
+    verifier = load_verifier(recipe.verifier.model_copy(update=on_rank))
     if ctx.is_main:
         distributed.barrier(ctx)
     spec = recipe_verifier_spec(verifier, recipe)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from specctl.batching import length_buckets
-from specctl.devices import resolve_device, resolve_dtype
+from specctl.devices import local_rank, resolve_device, resolve_dtype, verifier_gpus
 from specctl.drafters import VerifierSpec, VerifierWeights
 from specctl.errors import RecipeError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
@@ -109,10 +109,15 @@ class Verifier:
 
 
 def target_head(verifier: Verifier) -> TargetHead:
-    """The HF verifier's own final norm and LM head, on its device: the tensors training uses."""
+    """The HF verifier's own final norm and LM head, float32, on `verifier.device` (where the
+    captured states are gathered; the first GPU of a spread verifier): the tensors training uses."""
     weights = verifier_weights(verifier)
     eps = getattr(verifier.config, "rms_norm_eps", 1e-6)
-    return TargetHead(weights.norm.float(), weights.lm_head.float(), eps)
+    return TargetHead(
+        weights.norm.to(verifier.device, torch.float32),
+        weights.lm_head.to(verifier.device, torch.float32),
+        eps,
+    )
 
 
 def cache_dir() -> Path:
@@ -225,31 +230,127 @@ def locate_verifier(name_or_path: str, revision: str | None = None) -> tuple[str
     return name_or_path, name_or_path
 
 
+# Share of each GPU's free memory the HF backend may fill with verifier layers when it spans
+# several (`verifier.tensor_parallel_size`): the rest is for the forward's activations, the captured
+# layers and the float32 LM head of top-k targets, which all gather on the first GPU.
+SPREAD_MEMORY_SHARE = 0.9
+
+
+def spread_kwargs(gpus: tuple[int, ...], free_bytes: list[int]) -> dict[str, Any]:
+    """`from_pretrained` kwargs that spread the verifier's decoder layers over `gpus` (torch
+    indices, `free_bytes` free on each), {} for one GPU or none (the model is moved whole).
+
+    `device_map="auto"` balances the layers over the GPUs `max_memory` lists and no others (a
+    70B verifier over 4 GPUs: ~35 GB each). This is layer placement, one GPU busy at a time, not
+    vLLM's tensor parallelism; it is what lets the HF backend hold a verifier no GPU holds alone.
+    """
+    if len(gpus) <= 1:
+        return {}
+    return {
+        "device_map": "auto",
+        "max_memory": {g: int(free * SPREAD_MEMORY_SHARE) for g, free in zip(gpus, free_bytes, strict=True)},
+    }
+
+
+def offloaded_modules(device_map: dict[str, Any] | None, gpus: tuple[int, ...]) -> list[str]:
+    """The modules of an accelerate `hf_device_map` placed outside `gpus` (on "cpu" or "disk"):
+    what did not fit."""
+    return [name for name, where in (device_map or {}).items() if where not in gpus]
+
+
+@dataclass
+class VerifierFiles:
+    """A verifier's tokenizer and config, its weights not loaded (`read_verifier_files`): what the
+    collect stage reads of a verifier spread over GPUs before the data stage, whose vLLM engines
+    need those GPUs; `load_verifier` loads the weights after it."""
+
+    tokenizer: Any
+    config: Any
+    name_or_path: str
+    hub_id: str | None
+    local_path: str | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def generation_model(self) -> None:
+        """None: generation loads what it needs (vLLM engines, or the HF model for the block)."""
+        return None
+
+
+def read_verifier_files(section: VerifierSection) -> VerifierFiles:
+    """Tokenizer + config in seconds, and the GPU group checked (`verifier_gpus`), so a recipe that
+    cannot run fails before the data stage, as `load_verifier` would."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, hub_id = locate_verifier(section.name_or_path, section.revision)
+    device = resolve_device(section.device)
+    num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    verifier_gpus(section.tensor_parallel_size, device, num_gpus, local_rank())
+    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        config = AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise VerifierError(
+            f"verifier {section.name_or_path!r} could not be loaded ({first_line(e, 160)})"
+        ) from None
+    local = source if Path(source).is_dir() else None
+    return VerifierFiles(tokenizer, config, section.name_or_path, hub_id, local)
+
+
 def load_verifier(section: VerifierSection) -> Verifier:
-    """Load tokenizer + causal LM, frozen, on the recipe's device and dtype."""
+    """Load tokenizer + causal LM, frozen, on the recipe's device(s) and dtype.
+
+    With `tensor_parallel_size` N > 1 the layers are spread over N GPUs (`spread_kwargs`; a torchrun
+    rank takes its own group, `verifier_gpus`) and `Verifier.device` is the first: inputs go there
+    and captured states are gathered there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # specctl shows its own progress; keep logs readable
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
     device = resolve_device(section.device)
+    tp = section.tensor_parallel_size
+    num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    gpus = verifier_gpus(tp, device, num_gpus, local_rank())
+    device = torch.device("cuda", gpus[0]) if gpus else device
     dtype = resolve_dtype(section.dtype, device)
     if section.trust_remote_code:
         warnings.warn(f"trust_remote_code is on: running model code shipped with {source}", stacklevel=2)
     kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    spread = spread_kwargs(gpus, [torch.cuda.mem_get_info(g)[0] for g in gpus] if tp > 1 else [])
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **spread)
     except OSError as e:
         first = first_line(e, 160)
         raise VerifierError(
             f"verifier {section.name_or_path!r} could not be loaded ({first[:160]}); offline, pass a local "
             f"HF directory or the built-in alias 'smollm2-135m-instruct'"
         ) from None
-    model.to(device).eval().requires_grad_(False)
+    if spread:
+        _check_spread(model, gpus, section.name_or_path)
+    else:
+        model.to(device)
+    model.eval().requires_grad_(False)
     use_gqa_sdpa(model)
     local = source if Path(source).is_dir() else _snapshot_dir(model)
     return Verifier(model, tokenizer, model.config, section.name_or_path, hub_id, local, device, dtype)
+
+
+def _check_spread(model: Any, gpus: tuple[int, ...], name: str) -> None:
+    """One line when the spread verifier did not fit its GPUs (accelerate would have run the
+    rest from CPU memory or disk, orders of magnitude slower)."""
+    left = offloaded_modules(getattr(model, "hf_device_map", None), gpus)
+    if left:
+        raise VerifierError(
+            f"verifier {name!r} does not fit in verifier.tensor_parallel_size={len(gpus)} GPU(s) "
+            f"({len(left)} module(s) such as {left[0]!r} went to {model.hf_device_map[left[0]]}); raise it "
+            "or free the GPUs"
+        )
 
 
 GQA_SDPA = "specctl_gqa_sdpa"
@@ -462,8 +563,11 @@ def capture_hidden_states(
     wanted = (*aux_layer_ids, num_layers)
     with record_layers(model, wanted) as captured:
         model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    aux = torch.stack([captured[i] for i in aux_layer_ids], dim=2)  # [B, T, n_aux, H]
-    return aux, captured[num_layers]
+    # a verifier spread over GPUs (tensor_parallel_size > 1) leaves each layer's output on its own
+    # GPU: gather them where the inputs are
+    here = {i: captured[i].to(input_ids.device) for i in wanted}
+    aux = torch.stack([here[i] for i in aux_layer_ids], dim=2)  # [B, T, n_aux, H]
+    return aux, here[num_layers]
 
 
 def forward_samples(

@@ -1159,3 +1159,39 @@ def test_base_url_that_nothing_answers(tmp_path, tiny_verifier_dir):
     with pytest.raises(SpecctlError, match="no OpenAI-compatible server answers /v1/models") as e:
         run_bench(base_url=url, verifier=str(tiny_verifier_dir), output=tmp_path / "o", progress=False)
     assert e.value.exit_code == 1 and not (tmp_path / "o").exists()
+
+
+def test_vllm_backends_shard_the_verifier_over_tensor_parallel_size_gpus(
+    tmp_path, tiny_verifier_dir, monkeypatch
+):
+    """verifier.tensor_parallel_size reaches vLLM's engine options (server and offline mode parse the
+    same list), before the user's bench.vllm_args; more than the visible GPUs is one line."""
+    import importlib.util
+
+    import torch
+
+    from specctl.bench.backends import open_backend
+    from specctl.errors import RecipeError
+    from specctl.recipe import BenchSection, VerifierSection
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def backend(tp: int, name: str = "vllm-offline"):
+        section = VerifierSection(name_or_path=str(tiny_verifier_dir), tensor_parallel_size=tp)
+        return open_backend(
+            name, section, BenchSection(), [1], [], log_dir=tmp_path, vllm_args=("--max-num-seqs", "4")
+        )
+
+    args = engine_args(Method("no-spec", "none"), backend(4).setup, cpu=False)
+    assert args[-4:] == ["--tensor-parallel-size", "4", "--max-num-seqs", "4"]
+    assert "--tensor-parallel-size" not in backend(1, "vllm").setup.extra_args  # vLLM's own default
+    with pytest.raises(
+        RecipeError, match=r"verifier.tensor_parallel_size=8 from GPU 0 needs 8 GPU\(s\) but 4"
+    ):
+        backend(8)

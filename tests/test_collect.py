@@ -20,7 +20,7 @@ from specctl.batching import length_buckets
 from specctl.collect import collect
 from specctl.data import load_samples
 from specctl.drafters.targets import batch_targets
-from specctl.errors import FeatureStoreError, VerifierError
+from specctl.errors import FeatureStoreError, RecipeError, VerifierError
 from specctl.features import (
     FP8_MAX,
     Layout,
@@ -184,6 +184,46 @@ def test_shard_workers_build_one_store_identical_to_single_run(tmp_path, tiny_ve
     second = collect(split, shard="1/2", progress=False)
     assert second.complete
     assert store_bytes(split.run_dir / "features") == store_bytes(single.run_dir / "features")
+
+
+def test_spread_verifier_loads_its_weights_after_the_data_stage(tmp_path, tiny_verifier_dir, monkeypatch):
+    """verifier.tensor_parallel_size 2 (two GPUs faked; the weights load on the CPU): collect reads
+    the verifier's files, runs the data stage with no model in this process (its vLLM engines would
+    need the GPUs), then loads the weights, only when a shard is left to compute, and writes the
+    store a one-GPU run writes. A group the GPUs cannot hold is refused before the data stage."""
+    import specctl.collect as stage
+    from specctl.verifier import load_verifier
+
+    single = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="single"))
+    collect(single, progress=False)
+    spread = load_recipe(
+        make_recipe(tmp_path, tiny_verifier_dir, name="spread"), ["verifier.tensor_parallel_size=2"]
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    events, prepare = [], stage.prepare_data
+
+    def data(*args, model=None, **kwargs):
+        events.append(("data", model))
+        return prepare(*args, model=model, **kwargs)
+
+    def weights(section):
+        events.append(("weights", section.tensor_parallel_size))
+        return load_verifier(section.model_copy(update={"tensor_parallel_size": 1, "device": "cpu"}))
+
+    monkeypatch.setattr(stage, "prepare_data", data)
+    monkeypatch.setattr(stage, "load_verifier", weights)
+    collect(spread, progress=False)
+    assert events == [("data", None), ("weights", 2)]
+    assert store_bytes(spread.run_dir / "features") == store_bytes(single.run_dir / "features")
+    collect(spread, progress=False)  # every shard done: the weights are not loaded at all
+    assert events[2:] == [("data", None)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        RecipeError, match=r"verifier.tensor_parallel_size=2 from GPU 0 needs 2 GPU\(s\) but 1"
+    ):
+        collect(spread, progress=False)
+    assert events[3:] == []
 
 
 @fault(

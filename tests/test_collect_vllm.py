@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from specctl.collect_vllm import (
     _chunks,
     capture_layer_ids,
+    engine_gpus,
     engine_kwargs,
     forward_samples_vllm,
     load_target_head,
@@ -102,6 +103,26 @@ def test_engine_kwargs_ask_for_the_capture_ids_and_a_cpu_safe_connector(tmp_path
     assert gpu["kv_transfer_config"]["kv_connector"] == "SpecctlHiddenStatesConnector"
     assert gpu["kv_transfer_config"]["kv_connector_module_path"] == "specctl.collect_vllm"
     assert "enforce_eager" not in gpu and "kv_cache_memory_bytes" not in gpu
+    assert cpu["tensor_parallel_size"] == gpu["tensor_parallel_size"] == 1
+    tp = engine_kwargs(
+        "m", (1, 4), tmp_path, on_cpu=False, dtype="bfloat16", max_model_len=None, tensor_parallel_size=4
+    )
+    assert tp["tensor_parallel_size"] == 4 and {**tp, "tensor_parallel_size": 1} == gpu
+
+
+def test_engine_gpus_are_the_torchrun_ranks_group_in_cuda_visible_devices_terms(monkeypatch):
+    """8 GPUs listed as CUDA_VISIBLE_DEVICES 8..15, tp 4: local rank 1's engine sees 12-15; on a CPU
+    tp > 1 is refused in one line naming the field, before any engine starts."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(8, 16)))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert engine_gpus(4, on_cpu=False) == "12,13,14,15"
+    assert engine_gpus(1, on_cpu=False) == "9"  # tp 1: one engine per rank, rank 1 on the second GPU
+    with pytest.raises(RecipeError, match="local rank 1 would take GPUs 8-15 but 8 are visible"):
+        engine_gpus(8, on_cpu=False)
+    assert engine_gpus(1, on_cpu=True) is None
+    with pytest.raises(RecipeError, match="^verifier.tensor_parallel_size=2: it spans GPUs"):
+        engine_gpus(2, on_cpu=True)
 
 
 def _write_request_file(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:

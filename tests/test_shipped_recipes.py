@@ -1,7 +1,8 @@
 """Every shipped recipe builds its drafter, at full size, on the meta device (no download).
 
 The verifiers' configs are written here from their published config.json values, so the
-8-GPU recipes (Llama-3.1-8B-Instruct, Qwen3-8B) are checked on a CPU with no hub access:
+8-GPU recipes (Llama-3.1-8B-Instruct, Qwen3-8B, Llama-3.3-70B-Instruct) are checked on a CPU with
+no hub access:
 the recipe validates, its aux layers and mask token fit the verifier, the drafter config
 is the published one for its algorithm, and the module builds with the expected size.
 """
@@ -25,7 +26,8 @@ from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, spec_fr
 RECIPES = Path(__file__).resolve().parents[1] / "specctl" / "recipes"
 
 # Published config.json values (hub: meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-8B,
-# HuggingFaceTB/SmolLM2-135M-Instruct), and the size of each tokenizer.
+# meta-llama/Llama-3.3-70B-Instruct, HuggingFaceTB/SmolLM2-135M-Instruct), and the size of each
+# tokenizer.
 VERIFIERS = {
     "meta-llama/Llama-3.1-8B-Instruct": (
         LlamaConfig(
@@ -34,6 +36,28 @@ VERIFIERS = {
             intermediate_size=14336,
             num_hidden_layers=32,
             num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        128256,
+    ),
+    "meta-llama/Llama-3.3-70B-Instruct": (
+        LlamaConfig(
+            architectures=["LlamaForCausalLM"],
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
             num_key_value_heads=8,
             vocab_size=128256,
             rms_norm_eps=1e-5,
@@ -173,8 +197,9 @@ CPU_RECIPES = {"results.yaml", "demo.yaml"}  # the SmolLM2 runs of `make results
     "name", [n for n in SHIPPED if not n.startswith("quickstart") and n not in CPU_RECIPES]
 )
 def test_8b_recipe_feature_store_fits_one_node_even_at_max_length(name, monkeypatch):
-    """Runnable as shipped: collect's disk estimate for the 8-GPU recipes passes on one node's disk
-    even if every conversation grew to data.max_length (and refuses on a quarter of it)."""
+    """Runnable as shipped: collect's disk estimate for the 8-GPU recipes (8B and 70B verifiers)
+    passes on one node's disk even if every conversation grew to data.max_length (and refuses on a
+    quarter of it)."""
     import specctl.estimate as estimate
     from specctl.estimate import DiskSpaceError, StoreEstimate, check_store_fits
     from specctl.features import Layout, layout_bytes_per_token
@@ -192,7 +217,40 @@ def test_8b_recipe_feature_store_fits_one_node_even_at_max_length(name, monkeypa
     monkeypatch.setattr(estimate, "free_bytes", lambda path: NODE_DISK_BYTES)
     check_store_fits(plan, force=False)
     monkeypatch.setattr(estimate, "free_bytes", lambda path: NODE_DISK_BYTES // 4)
-    with pytest.raises(DiskSpaceError, match="needs ~5.08 TB more"):
+    bound = {4096: "5.08", 8192: "6.07"}[config.hidden_size]  # TB: the recipes' comments say why
+    with pytest.raises(DiskSpaceError, match=f"needs ~{bound} TB more"):
         check_store_fits(plan, force=False)
     # generation grows no conversation past max_length, and the answers fit in it
     assert recipe.data.regenerate and recipe.data.max_new_tokens < recipe.data.max_length
+
+
+# Published parameter count of Llama-3.3-70B-Instruct (its safetensors index: 141,107,412,992 bytes
+# in bf16) and the memory of the 80 GB GPUs the 70B recipe is written for.
+LLAMA_70B_PARAMS = 70_553_706_496
+GPU_BYTES = 80 * 10**9
+
+
+def _llama_params(c) -> int:
+    """Parameters of a Llama config, counted from its shapes (embeddings and LM head untied)."""
+    H, inner, L, V = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+    kv = c.num_key_value_heads * (H // c.num_attention_heads)
+    layer = H * H + 2 * H * kv + H * H + 3 * H * inner + 2 * H  # q, k, v, o, MLP, two norms
+    return 2 * V * H + L * layer + H
+
+
+def test_70b_recipe_spans_enough_gpus_for_its_weights_and_engines():
+    """The 70B recipe's tensor_parallel_size holds the bf16 weights with room left on 80 GB GPUs,
+    and one node's 8 GPUs run whole engines of it (the numbers its comments give)."""
+    from specctl.data.engines import worker_devices
+
+    recipe = load_recipe(RECIPES / "dflash-llama-70b.yaml")
+    config, _ = VERIFIERS[recipe.verifier.name_or_path]
+    assert _llama_params(config) == LLAMA_70B_PARAMS
+    tp = recipe.verifier.tensor_parallel_size
+    per_gpu = 2 * LLAMA_70B_PARAMS / tp  # bf16 weights on each GPU of an engine
+    assert per_gpu < 0.5 * GPU_BYTES  # 35.3 GB: the rest of vLLM's 90% is KV cache
+    assert 2 * LLAMA_70B_PARAMS / (tp // 2) > 0.85 * GPU_BYTES  # half the GPUs would leave no KV cache
+    assert recipe.verifier.dtype == "bfloat16" and 8 % tp == 0
+    assert worker_devices([str(i) for i in range(8)], tp) == ["0,1,2,3", "4,5,6,7"]
+    assert recipe.features.aux_layer_ids == list(default_aux_layer_ids(config.num_hidden_layers))
+    assert recipe.train.parallelism == "fsdp"  # 4.48B trainable parameters: AdamW state past one GPU

@@ -72,12 +72,14 @@ def open_backend(
     import torch
 
     from specctl.bench.vllm import VllmSetup, load_vllm_verifier
-    from specctl.devices import vllm_dtype
+    from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
     from specctl.procs import on_cpu
 
     verifier = load_vllm_verifier(section)
     device = torch.device("cpu" if on_cpu() else "cuda")
     dtype = vllm_dtype(section.dtype if section is not None else "auto", device)
+    tp = section.tensor_parallel_size
+    verifier_gpus(tp, device, len(visible_gpus()))  # one vLLM at a time, on the first tp GPUs
     setup = VllmSetup(
         verifier=verifier.source,
         max_new_tokens=settings.max_new_tokens,
@@ -93,6 +95,7 @@ def open_backend(
             *(["--dtype", dtype] if dtype else []),
             *(["--revision", section.revision] if section.revision else []),
             *(["--trust-remote-code"] if section.trust_remote_code else []),
+            *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
             *vllm_args,
         ),
     )

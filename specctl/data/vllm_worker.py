@@ -88,15 +88,18 @@ class Stepper:
 
 
 def gpu_memory_share(default: float = 0.9) -> float:
-    """vLLM's gpu_memory_utilization for this worker: its default, or less when the GPU is partly
+    """vLLM's gpu_memory_utilization for this worker: its default, or less when a GPU is partly
     taken (a collect or training process of specctl holding the HF verifier on it): vLLM refuses to
-    start when less than that share of the GPU's memory is free."""
+    start when less than that share of a GPU's memory is free. The fullest of the worker's GPUs
+    decides: a tensor-parallel engine takes the same share of each."""
     import torch
 
     if not torch.cuda.is_available():
         return default
-    free, total = torch.cuda.mem_get_info()
-    return round(min(default, 0.9 * free / total), 3)
+    shares = [
+        0.9 * free / total for free, total in map(torch.cuda.mem_get_info, range(torch.cuda.device_count()))
+    ]
+    return round(min(default, *shares), 3)
 
 
 def serve(conn: Connection, make_stepper: Callable[[dict[str, Any]], Any]) -> int:
