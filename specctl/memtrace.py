@@ -34,6 +34,7 @@ import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -127,7 +128,8 @@ class MemoryTrace(TorchDispatchMode):
             with self.fake:
                 out = func(*args, **kwargs)
             if written:  # a real tensor written with fake values: fake from now on, its bytes counted
-                self._poisoned.update(a.untyped_storage()._cdata for a in written)
+                for a in written:
+                    self._poison(a.untyped_storage())
                 return out
         elif not any(isinstance(a, torch.Tensor) for a in flat) and (self._all_fake or _large_factory(args)):
             with self.fake:
@@ -137,6 +139,13 @@ class MemoryTrace(TorchDispatchMode):
         self.flops += op_flops(func, args, kwargs, out)
         tree_map(self._track, out)
         return out
+
+    def _poison(self, storage: Any) -> None:
+        """Mark a real storage fake-valued until it dies (its address may then be reused)."""
+        key = storage._cdata
+        if key not in self._poisoned:
+            self._poisoned.add(key)
+            weakref.finalize(storage, self._poisoned.discard, key)
 
     def _poisoned_real(self, a: object) -> bool:
         return (

@@ -488,15 +488,17 @@ def plan_collect(x: Inputs) -> StagePlan:
     ft = trace_collect_forward(r, x.config, x.cluster.device)
     tp = x.tp
     activations = ft.peak - ft.weights
+    weights = x.params * x.vdtype_bytes
     terms = [
-        Term("verifier weights / TP", ft.weights // tp, f"built at {x.params / 1e9:.2f}B params, / {tp}"),
+        Term("verifier weights / TP", weights // tp, f"{x.params / 1e9:.2f}B params over {tp} GPU(s)"),
+        Term("float32 LM head (top-k targets)", ft.weights - weights, "on the first GPU"),
         Term(
             "forward of one batch",
             activations,
             f"traced: {ft.sequences} x {ft.length} tokens (features.batch_tokens), hooks, encoding",
         ),
-        *x.overheads(ft.peak),
     ]
+    terms += x.overheads(sum(t.bytes for t in terms))
     shard = r.features.shard_tokens * bpt
     return StagePlan(
         "collect",
@@ -539,7 +541,7 @@ def train_terms(x: Inputs, st: StepTrace) -> list[Term]:
         terms.append(Term("DDP gradient buckets", st.grads, "one copy of the gradients"))
     if r.train.mode == "online":
         terms.append(Term("online: the verifier on every rank", x.params * x.vdtype_bytes, "weights only"))
-    return terms + x.overheads(st.peak)
+    return terms + x.overheads(sum(t.bytes for t in terms))
 
 
 def micro_tokens(recipe: Any) -> int:
