@@ -60,6 +60,11 @@ class VerifierBackend(Protocol):
     def num_layers(self) -> int: ...
 
     @property
+    def device(self) -> torch.device:
+        """Where the verifier runs (under torchrun: this rank's GPU)."""
+        ...
+
+    @property
     def generation_model(self) -> Any | None:
         """An in-process HF causal LM that can write conversations (self-generated data), or None
         when the weights live in another process."""
