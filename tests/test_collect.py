@@ -174,16 +174,22 @@ def test_rerun_skips_done_shards_and_refuses_other_layers(tmp_path, tiny_verifie
 
 
 def test_shard_workers_build_one_store_identical_to_single_run(tmp_path, tiny_verifier_dir):
+    """Worker 0/2 alone: its own shards, then worker 1's, which nobody has claimed (worker 1 never
+    came, or died before its first claim). Worker 1 then finds the store complete."""
     single = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="single"))
     collect(single, progress=False)
     split = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="split"))
     first = collect(split, shard="0/2", progress=False)
-    assert not first.complete
-    with pytest.raises(FeatureStoreError, match="incomplete feature store"):
-        open_features(split.run_dir / "features")
+    n = len(json.loads((split.run_dir / "features" / "plan.json").read_text())["shards"])
+    assert n >= 3 and first.complete and (first.shards_written, first.shards_skipped) == (n, 0)
     second = collect(split, shard="1/2", progress=False)
-    assert second.complete
+    assert second.complete and (second.shards_written, second.shards_skipped) == (0, n)
     assert store_bytes(split.run_dir / "features") == store_bytes(single.run_dir / "features")
+    assert not (split.run_dir / "features" / "claims").exists()
+    (split.run_dir / "features" / "manifest.json").unlink()
+    (split.run_dir / "features" / "shard-00001.json").unlink()
+    with pytest.raises(FeatureStoreError, match=f"incomplete feature store \\({n - 1} of {n} shards\\)"):
+        open_features(split.run_dir / "features")
 
 
 @fault(
