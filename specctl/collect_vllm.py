@@ -64,8 +64,9 @@ from typing import Any
 
 import torch
 
+from specctl.data.engines import visible_gpus
 from specctl.data.vllm_worker import recv_message, send_message
-from specctl.devices import resolve_dtype
+from specctl.devices import launcher_local_rank, local_device, resolve_dtype
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
@@ -76,6 +77,26 @@ from specctl.vllm_support import vllm_support
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
 HINT = "or use --backend hf"
+
+
+@dataclass(frozen=True)
+class EngineGpu:
+    """The GPU of a torchrun rank's engine: its index among this process's GPUs (LOCAL_RANK) and
+    its CUDA_VISIBLE_DEVICES entry, given to the engine's process. vLLM's own worker takes the
+    first GPU it sees whatever LOCAL_RANK says (its launcher is not torchrun), so without this
+    every rank's engine would load the verifier onto the machine's first GPU."""
+
+    index: int
+    visible: str
+
+
+def engine_gpu(device: str, local_rank: int | None, visible: list[str]) -> EngineGpu | None:
+    """This rank's engine GPU by `devices.local_device`'s rule (the HF backend's); None outside
+    torchrun (vLLM's default: the first GPU, or those tensor parallelism asks for) or on a CPU."""
+    chosen = local_device(device, local_rank, len(visible))
+    if chosen.type != "cuda" or chosen.index is None:
+        return None
+    return EngineGpu(chosen.index, visible[chosen.index])
 
 
 @dataclass
@@ -97,6 +118,7 @@ class VllmVerifier:
     storage_dir: Path | None = None  # where the connector writes one file per request
     max_model_len: int = 0
     log_path: Path | None = None  # the engine's output (vLLM's log); None: specctl's stderr
+    gpu: EngineGpu | None = None  # under torchrun: this rank's GPU, the only one its engine sees
 
     @property
     def num_layers(self) -> int:
@@ -104,7 +126,9 @@ class VllmVerifier:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu" if self.on_cpu else "cuda")
+        if self.on_cpu:
+            return torch.device("cpu")
+        return torch.device("cuda") if self.gpu is None else torch.device("cuda", self.gpu.index)
 
     @property
     def generation_model(self) -> None:
@@ -244,6 +268,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | 
     if log_path is None:  # vLLM reads this on import: INFO lines on stderr would bury specctl's progress
         quiet_vllm_import()
     on_cpu = check_vllm_can_run(config)
+    gpu = None if on_cpu else engine_gpu(section.device, launcher_local_rank(), visible_gpus())
     return VllmVerifier(
         tokenizer=tokenizer,
         config=config,
@@ -255,6 +280,7 @@ def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | 
         on_cpu=on_cpu,
         dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
         log_path=log_path,
+        gpu=gpu,
     )
 
 
@@ -296,7 +322,8 @@ def open_vllm_verifier(
         kv_cache_gib=kv_cache_gib,
     )
     try:
-        with open_engine_worker(kwargs, v.name_or_path, v.log_path) as worker:
+        gpu = None if v.gpu is None else v.gpu.visible
+        with open_engine_worker(kwargs, v.name_or_path, v.log_path, gpu) as worker:
             yield replace(
                 v, llm=worker, capture_ids=capture, storage_dir=store, max_model_len=worker.max_model_len
             )
@@ -357,12 +384,13 @@ class EngineWorker:
 
 @contextmanager
 def open_engine_worker(
-    llm_kwargs: dict[str, Any], name: str, log_path: Path | None
+    llm_kwargs: dict[str, Any], name: str, log_path: Path | None, gpu: str | None = None
 ) -> Iterator[EngineWorker]:
     """Start the worker, hand it the engine's kwargs, yield once vLLM is up; stop its group after.
 
     Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
-    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr."""
+    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr.
+    `gpu`: the only GPU the worker sees (its CUDA_VISIBLE_DEVICES), None = this process's GPUs."""
     ours, theirs = socket.socketpair()
     with ExitStack() as stack:
         stack.callback(ours.close)
@@ -371,6 +399,8 @@ def open_engine_worker(
             # a log file gets vLLM's own level, specctl's stderr the quiet one this process has;
             # cpu=False: the KV cache size travels in the engine's kwargs, not the environment
             env = None if log_path is None else vllm_env(cpu=False)
+            if gpu is not None:
+                env = {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": gpu}
             proc = stack.enter_context(process_group(argv, log_path, env, pass_fds=[theirs.fileno()]))
         conn = Connection(os.dup(ours.fileno()))
         stack.callback(conn.close)

@@ -22,12 +22,15 @@ from reliability_matrix import fault
 from safetensors.torch import save_file
 
 from specctl.collect_vllm import (
+    EngineGpu,
     _chunks,
     capture_layer_ids,
+    engine_gpu,
     engine_kwargs,
     forward_samples_vllm,
     load_target_head,
     load_vllm_verifier,
+    open_engine_worker,
     open_vllm_verifier,
     read_hidden_states,
     read_target_head,
@@ -102,6 +105,35 @@ def test_engine_kwargs_ask_for_the_capture_ids_and_a_cpu_safe_connector(tmp_path
     assert gpu["kv_transfer_config"]["kv_connector"] == "SpecctlHiddenStatesConnector"
     assert gpu["kv_transfer_config"]["kv_connector_module_path"] == "specctl.collect_vllm"
     assert "enforce_eager" not in gpu and "kv_cache_memory_bytes" not in gpu
+
+
+def test_each_torchrun_rank_gives_its_engine_its_own_gpu(monkeypatch):
+    """vLLM's worker takes the first GPU it sees, so a rank's engine is shown only its own:
+    LOCAL_RANK's entry of this process's CUDA_VISIBLE_DEVICES (the HF backend's rule)."""
+    visible = ["4", "5", "GPU-9f2c", "7"]
+    assert engine_gpu("auto", None, visible) is None  # one process: vLLM's own choice
+    assert engine_gpu("auto", 2, visible) == EngineGpu(2, "GPU-9f2c")
+    assert engine_gpu("cuda:0", 3, visible) == EngineGpu(3, "7")
+    assert engine_gpu("auto", 0, []) is None and engine_gpu("cpu", 1, visible) is None
+    with pytest.raises(SpecctlError, match="LOCAL_RANK 4 but only 4 GPU"):
+        engine_gpu("auto", 4, visible)
+
+    seen: list[dict] = []
+
+    @contextlib.contextmanager
+    def started(argv, log_path, env=None, pass_fds=()):
+        seen.append(dict(os.environ if env is None else env))
+        raise RuntimeError("not starting vLLM here")
+        yield
+
+    import specctl.collect_vllm as collect_vllm
+
+    monkeypatch.setattr(collect_vllm, "process_group", started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    for gpu, log in (("6", None), ("6", Path("log")), (None, None)):
+        with pytest.raises(RuntimeError, match="not starting"), open_engine_worker({}, "m", log, gpu):
+            pass
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in seen] == ["6", "6", "4,5,6,7"]
 
 
 def _write_request_file(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
