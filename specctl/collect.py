@@ -9,12 +9,14 @@ The recipe's layout (`features.target` / `aux_dtype`) is applied where the state
 (`encode_features`: on the verifier's device for the HF backend), so a GPU does the top-k over
 the vocabulary and the fp8 scaling, and only the compact tensors travel to the host.
 
-Workers share a store through shard claims (specctl/claims.py): under torchrun (one rank per GPU,
-LOCAL_RANK's GPU: devices.resolve_device) or `--shard I/N` each worker first takes its own shards
-(j % N == I), then any shard nobody holds or whose holder is gone, and waits for shards that live
-workers hold until they are written or their holder's lease runs out. So the surviving workers,
-or a rerun, finish what a dead one left, and whoever finds the store complete first writes the
-manifest.
+Workers share a store through shard claims (specctl/claims.py). A torchrun rank (one per GPU, on
+LOCAL_RANK's GPU: devices.resolve_device) first takes its own shards (j % WORLD_SIZE == RANK),
+then any shard nobody holds or whose holder is gone, and waits for shards that live workers hold
+until they are written or their holder's lease runs out; so the surviving ranks, or a rerun,
+finish what a dead one left. A plain run is one such worker: it finishes the whole store. A
+`--shard I/N` worker keeps to its part (shard 0 alone first, to prepare the data with every GPU
+free, must leave the rest to the torchrun that follows), taking over only claims of that part.
+Whoever finds the store complete first writes the manifest.
 
 Before capturing, the store's size (tokens x the layout's bytes per token) is checked against the
 free space where it goes (estimate.py): collect refuses to start a store that will not fit unless
@@ -66,7 +68,7 @@ class CollectSummary:
     num_samples: int
     num_tokens: int  # tokens this process ran through the verifier
     shards_written: int  # by this process, its own and those it took over
-    shards_skipped: int  # done before this process started
+    shards_skipped: int  # of the shards it works on (`work_order`), done before it started
     complete: bool
     seconds: float  # the whole stage, data preparation included
     forward_seconds: float  # verifier forward + shard writes only
@@ -149,7 +151,7 @@ def collect(
     init_store(path, plan, claims.writer_alive)
     claims.recover()
 
-    order = work_order(len(plan.shards), rank, world)
+    order = work_order(len(plan.shards), rank, world, whole=shard is None)
     todo = [j for j in order if not shard_done(path, j)]
     if todo:
         written = sum(f.stat().st_size for f in path.glob("shard-*.safetensors"))
@@ -169,7 +171,7 @@ def collect(
         num_samples=len(samples),
         num_tokens=capture.done_tokens,
         shards_written=len(capture.written),
-        shards_skipped=len(plan.shards) - len(todo),
+        shards_skipped=len(order) - len(todo),
         complete=manifest is not None,
         seconds=time.perf_counter() - start,
         forward_seconds=time.perf_counter() - forward_start,
@@ -178,11 +180,12 @@ def collect(
     )
 
 
-def work_order(num_shards: int, rank: int, world: int) -> list[int]:
-    """The order worker `rank` of `world` tries shards in: its own (j % world == rank) first, then
-    rank + 1's, rank + 2's, ... so workers that run out of their own work start taking over from
-    different workers instead of all from the first."""
-    return sorted(range(num_shards), key=lambda j: ((j - rank) % world, j))
+def work_order(num_shards: int, rank: int, world: int, whole: bool = True) -> list[int]:
+    """The shards worker `rank` of `world` works on, in order: its own (j % world == rank) first,
+    then (`whole`: a torchrun rank or a plain run) rank + 1's, rank + 2's, ..., so workers that
+    run out of their own work take over from different workers instead of all from the first."""
+    order = sorted(range(num_shards), key=lambda j: ((j - rank) % world, j))
+    return order if whole else [j for j in order if j % world == rank]
 
 
 def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend:

@@ -73,6 +73,7 @@ def test_work_order_takes_own_shards_first_then_the_next_ranks():
             for r in range(world):  # each worker's shards in ascending order
                 mine = [j for j in order if j % world == r]
                 assert mine == sorted(mine)
+            assert work_order(n, rank, world, whole=False) == [j for j in range(n) if j % world == rank]
 
 
 # ---------------------------------------------------------------- one worker's view
