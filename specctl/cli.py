@@ -77,7 +77,10 @@ def collect_hidden_states(
     max_samples: Annotated[int | None, typer.Option(help="Use at most N conversations.")] = None,
     shard: Annotated[
         str | None,
-        typer.Option(help="Work on part I of N (I/N), e.g. one per machine; default: torchrun rank."),
+        typer.Option(
+            help="Compute part I of N only (I/N), e.g. one per machine; default: the whole store "
+            "(under torchrun: each rank its part first, then whatever no live rank holds)."
+        ),
     ] = None,
     backend: Annotated[
         str | None, typer.Option(help="hf or vllm (default: the recipe's features.backend).")
@@ -117,7 +120,8 @@ def collect_hidden_states(
             ("shards written / already done", f"{s.shards_written} / {s.shards_skipped}"),
             ("tokens this run", f"{s.num_tokens:,} ({s.tokens_per_s:,.0f} tok/s)"),
             ("bytes per token", f"{s.bytes_per_token:,.0f}" if s.bytes_per_token else "-"),
-            ("store", "complete" if s.complete else "waiting for other --shard workers"),
+            ("verifier device", s.device),
+            ("store", "complete" if s.complete else "waiting for the other --shard parts"),
         ],
     )
 

@@ -9,6 +9,15 @@ The recipe's layout (`features.target` / `aux_dtype`) is applied where the state
 (`encode_features`: on the verifier's device for the HF backend), so a GPU does the top-k over
 the vocabulary and the fp8 scaling, and only the compact tensors travel to the host.
 
+Workers share a store through shard claims (specctl/claims.py). A torchrun rank (one per GPU, on
+LOCAL_RANK's GPU: devices.resolve_device) first takes its own shards (j % WORLD_SIZE == RANK),
+then any shard nobody holds or whose holder is gone, and waits for shards that live workers hold
+until they are written or their holder's lease runs out; so the surviving ranks, or a rerun,
+finish what a dead one left. A plain run is one such worker: it finishes the whole store. A
+`--shard I/N` worker keeps to its part (shard 0 alone first, to prepare the data with every GPU
+free, must leave the rest to the torchrun that follows), taking over only claims of that part.
+Whoever finds the store complete first writes the manifest.
+
 Before capturing, the store's size (tokens x the layout's bytes per token) is checked against the
 free space where it goes (estimate.py): collect refuses to start a store that will not fit unless
 forced, once from the generation warm-up's estimate and again on the exact data.
@@ -18,13 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from specctl.claims import Claim, ShardClaims
 from specctl.data import load_samples, prepare_data
+from specctl.durable import recover_dirs
 from specctl.errors import UsageError
 from specctl.estimate import StoreEstimate, check_store_fits, human_count
 from specctl.features import (
@@ -57,12 +70,13 @@ class CollectSummary:
     features_dir: Path
     num_samples: int
     num_tokens: int  # tokens this process ran through the verifier
-    shards_written: int
-    shards_skipped: int
+    shards_written: int  # by this process, its own and those it took over
+    shards_skipped: int  # of the shards it works on (`work_order`), done before it started
     complete: bool
     seconds: float  # the whole stage, data preparation included
     forward_seconds: float  # verifier forward + shard writes only
     bytes_per_token: float | None
+    device: str  # where this process ran the verifier (its rank's GPU under torchrun)
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,10 +152,12 @@ def collect(
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
     plan = _store_plan(verifier, aux_ids, layout, samples, lengths, recipe.features.shard_tokens)
-    init_store(path, plan)
+    claims = ShardClaims(path, recipe.features.claim_lease_s)
+    init_store(path, plan, claims.writer_alive)
+    claims.recover()
 
-    mine = [j for j in range(len(plan.shards)) if j % world == rank]
-    todo = [j for j in mine if not shard_done(path, j)]
+    order = work_order(len(plan.shards), rank, world, whole=shard is None)
+    todo = [j for j in order if not shard_done(path, j)]
     if todo:
         written = sum(f.stat().st_size for f in path.glob("shard-*.safetensors"))
         estimate = StoreEstimate(path, len(samples), sum(lengths), bytes_per_token, layout, written)
@@ -149,22 +165,34 @@ def collect(
         if isinstance(verifier, VerifierFiles):  # the data stage is done: its GPUs are free
             verifier = load_verifier(recipe.verifier)
     forward_start = time.perf_counter()
-    done_tokens = _capture(verifier, recipe, aux_ids, layout, plan, samples, todo, progress, say)
+    capture = _Capture(verifier, recipe, aux_ids, layout, plan, samples, claims, say)
+    capture.run(todo, own=[j for j in todo if j % world == rank], progress=progress)
     manifest = finalize_store(path)
     bpt = None
-    if manifest:
+    if manifest:  # claims mean nothing any more; nor do the leftovers of workers that died meanwhile
+        claims.clear()
+        recover_dirs(path, claims.writer_alive)
         bpt = sum(f["bytes"] for f in manifest.shard_files) / max(1, manifest.num_tokens)
     return CollectSummary(
         features_dir=path,
         num_samples=len(samples),
-        num_tokens=done_tokens,
-        shards_written=len(todo),
-        shards_skipped=len(mine) - len(todo),
+        num_tokens=capture.done_tokens,
+        shards_written=len(capture.written),
+        shards_skipped=len(order) - len(todo),
         complete=manifest is not None,
         seconds=time.perf_counter() - start,
         forward_seconds=time.perf_counter() - forward_start,
         bytes_per_token=bpt,
+        device=str(verifier.device),
     )
+
+
+def work_order(num_shards: int, rank: int, world: int, whole: bool = True) -> list[int]:
+    """The shards worker `rank` of `world` works on, in order: its own (j % world == rank) first,
+    then (`whole`: a torchrun rank or a plain run) rank + 1's, rank + 2's, ..., so workers that
+    run out of their own work take over from different workers instead of all from the first."""
+    order = sorted(range(num_shards), key=lambda j: ((j - rank) % world, j))
+    return order if whole else [j for j in order if j % world == rank]
 
 
 def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend | VerifierFiles:
@@ -200,35 +228,127 @@ def _store_plan(
     )
 
 
-def _capture(
-    verifier, recipe: Recipe, aux_ids, layout: Layout, plan: StorePlan, samples, todo, progress, say
-) -> int:
-    """Run the verifier over this worker's unfinished shards and write them; the tokens it ran."""
-    lengths = plan.lengths
-    total = sum(sum(lengths[a:b]) for a, b in (plan.shards[j] for j in todo))
-    path = recipe.run_dir / "features"
-    done_tokens = 0
-    with ExitStack() as stack:
-        if todo:  # start an engine (load an LM head) only when there is work
-            forward = stack.enter_context(
-                verifier.feature_forward(
-                    aux_ids, layout, max_model_len=max(lengths) + 1, batch_tokens=recipe.features.batch_tokens
+class ClaimLost(Exception):
+    """Our claim on the shard being computed was taken over (our lease ran out): drop the shard."""
+
+
+@dataclass
+class _Capture:
+    """One worker's pass over the store: claim a shard, run the verifier over it in batches while
+    renewing the claim's lease, write it, release it; repeat until every shard is done, waiting
+    while the only ones left are held by live workers."""
+
+    verifier: VerifierBackend
+    recipe: Recipe
+    aux_ids: tuple[int, ...]
+    layout: Layout
+    plan: StorePlan
+    samples: list[dict[str, torch.Tensor]]
+    claims: ShardClaims
+    say: Callable[[str], None]
+    done_tokens: int = 0
+    written: list[int] = field(default_factory=list)
+    _stack: ExitStack | None = None
+    _forward: Callable | None = None  # the engine's forward, once started
+    _claim: Claim | None = None  # the shard being computed
+    _renewed: float = 0.0  # time.monotonic() of its last renewal
+    _bar: Any = None
+    _task: Any = None
+    _counted: set[int] = field(default_factory=set)  # shards in the progress total
+    _total: int = 0  # tokens in the progress total
+    _loop_start: float = 0.0
+
+    @property
+    def path(self) -> Path:
+        return self.recipe.run_dir / "features"
+
+    def tokens(self, j: int) -> int:
+        a, b = self.plan.shards[j]
+        return sum(self.plan.lengths[a:b])
+
+    def run(self, todo: list[int], own: list[int], progress: bool) -> None:
+        """Work through `todo` (this worker's order), `own` first counted in the progress total."""
+        poll_s = min(5.0, self.claims.lease_s / 10)
+        with ExitStack() as stack:
+            self._stack = stack
+            self._bar = stack.enter_context(progress_bar("tok", enabled=progress))
+            self._counted = set(own)
+            self._total = sum(self.tokens(j) for j in own)
+            self._task = self._bar.add_task("collect hidden states", total=self._total)
+            waiting = False
+            while pending := [j for j in todo if not shard_done(self.path, j)]:
+                if self._round(pending):
+                    waiting = False
+                    continue
+                if not waiting:
+                    self.say(f"collect: waiting for {len(pending)} shard(s) other workers hold")
+                    waiting = True
+                time.sleep(poll_s)
+
+    def _round(self, pending: list[int]) -> bool:
+        """Try each pending shard once; whether this worker computed (or attempted) any."""
+        took = False
+        for j in pending:
+            if shard_done(self.path, j) or not self.claims.available(j):
+                continue
+            self._start_engine()  # before claiming: a lease must not run out while an engine starts
+            claim = self.claims.take(j)
+            if claim is None:
+                continue
+            took = True
+            self._claim, self._renewed = claim, time.monotonic()
+            try:
+                if not shard_done(self.path, j):  # written by another worker since our look
+                    self._shard(j)
+            finally:
+                self.claims.release(self._claim)
+                self._claim = None
+        return took
+
+    def _start_engine(self) -> None:
+        if self._forward is None and self._stack is not None:
+            self._forward = self._stack.enter_context(
+                self.verifier.feature_forward(
+                    self.aux_ids,
+                    self.layout,
+                    max_model_len=max(self.plan.lengths) + 1,
+                    batch_tokens=self.recipe.features.batch_tokens,
                 )
             )
-        bar = stack.enter_context(progress_bar("tok", enabled=progress))
-        task = bar.add_task("collect hidden states", total=total)
-        loop_start = time.perf_counter()
 
-        def advance(n: int) -> None:
-            nonlocal done_tokens
-            if done_tokens == 0:  # the first batch is the warm-up: the estimate from its speed
-                seconds = time.perf_counter() - loop_start
-                eta = duration((total - n) * seconds / n) if n < total else "done"
-                say(f"collect: warm-up {n / seconds:,.0f} tok/s -> ~{eta} for {human_count(total)} tokens")
-            done_tokens += n
-            bar.advance(task, n)
+    def _shard(self, j: int) -> None:
+        if j not in self._counted:  # taken over: it joins this worker's total
+            self._counted.add(j)
+            self._total += self.tokens(j)
+            self._bar.update(self._task, total=self._total)
+        a, b = self.plan.shards[j]
+        if self.done_tokens == 0:  # the warm-up estimate times the first batch from here
+            self._loop_start = time.perf_counter()
+        try:
+            rows = self._forward(self.samples[a:b], self._advance)
+            self._heartbeat(force=True)  # a fresh lease for the write, which may take a while
+        except ClaimLost:
+            self.say(f"collect: shard {j} was taken over by another worker (this one's lease ran out)")
+            return
+        write_shard(self.path, j, rows, self.layout)
+        self.written.append(j)
 
-        for j in todo:
-            a, b = plan.shards[j]
-            write_shard(path, j, forward(samples[a:b], advance), layout)
-    return done_tokens
+    def _heartbeat(self, force: bool = False) -> None:
+        """Renew the lease every quarter lease (and when `force`); ClaimLost once it is not ours."""
+        if self._claim is None or not (force or time.monotonic() - self._renewed > self.claims.lease_s / 4):
+            return
+        renewed = self.claims.renew(self._claim)
+        if renewed is None:
+            raise ClaimLost(self._claim.shard)
+        self._claim, self._renewed = renewed, time.monotonic()
+
+    def _advance(self, n: int) -> None:
+        """After each verifier batch: the warm-up estimate (first batch), progress, the heartbeat."""
+        if self.done_tokens == 0:  # the first batch is the warm-up: the estimate from its speed
+            seconds = time.perf_counter() - self._loop_start
+            total = self._total
+            eta = duration((total - n) * seconds / n) if n < total else "done"
+            self.say(f"collect: warm-up {n / seconds:,.0f} tok/s -> ~{eta} for {human_count(total)} tokens")
+        self.done_tokens += n
+        self._bar.advance(self._task, n)
+        self._heartbeat()

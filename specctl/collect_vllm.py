@@ -105,7 +105,9 @@ class VllmVerifier:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu" if self.on_cpu else "cuda")
+        if self.on_cpu:
+            return torch.device("cpu")
+        return torch.device("cuda") if self.gpu is None else torch.device("cuda", self.gpu.index)
 
     @property
     def generation_model(self) -> None:

@@ -1,6 +1,8 @@
 """Where a stage runs and in what dtype: the recipe's `auto` values, resolved in one place.
 
-`device: auto` = CUDA when a GPU is visible, else CPU. The verifier's `dtype: auto` = bf16 on
+`device: auto` = CUDA when a GPU is visible, else CPU. Under torchrun every process is one rank and
+takes GPU LOCAL_RANK (`local_device`): collect's ranks each load the verifier onto their own GPU,
+training's ranks each hold their own replica or shard. The verifier's `dtype: auto` = bf16 on
 CUDA, float32 on the CPU: the embedded engine's greedy output must equal plain decoding token for
 token, and a bf16 forward over K+1 tokens rounds differently from K+1 one-token forwards.
 `dtype: bfloat16-if-native` trades that for speed only where bf16 is native (a recipe that wants
@@ -22,21 +24,65 @@ import os
 
 import torch
 
-from specctl.errors import RecipeError
+from specctl.errors import RecipeError, UsageError
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 
 
-def resolve_device(device: str) -> torch.device:
-    """`auto` -> cuda when available, else cpu; anything else is a torch device name."""
+def local_device(device: str, local_rank: int | None, cuda_count: int, span: int = 1) -> torch.device:
+    """Where this process runs, from the recipe's `device`, torchrun's LOCAL_RANK (None: not under a
+    launcher) and the number of visible GPUs. Pure, so the rule is tested without GPUs.
+
+    `auto` = cuda when a GPU is visible, else cpu; anything else is a torch device name. A CUDA
+    device under a launcher is GPU LOCAL_RANK, whatever index it names: the ranks of one machine
+    must not share a GPU (NCCL refuses it, and eight copies of a verifier do not fit one); a process
+    whose verifier spans `span` GPUs (verifier.tensor_parallel_size) starts at GPU LOCAL_RANK * span,
+    so the ranks of a node take disjoint groups. Outside a launcher the device is kept as named
+    (plain `cuda` = the current GPU). CPU stays CPU.
+    """
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if cuda_count > 0 else "cpu"
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise UsageError(
+            f"verifier.device {device!r}: not a torch device; use auto, cpu, cuda or cuda:N"
+        ) from None
+    if chosen.type != "cuda" or local_rank is None:
+        return chosen
+    if local_rank * span >= cuda_count:
+        per_node = max(1, cuda_count // span)
+        raise UsageError(
+            f"LOCAL_RANK {local_rank} but only {cuda_count} GPU(s) visible for {span} GPU(s) per process; "
+            f"use --nproc-per-node <= {per_node}"
+        )
+    return torch.device("cuda", local_rank * span)
+
+
+def launcher_local_rank() -> int | None:
+    """torchrun's LOCAL_RANK (this process's index on its machine), None when not launched by it."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None or not value.strip():
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"LOCAL_RANK={value!r}: expected an integer (torchrun sets it)") from None
+
+
+def resolve_device(device: str, span: int = 1) -> torch.device:
+    """`local_device` for this process: its LOCAL_RANK and the GPUs it sees. A GPU it names with
+    an index becomes the current one, so code that says plain `cuda` lands there too."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    chosen = local_device(device, launcher_local_rank(), count, span)
+    if chosen.type == "cuda" and chosen.index is not None and count > 0:
+        torch.cuda.set_device(chosen)
+    return chosen
 
 
 def local_rank() -> int:
     """This process's torchrun LOCAL_RANK (0 outside torchrun): which group of the node's GPUs it takes."""
-    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+    return launcher_local_rank() or 0
 
 
 def visible_gpus() -> list[str]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from specctl.devices import resolve_device
+from specctl.devices import launcher_local_rank, resolve_device
 from specctl.errors import SpecctlError
 
 
@@ -42,21 +42,14 @@ class DistContext:
 def setup(device: str = "auto") -> DistContext:
     """Join the torchrun process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on CPU).
 
-    Each rank takes GPU LOCAL_RANK; a process group created by the caller is reused as is.
+    Each rank takes GPU LOCAL_RANK (devices.resolve_device, which collect's ranks use too); a
+    process group created by the caller is reused as is.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     base = resolve_device(device)
     if world_size == 1:
         return DistContext(0, 1, 0, base, owns_group=False)
-    if base.type == "cuda":
-        if local_rank >= torch.cuda.device_count():
-            raise SpecctlError(
-                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) visible; "
-                "use --nproc-per-node <= the GPU count"
-            )
-        base = torch.device("cuda", local_rank)
-        torch.cuda.set_device(base)
+    local_rank = launcher_local_rank() or 0
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if base.type == "cuda" else "gloo")

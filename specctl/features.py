@@ -13,8 +13,9 @@ scale per token and layer. Stores written before layouts existed read as the ful
 
 A shard file is written to a temporary name and renamed, and its sidecar is written the same
 way afterwards, so a process killed at any moment leaves either a finished shard or nothing
-that reads as one. Workers of `--shard I/N` own shards j with j % N == I; whoever finishes the
-last shard writes the manifest, so the reader always sees one store.
+that reads as one. Which worker computes which shard is collect's business (shard claims,
+specctl/claims.py); whoever finds every shard done first writes the manifest, once, so the
+reader always sees one store.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from specctl.drafters.targets import verifier_topk
-from specctl.durable import recover_dirs, sha256_file, write_atomic
+from specctl.durable import ForeignAlive, create_once, recover_dirs, sha256_file, write_atomic
 from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
@@ -258,10 +259,13 @@ def shard_name(j: int) -> str:
 # ---------------------------------------------------------------- writer
 
 
-def init_store(path: Path, plan: StorePlan) -> None:
-    """Create the store or check that an existing one was started with the same plan."""
+def init_store(path: Path, plan: StorePlan, foreign_alive: ForeignAlive = None) -> None:
+    """Create the store or check that an existing one was started with the same plan.
+
+    Half-written files of killed workers go first; live workers' are kept (on another host: while
+    `foreign_alive` says so, e.g. `ShardClaims.writer_alive`; without it, always)."""
     path.mkdir(parents=True, exist_ok=True)
-    recover_dirs(path)  # half-written shards of a killed worker (live workers' files are kept)
+    recover_dirs(path, foreign_alive)
     plan_file = path / "plan.json"
     if plan_file.is_file():
         old = asdict(StorePlan(**json.loads(plan_file.read_text())))  # an older plan: its defaults filled in
@@ -359,13 +363,22 @@ def write_shard(
 
 
 def finalize_store(path: Path) -> Manifest | None:
-    """Write manifest.json when every planned shard is done; returns it, or None if work remains."""
+    """Write manifest.json when every planned shard is done; returns it, or None if work remains.
+
+    Every worker calls this when it runs out of work; the file is created once (`create_once`: of
+    workers finishing together, on any host, one writes it) and left as is by the others and by
+    reruns. Only a manifest that no longer matches the sidecars (a shard deleted and rewritten
+    after the store was complete) is replaced.
+    """
     plan = StorePlan(**json.loads((path / "plan.json").read_text()))
     if not all(shard_done(path, j) for j in range(len(plan.shards))):
         return None
     infos = [json.loads((path / f"{shard_name(j)}.json").read_text()) for j in range(len(plan.shards))]
     manifest = Manifest(**asdict(plan), shard_files=infos, num_tokens=sum(plan.lengths))
-    write_atomic(path / "manifest.json", json.dumps(asdict(manifest), indent=1).encode())
+    data = json.dumps(asdict(manifest), indent=1).encode()
+    target = path / "manifest.json"
+    if not create_once(target, data) and target.read_bytes() != data:
+        write_atomic(target, data)
     return manifest
 
 
@@ -466,7 +479,7 @@ def open_features(path: str | Path, verify: bool = True, layout: Layout | None =
             done = sum(shard_done(path, j) for j in range(len(plan["shards"])))
             raise FeatureStoreError(
                 f"{path}: incomplete feature store ({done} of {len(plan['shards'])} shards); rerun "
-                f"`specctl collect-hidden-states` (every --shard rank) to finish it"
+                f"`specctl collect-hidden-states` to finish it (it takes over a dead worker's shards)"
             )
         raise FeatureStoreError(
             f"{path}: no feature store here; run `specctl collect-hidden-states RECIPE` first"

@@ -207,6 +207,14 @@ class FeaturesSection(Section):
         65536, ge=1, description="Tokens per safetensors shard (the unit of resume; held in memory once)."
     )
     backend: Literal["hf", "vllm"] = Field("hf", description="Engine that runs the verifier.")
+    claim_lease_s: float = Field(
+        300.0,
+        gt=0,
+        description="Lease of a collect worker's claim on a shard, renewed between batches: a worker "
+        "on another machine takes over a shard whose holder stopped renewing after this long (on the "
+        "same machine, as soon as the holder's process is gone). Longer than one verifier batch "
+        "plus one shard write.",
+    )
 
 
 def registered_algo(algo: str) -> str:

@@ -61,6 +61,11 @@ class VerifierBackend(Protocol):
     def num_layers(self) -> int: ...
 
     @property
+    def device(self) -> torch.device:
+        """Where the verifier runs (under torchrun: this rank's GPU)."""
+        ...
+
+    @property
     def generation_model(self) -> Any | None:
         """An in-process HF causal LM that can write conversations (self-generated data), or None
         when the weights live in another process."""
@@ -286,7 +291,7 @@ def read_verifier_files(section: VerifierSection) -> VerifierFiles:
     from transformers import AutoConfig, AutoTokenizer
 
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
-    device = resolve_device(section.device)
+    device = resolve_device(section.device, section.tensor_parallel_size)
     num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     verifier_gpus(section.tensor_parallel_size, device, num_gpus, local_rank())
     kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
@@ -312,7 +317,7 @@ def load_verifier(section: VerifierSection) -> Verifier:
 
     hf_logging.disable_progress_bar()  # specctl shows its own progress; keep logs readable
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
-    device = resolve_device(section.device)
+    device = resolve_device(section.device, section.tensor_parallel_size)
     tp = section.tensor_parallel_size
     num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     gpus = verifier_gpus(tp, device, num_gpus, local_rank())

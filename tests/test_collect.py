@@ -174,16 +174,29 @@ def test_rerun_skips_done_shards_and_refuses_other_layers(tmp_path, tiny_verifie
 
 
 def test_shard_workers_build_one_store_identical_to_single_run(tmp_path, tiny_verifier_dir):
+    """`--shard I/N` keeps to its part: worker 0/2 leaves 1/2's shards (unclaimed) alone."""
     single = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="single"))
     collect(single, progress=False)
     split = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="split"))
     first = collect(split, shard="0/2", progress=False)
-    assert not first.complete
-    with pytest.raises(FeatureStoreError, match="incomplete feature store"):
+    n = len(json.loads((split.run_dir / "features" / "plan.json").read_text())["shards"])
+    mine = (n + 1) // 2  # shards 0, 2, 4, ...
+    assert not first.complete and (first.shards_written, first.shards_skipped) == (mine, 0)
+    with pytest.raises(FeatureStoreError, match=f"incomplete feature store \\({mine} of {n} shards\\)"):
         open_features(split.run_dir / "features")
     second = collect(split, shard="1/2", progress=False)
-    assert second.complete
+    assert second.complete and second.shards_written == n // 2
     assert store_bytes(split.run_dir / "features") == store_bytes(single.run_dir / "features")
+    assert not (split.run_dir / "features" / "claims").exists()
+
+
+def test_a_plain_run_finishes_what_shard_workers_left(tmp_path, tiny_verifier_dir):
+    """After `--shard 0/2` alone, a plain rerun (or torchrun) computes the other part."""
+    recipe = load_recipe(make_recipe(tmp_path, tiny_verifier_dir))
+    collect(recipe, shard="0/2", progress=False)
+    n = len(json.loads((recipe.run_dir / "features" / "plan.json").read_text())["shards"])
+    rest = collect(recipe, progress=False)
+    assert rest.complete and (rest.shards_written, rest.shards_skipped) == (n // 2, (n + 1) // 2)
 
 
 def test_spread_verifier_loads_its_weights_after_the_data_stage(tmp_path, tiny_verifier_dir, monkeypatch):

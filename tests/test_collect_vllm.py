@@ -29,6 +29,7 @@ from specctl.collect_vllm import (
     forward_samples_vllm,
     load_target_head,
     load_vllm_verifier,
+    open_engine_worker,
     open_vllm_verifier,
     read_hidden_states,
     read_target_head,
@@ -123,6 +124,27 @@ def test_engine_gpus_are_the_torchrun_ranks_group_in_cuda_visible_devices_terms(
     assert engine_gpus(1, on_cpu=True) is None
     with pytest.raises(RecipeError, match="^verifier.tensor_parallel_size=2: it spans GPUs"):
         engine_gpus(2, on_cpu=True)
+
+
+def test_an_engine_sees_only_the_gpus_it_is_given(monkeypatch):
+    """vLLM's worker takes the first GPU it sees, so a rank's engine is started with its group as
+    CUDA_VISIBLE_DEVICES (`engine_gpus`); None leaves this process's GPUs as they are."""
+    seen: list[dict] = []
+
+    @contextlib.contextmanager
+    def started(argv, log_path, env=None, pass_fds=()):
+        seen.append(dict(os.environ if env is None else env))
+        raise RuntimeError("not starting vLLM here")
+        yield
+
+    import specctl.collect_vllm as collect_vllm
+
+    monkeypatch.setattr(collect_vllm, "process_group", started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    for gpu, log in (("6", None), ("6", Path("log")), (None, None)):
+        with pytest.raises(RuntimeError, match="not starting"), open_engine_worker({}, "m", log, gpu):
+            pass
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in seen] == ["6", "6", "4,5,6,7"]
 
 
 def _write_request_file(path: Path, hidden: torch.Tensor, token_ids: torch.Tensor) -> None:
