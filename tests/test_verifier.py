@@ -130,6 +130,7 @@ def eight_fake_gpus(monkeypatch):
     calls: list[dict] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # resolve_device makes it current
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda g: ((80 - g) * GB, 80 * GB))
 
     def fake(source, **kwargs):
