@@ -29,11 +29,11 @@ def test_local_device(device, local_rank, gpus, want):
 
 
 def test_local_device_refuses_more_ranks_than_gpus():
-    with pytest.raises(UsageError, match="LOCAL_RANK 2 but only 2 GPU\\(s\\) visible .*--nproc-per-node <= 2"):
+    with pytest.raises(UsageError, match="LOCAL_RANK 2 but only 2 GPU\\(s\\) visible .*-node <= 2"):
         local_device("auto", 2, 2)
     # a verifier over 4 GPUs: local rank r starts at GPU 4r, and a node of 8 runs two such ranks
     assert local_device("auto", 1, 8, span=4) == torch.device("cuda", 4)
-    with pytest.raises(UsageError, match="LOCAL_RANK 2 .* 8 GPU\\(s\\) visible for 4 .*--nproc-per-node <= 2"):
+    with pytest.raises(UsageError, match="LOCAL_RANK 2 .* 8 GPU\\(s\\) visible for 4 .*-node <= 2"):
         local_device("cuda", 2, 8, span=4)
     with pytest.raises(UsageError, match="verifier.device 'gpu0': not a torch device"):
         local_device("gpu0", None, 0)
