@@ -59,7 +59,7 @@ from specctl.drafters.targets import (
     Targets,
     TargetTable,
     batch_targets,
-    draft_loss,
+    chunked_draft_loss,
     draft_to_target,
     full_stats_needed,
 )
@@ -558,8 +558,10 @@ class DFlashDrafter(nn.Module):
 
     def rows_loss(self, rows: BlockRows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Position-weighted draft loss and per-position accuracy of the gathered rows."""
-        logits = self.draft_logits(rows.hidden)
-        loss_rows, correct, usable = draft_loss(logits, rows.target, self.t2d, self.loss_kind)
+        # a chunk of rows at a time: [N, V_draft] logits for a whole step would not fit a GPU
+        loss_rows, correct, usable = chunked_draft_loss(
+            self.draft_logits, rows.hidden, rows.target, self.t2d, self.loss_kind
+        )
         loss = weighted_mean(loss_rows, self.row_weights(rows, loss_rows) * usable)
         return loss, self.position_metrics(rows, correct, loss)
 

@@ -38,7 +38,7 @@ from specctl.drafters.dflash import (
     weighted_mean,
 )
 from specctl.drafters.dflash import Format as DFlashFormat
-from specctl.drafters.targets import Targets, draft_loss, draft_to_target
+from specctl.drafters.targets import Targets, chunked_rows, draft_loss, draft_to_target, loss_chunk_rows
 
 
 class Config(BlockConfig):
@@ -172,14 +172,29 @@ class DSparkDrafter(DFlashDrafter):
         """hidden [N, H], prev_ids [N] (verifier ids) -> draft logits [N, Vd] with the Markov bias,
         and the Markov embedding [N, r] the confidence head reads."""
         markov_embed = self.markov_head.embed(prev_ids)
+        return self.biased_logits(hidden, markov_embed), markov_embed
+
+    def biased_logits(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H], markov_embed [n, r] -> draft logits [n, Vd] plus the Markov bias."""
         logits = self.draft_logits(hidden)
-        return logits + self.markov_head.bias(markov_embed).to(logits.dtype), markov_embed
+        return logits + self.markov_head.bias(markov_embed).to(logits.dtype)
+
+    def score_rows(
+        self, hidden: torch.Tensor, markov_embed: torch.Tensor, target: Targets
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """One loss chunk: hidden [n, H], markov_embed [n, r], target [n] -> token loss, correct,
+        valid and TV(q, p), [n] each (`chunked_rows` runs it a chunk of rows at a time)."""
+        logits = self.biased_logits(hidden, markov_embed)
+        target = target.materialized()  # both losses read the kept logits: form them once
+        loss, correct, valid = draft_loss(logits, target, self.t2d, self.loss_kind)
+        return loss, correct, valid, total_variation(logits, target)
 
     def rows_loss(self, rows: BlockRows) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         c = self.config
-        logits, markov_embed = self.block_logits(rows.hidden, rows.prev_ids)
-        token_rows, correct, usable = draft_loss(logits, rows.target, self.t2d, self.loss_kind)
-        tv = total_variation(logits, rows.target)  # [N]
+        markov_embed = self.markov_head.embed(rows.prev_ids)  # [N, r]
+        chunk = loss_chunk_rows(self.draft_vocab_size)
+        scored = chunked_rows(self.score_rows, (rows.hidden, markov_embed), rows.target, chunk)
+        token_rows, correct, usable, tv = scored  # [N] each
         weights = self.row_weights(rows, token_rows)
         loss = c.token_loss_weight * weighted_mean(token_rows, weights * usable)
         loss = loss + c.l1_loss_weight * weighted_mean(2 * tv, weights)

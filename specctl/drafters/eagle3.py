@@ -56,7 +56,7 @@ from specctl.drafters.targets import (
     Targets,
     TargetTable,
     batch_targets,
-    draft_loss,
+    chunked_draft_loss,
     draft_to_target,
     full_stats_needed,
 )
@@ -321,8 +321,9 @@ class Eagle3Backbone(nn.Module):
         )
 
     def score(self, out: torch.Tensor, target: Targets) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft rows [n, H] vs the verifier's distribution there [n] -> (loss, correct, valid) [n]."""
-        return draft_loss(self.lm_head(out), target, self.t2d, self.loss_kind)
+        """Draft rows [n, H] vs the verifier's distribution there [n] -> (loss, correct, valid) [n],
+        the [n, V_draft] logits formed a chunk of rows at a time (`chunked_draft_loss`)."""
+        return chunked_draft_loss(self.lm_head, out, target, self.t2d, self.loss_kind)
 
     # -- export
 

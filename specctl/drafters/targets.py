@@ -12,14 +12,22 @@ the full logits give, entries outside the top k are -inf. So "ce" is unchanged, 
 matches the verifier's distribution restricted to top-k & draft vocabulary, renormalised (the
 tail mass, typically a few percent, is dropped); `p(kept) = exp(kept_logits - logsumexp)` stays
 exact on the top k and is 0 beyond it.
+
+Memory: a step of an 8B recipe scores ~131k rows against a 128,256-token vocabulary, so neither
+side of the loss is ever formed for all rows at once. `Targets` keep each row compact (the
+verifier's final hidden state, its top k, or already formed logits when a table fits one chunk)
+and form `kept_logits` for a slice of rows on demand; `chunked_rows` runs a drafter's logits and
+loss a chunk of rows at a time, recomputing each chunk in the backward (`LOSS_CHUNK_BYTES`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from specctl.drafters.vocab import d2t_from_t2d, kept_ids_from_t2d, t2d_from_d2t
 
@@ -62,24 +70,132 @@ def verifier_logits(
     return h @ lm_head.float().T
 
 
+# ---------------------------------------------------------------- chunk size of the vocabulary loss
+
+LOSS_CHUNK_BYTES = 1 << 30
+"""Byte budget of one loss chunk's float32 [rows, vocab] buffer. The vocabulary loss forms a few
+such buffers per chunk (draft logits, their log-softmax, the target's kept logits and softmax,
+then their gradients in the backward; measured in float32: a peak of 5 buffers for "kl", 1.3 for
+"ce", tests/test_chunked_loss.py), never one over every row of a step: 131k rows of a
+128,256-token vocabulary would be 67 GB each."""
+
+
+def loss_chunk_rows(vocab_size: int) -> int:
+    """Rows of one loss chunk: how many float32 rows of `vocab_size` logits fit LOSS_CHUNK_BYTES (>= 1).
+
+    vocab_size: the width of the logits the loss forms (the draft vocabulary; all V without one).
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
+# ---------------------------------------------------------------- kept logits, formed on demand
+
+
+@dataclass(frozen=True)
+class DenseKept:
+    """Kept logits already formed, [M, Vd]: a table small enough to hold (one loss chunk's worth),
+    or logits a caller already has (tests)."""
+
+    logits: torch.Tensor  # [M, Vd]
+
+    @property
+    def width(self) -> int:
+        return self.logits.shape[-1]
+
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] -> [n, Vd]."""
+        return self.logits[rows]
+
+
+@dataclass(frozen=True)
+class HiddenKept:
+    """The verifier's final hidden states at M positions and its frozen norm + the LM head rows of
+    the kept ids: a row's kept logits are formed only when a loss chunk reads it."""
+
+    hidden: torch.Tensor  # [M, H]
+    norm_weight: torch.Tensor  # [H]
+    head: torch.Tensor  # [Vd, H] the verifier's LM head rows of the draft vocabulary (all V without one)
+    eps: float
+
+    @property
+    def width(self) -> int:
+        return self.head.shape[0]
+
+    @torch.no_grad()
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] -> [n, Vd]."""
+        return verifier_logits(self.hidden[rows], self.norm_weight, self.head, self.eps)
+
+
+@dataclass(frozen=True)
+class TopKKept:
+    """A top-k store's M positions: each stored id's column in the draft vocabulary and its logit
+    (logprob + logsumexp); a row's kept logits are those at its columns and -inf elsewhere."""
+
+    cols: torch.Tensor  # [M, k] int64 draft id of each stored id, -1 outside the draft vocabulary
+    logits: torch.Tensor  # [M, k] float32 the verifier's logit there
+    width: int  # Vd
+
+    def kept(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n] -> [n, Vd]."""
+        cols, logits = self.cols[rows], self.logits[rows]  # [n, k]
+        out = torch.full((cols.shape[0], self.width), float("-inf"), device=logits.device)
+        inside = cols >= 0
+        index = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
+        out[index[inside], cols[inside]] = logits[inside]
+        return out
+
+
+KeptTable = DenseKept | HiddenKept | TopKKept
+
+
 @dataclass
 class Targets:
     """The verifier's next-token distribution at N rows, reduced to what the losses read.
 
-    Full [N, V] logits are formed once per scored position (in chunks) and never kept: a drafter
-    that scores the same position from several blocks, depths or TTT steps reuses the row.
-    `argmax` and `logsumexp` need the full vocabulary; they are None when they were not asked for
-    (training with the KL loss reads only `kept_logits`, see `full_stats_needed`) and the store
-    did not keep them.
+    `argmax` and `logsumexp` need the full vocabulary: they are formed once per scored position
+    (from [chunk, V] logits, never kept) and shared by every row that reads the position (several
+    blocks, depths or TTT steps); None when they were not asked for (training with the KL loss
+    reads only the kept logits, see `full_stats_needed`) and the store did not keep them. The kept
+    logits stay in the table's compact form (`KeptTable`) and a loss forms them for a chunk of
+    rows at a time (`kept_logits` of a slice): indexing picks rows only, and no [N, Vd] buffer
+    over every row of a step needs to exist.
     """
 
     argmax: torch.Tensor | None  # [N] the verifier's top token (full-vocabulary id)
-    kept_logits: torch.Tensor  # [N, Vd] logits on the draft vocabulary (all V without one)
     logsumexp: torch.Tensor | None  # [N] over the full vocabulary: p(kept) = exp(kept_logits - logsumexp)
+    table: KeptTable  # the kept logits of M positions, compact
+    rows: torch.Tensor  # [N] int64: the table position of each row
+
+    @classmethod
+    def dense(
+        cls,
+        kept_logits: torch.Tensor,
+        argmax: torch.Tensor | None = None,
+        logsumexp: torch.Tensor | None = None,
+    ) -> Targets:
+        """Targets from kept logits [N, Vd] a caller already holds."""
+        rows = torch.arange(kept_logits.shape[0], device=kept_logits.device)
+        return cls(argmax, logsumexp, DenseKept(kept_logits), rows)
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
 
     def __getitem__(self, index) -> Targets:
         pick = lambda t: None if t is None else t[index]
-        return Targets(pick(self.argmax), self.kept_logits[index], pick(self.logsumexp))
+        return Targets(pick(self.argmax), pick(self.logsumexp), self.table, self.rows[index])
+
+    @property
+    def kept_logits(self) -> torch.Tensor:
+        """[N, Vd] logits on the draft vocabulary (all V without one), formed now for every row:
+        a loss reads it on a chunk (`chunked_rows`), not on a whole step's targets."""
+        return self.table.kept(self.rows)
+
+    def materialized(self) -> Targets:
+        """The same rows with their kept logits formed once, for a chunk that reads them twice."""
+        return Targets.dense(self.kept_logits, self.argmax, self.logsumexp)
 
 
 def full_stats_needed(training: bool, loss_kind: str) -> bool:
@@ -111,30 +227,48 @@ def verifier_targets(
     lm_head: torch.Tensor,
     eps: float,
     t2d: torch.Tensor | None,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = None,
     full: bool = True,
+    dense_rows: int | None = None,
 ) -> Targets:
-    """[N, H] final hidden states -> Targets, forming the [chunk, V] logits a chunk at a time.
+    """[M, H] final hidden states -> Targets [M].
 
-    full=False forms only the kept logits (argmax / logsumexp None): with a draft vocabulary that
-    is a [N, Vd] product instead of [N, V] plus two passes over it.
+    The kept logits are formed now when M <= dense_rows (default: one loss chunk,
+    `loss_chunk_rows`), so a small step forms each position's logits once however many rows read
+    it; beyond that the table keeps the hidden states and a loss chunk forms the logits it reads.
+    full: also the argmax and logsumexp over the full vocabulary, from [chunk_rows, V] logits a
+    chunk at a time (default: a loss chunk of V). full=False forms only kept logits: with a
+    draft vocabulary that is a [M, Vd] product instead of [M, V] plus two passes over it.
     """
+    kept_ids = None if t2d is None else kept_ids_from_t2d(t2d)
+    kept_head = lambda: lm_head if kept_ids is None else lm_head.index_select(0, kept_ids)  # [Vd, H]
+    positions = last_hidden_state.shape[0]
+    rows = torch.arange(positions, device=last_hidden_state.device)
+    width = lm_head.shape[0] if kept_ids is None else kept_ids.numel()
+    dense = positions <= (loss_chunk_rows(width) if dense_rows is None else dense_rows)
+    # float32 once here, not in every chunk that reads it (verifier_logits computes in float32)
+    compact = None if dense else HiddenKept(last_hidden_state, norm_weight, kept_head().float(), eps)
     if not full:
-        head = lm_head if t2d is None else lm_head.index_select(0, kept_ids_from_t2d(t2d))
-        return Targets(None, verifier_logits(last_hidden_state, norm_weight, head, eps), None)
-    chunks = last_hidden_state.split(chunk_rows) or [last_hidden_state]
-    parts = [targets_from_logits(verifier_logits(rows, norm_weight, lm_head, eps), t2d) for rows in chunks]
-    return Targets(
-        torch.cat([t.argmax for t in parts]),
-        torch.cat([t.kept_logits for t in parts]),
-        torch.cat([t.logsumexp for t in parts]),
-    )
+        if compact is not None:
+            return Targets(None, None, compact, rows)
+        return Targets.dense(verifier_logits(last_hidden_state, norm_weight, kept_head(), eps))
+    chunks = last_hidden_state.split(chunk_rows or loss_chunk_rows(lm_head.shape[0])) or [last_hidden_state]
+    argmax, logsumexp, kept = [], [], []
+    for part in chunks:
+        logits = verifier_logits(part, norm_weight, lm_head, eps)  # [chunk, V]
+        argmax.append(logits.argmax(-1))
+        logsumexp.append(torch.logsumexp(logits.float(), -1))
+        if dense:
+            kept.append(logits if kept_ids is None else logits.index_select(1, kept_ids))
+    if compact is not None:
+        return Targets(torch.cat(argmax), torch.cat(logsumexp), compact, rows)
+    return Targets.dense(torch.cat(kept), torch.cat(argmax), torch.cat(logsumexp))
 
 
 def targets_from_logits(logits: torch.Tensor, t2d: torch.Tensor | None) -> Targets:
     """Full verifier logits [N, V] -> Targets [N]."""
     kept_logits = logits if t2d is None else logits.index_select(1, kept_ids_from_t2d(t2d))
-    return Targets(logits.argmax(-1), kept_logits, torch.logsumexp(logits.float(), -1))
+    return Targets.dense(kept_logits, logits.argmax(-1), torch.logsumexp(logits.float(), -1))
 
 
 def topk_compact(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,19 +309,14 @@ def targets_from_topk(
 ) -> Targets:
     """Stored top-k ids / log-probs [N, k] (descending) and logsumexp [N] -> Targets [N].
 
-    kept_logits [N, Vd] holds logprob + logsumexp (the verifier's logit) at the top-k ids that
-    are in the draft vocabulary and -inf everywhere else.
+    The kept logits hold logprob + logsumexp (the verifier's logit) at the top-k ids that are in
+    the draft vocabulary and -inf everywhere else; they stay [N, k] until a loss chunk reads them.
     """
-    N = topk_ids.shape[0]
     width = vocab_size if t2d is None else int(t2d.sum())
     logsumexp = logsumexp.float()
-    kept_logits = torch.full((N, width), float("-inf"), device=topk_logprobs.device)
-    cols = target_to_draft(topk_ids, t2d)  # [N, k], -1 outside the draft vocabulary
-    rows = torch.arange(N, device=topk_ids.device)[:, None].expand_as(cols)
-    inside = cols >= 0
-    logits = topk_logprobs.float() + logsumexp[:, None]  # [N, k]
-    kept_logits[rows[inside], cols[inside]] = logits[inside]
-    return Targets(topk_ids[:, 0], kept_logits, logsumexp)
+    table = TopKKept(target_to_draft(topk_ids, t2d), topk_logprobs.float() + logsumexp[:, None], width)
+    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+    return Targets(topk_ids[:, 0], logsumexp, table, rows)
 
 
 def target_table(
@@ -235,12 +364,14 @@ def batch_targets(
     t2d: torch.Tensor | None,
     rows: torch.Tensor | None = None,
     full: bool = True,
+    dense_rows: int | None = None,
 ) -> TargetTable:
     """The verifier's distribution at the positions a drafter will read, each computed once.
 
     rows [B, T] bool: those positions (None = every scored position; a block drafter reads only
     the few its sampled anchors reach). full: also the argmax and logsumexp over the full
     vocabulary (see `full_stats_needed`); they come for free when the store kept them.
+    dense_rows: the most positions whose kept logits are formed now (`verifier_targets`).
 
     From the batch's last_hidden_state [B, T, H] (norm + LM head here; target_argmax and
     logsumexp [B, T] when the store computed them at collect time), or, for a store that kept
@@ -252,10 +383,17 @@ def batch_targets(
     if "last_hidden_state" in batch:
         stored = "target_argmax" in batch
         targets = verifier_targets(
-            batch["last_hidden_state"][b, t], norm_weight, lm_head, eps, t2d, full=full and not stored
+            batch["last_hidden_state"][b, t],
+            norm_weight,
+            lm_head,
+            eps,
+            t2d,
+            full=full and not stored,
+            dense_rows=dense_rows,
         )
         if stored:
-            targets = Targets(batch["target_argmax"][b, t], targets.kept_logits, batch["logsumexp"][b, t])
+            stats = {"argmax": batch["target_argmax"][b, t], "logsumexp": batch["logsumexp"][b, t]}
+            targets = replace(targets, **stats)
         return TargetTable(targets, _row_index(rows))
     targets = targets_from_topk(
         batch["topk_ids"][b, t], batch["topk_logprobs"][b, t], batch["logsumexp"][b, t], t2d, lm_head.shape[0]
@@ -306,3 +444,56 @@ def draft_loss(
     # bf16 rows (autocast's draft logits): 5.6 ms against 23 ms for [1536, 8192] (2-core EPYC)
     predicted = draft_to_target(draft_logits.max(-1).indices, d2t_table)
     return loss, predicted == target_argmax, valid
+
+
+# ---------------------------------------------------------------- the loss, a chunk of rows at a time
+
+RowOutputs = tuple[torch.Tensor | None, ...]  # per-row results [n] each (None: not formed)
+
+
+def chunked_rows(
+    fn: Callable[..., RowOutputs],
+    inputs: tuple[torch.Tensor, ...],
+    target: Targets,
+    chunk_rows: int,
+) -> RowOutputs:
+    """fn(*inputs, target) over N rows, `chunk_rows` rows at a time -> its per-row outputs [N] each.
+
+    inputs: per-row tensors [N, ...] (draft hidden rows [N, H] and whatever else the drafter's
+    logits read); fn forms a chunk's draft logits [n, Vd] from them and reduces them with the
+    chunk's targets to per-row results [n] (or None, the same in every chunk). With gradients,
+    each chunk runs under a non-reentrant checkpoint (autocast kept): its logits are freed when
+    it returns and formed again, one chunk at a time, in the backward, so no [N, Vd] buffer
+    exists in either pass. Rows that fit one chunk take the plain call: nothing recomputed.
+    """
+    total = len(target)
+    if total <= chunk_rows:
+        return fn(*inputs, target)
+    parts = []
+    for start in range(0, total, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        args = (*(x[rows] for x in inputs), target[rows])
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            parts.append(fn(*args))
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
+
+
+def chunked_draft_loss(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    target: Targets,
+    t2d: torch.Tensor | None,
+    kind: str,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`draft_loss` of head(hidden) [N, Vd] against `target` [N], formed a chunk at a time.
+
+    head: the drafter's readout, hidden [n, H] -> draft logits [n, Vd]. chunk_rows: rows per
+    chunk (default: `loss_chunk_rows` of the draft vocabulary).
+    """
+    rows = chunk_rows or loss_chunk_rows(target.table.width)
+    score = lambda h, t: draft_loss(head(h), t, t2d, kind)
+    loss, correct, valid = chunked_rows(score, (hidden,), target, rows)
+    return loss, correct, valid
