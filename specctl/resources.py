@@ -20,6 +20,7 @@ with one line and the numbers when it does not fit; `--force` overrides.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -224,10 +225,14 @@ class StepTrace:
     length: int  # their length
 
 
-def _synthetic_batch(recipe: Any, spec: Any, sequences: int, length: int, trace: Any) -> dict[str, Any]:
+def synthetic_batch(
+    recipe: Any, spec: Any, sequences: int, length: int, heavy: Any = None, device: Any = "cpu"
+) -> dict[str, Any]:
     """The worst piece the recipe allows, as the drafter contract reads it: `sequences` rows of
-    `length` tokens, every token real and a loss token; features heavy (fake), ids and masks real."""
+    `length` tokens, every token real and a loss token but the first. Features are random (made
+    under `heavy`: fake in a trace), in the recipe's target layout; ids and masks are real."""
     B, T, H, V = sequences, length, spec.hidden_size, spec.vocab_size
+    k = min(recipe.features.topk, V)
     g = torch.Generator().manual_seed(0)
     batch: dict[str, Any] = {
         "input_ids": torch.randint(0, V, (B, T), generator=g),
@@ -235,16 +240,16 @@ def _synthetic_batch(recipe: Any, spec: Any, sequences: int, length: int, trace:
         "attention_mask": torch.ones(B, T, dtype=torch.bool),
     }
     batch["loss_mask"][:, :1] = False  # the first token of a conversation is never scored
-    with trace.heavy():
-        batch["aux_hidden_states"] = torch.empty(B, T, len(spec.aux_layer_ids), H)
-        if recipe.features.target == "topk":
-            k = min(recipe.features.topk, V)
-            batch["topk_logprobs"] = torch.empty(B, T, k)
-            batch["logsumexp"] = torch.empty(B, T)
-        else:
-            batch["last_hidden_state"] = torch.empty(B, T, H)
     if recipe.features.target == "topk":
-        batch["topk_ids"] = torch.randint(0, V, (B, T, min(recipe.features.topk, V)), generator=g)
+        batch["topk_ids"] = torch.randint(0, V, (B, T, k), generator=g)
+    batch = {key: value.to(device) for key, value in batch.items()}
+    with heavy if heavy is not None else contextlib.nullcontext():
+        batch["aux_hidden_states"] = torch.randn(B, T, len(spec.aux_layer_ids), H, device=device)
+        if recipe.features.target == "topk":
+            batch["topk_logprobs"] = -torch.rand(B, T, k, device=device).sort(-1).values.flip(-1) * 10
+            batch["logsumexp"] = torch.randn(B, T, device=device)
+        else:
+            batch["last_hidden_state"] = torch.randn(B, T, H, device=device)
     return batch
 
 
@@ -282,7 +287,7 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
             distributed.checkpoint_layers(drafter)
         optimizer = build_optimizer(drafter, cfg, vocab_sizes(V, d2t))
         built = t.mark().live
-        batch = _synthetic_batch(recipe, spec, sequences, length, t)
+        batch = synthetic_batch(recipe, spec, sequences, length, t.heavy())
         with_batch = t.mark().live
         autocast = devices.autocast(torch.device("cpu"), dtype)
         for step in range(2):
