@@ -33,6 +33,7 @@ import torch
 import yaml
 
 import specctl
+from benchmarks import perf
 from benchmarks.perf import measure_train_step, synthetic_batch
 from specctl.durable import write_atomic
 from specctl.errors import first_line
@@ -352,6 +353,120 @@ def train_check(plan: Plan, log: Any) -> dict[str, Any]:
     return rows
 
 
+# ---------------------------------------------------------------- the plan, checked
+
+
+# The dry run's shrink of each shipped recipe: the same code path at CPU size.
+DRY_RECIPE = [
+    "data.max_length=64",
+    "train.batch_tokens=128",
+    "train.micro_batch_tokens=128",
+    "drafter.draft_vocab_size=null",
+    "train.precision=float32",  # the dry run computes in float32 (_autocast), weights float32 too
+    "verifier.dtype=float32",
+]
+DRY_DRAFTER = {"num_layers": 1, "max_anchors": 8}
+
+
+def plan_check(plan: Plan, log: Any) -> dict[str, Any]:
+    """Each algorithm's shipped Llama recipe at its real per-rank piece (train.micro_batch_tokens of
+    data.max_length sequences, its drafter, its feature layout, activation checkpointing as it says):
+    `specctl plan`'s traced peak against the peak measured running that piece (CUDA:
+    max_memory_allocated, the same live bytes the trace counts; dry run: live bytes of the real
+    tensors), with tokens/s and MFU from the traced FLOPs."""
+    rows: dict[str, Any] = {}
+    for algo in plan.algos:
+        start = time.perf_counter()
+        try:
+            rows[algo] = plan_piece(algo, plan)
+        except torch.cuda.OutOfMemoryError as e:
+            rows[algo] = {"status": "oom", "error": first_line(e)}
+        except Exception as e:  # one algorithm's failure must not hide the others' figures
+            rows[algo] = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+        _free(plan.device)
+        rows[algo]["wall_s"] = time.perf_counter() - start
+        log(f"plan {algo}: {rows[algo]['status']} in {rows[algo]['wall_s']:.0f} s")
+    return rows
+
+
+def _recipe_and_spec(algo: str, plan: Plan) -> tuple[Any, Any]:
+    from specctl import resources
+    from specctl.recipe import load_recipe
+
+    dry = plan.device.type != "cuda"
+    overrides = list(DRY_RECIPE) if dry else []
+    if dry:
+        from specctl.drafters import DRAFTERS
+
+        known = DRAFTERS[algo].config_cls.model_fields
+        overrides += [f"drafter.{algo}.{k}={v}" for k, v in DRY_DRAFTER.items() if k in known]
+    recipe = load_recipe(str(RECIPES / f"{algo}-llama.yaml"), overrides).for_training()
+    if not dry:
+        return recipe, resources.inputs(recipe, resources.Cluster("cuda", 1, 1)).spec
+    return recipe, verifier_spec(plan.verifier, plan.verifier["vocab_size"] - 1)
+
+
+def plan_piece(algo: str, plan: Plan) -> dict[str, Any]:
+    from specctl import distributed, resources
+    from specctl.drafters import DRAFTERS
+    from specctl.memtrace import MemoryTrace
+    from specctl.optim import build_optimizer, vocab_sizes
+
+    recipe, spec = _recipe_and_spec(algo, plan)
+    micro = resources.micro_tokens(recipe)
+    st = resources.trace_train_step(recipe, spec, micro, plan.device.type)
+    d2t = resources.draft_offsets(recipe)
+    cfg = recipe.train
+    measure = MemoryTrace() if plan.device.type != "cuda" else contextlib.nullcontext()
+    baseline = perf._reset_peak_memory(plan.device)
+    with measure:
+        weights = random_weights(spec, plan.device, plan.dtype)
+        torch.manual_seed(0)
+        drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, cfg.loss)
+        drafter = drafter.to(plan.device).train()
+        if cfg.activation_checkpointing:
+            distributed.checkpoint_layers(drafter)
+        optimizer = build_optimizer(drafter, cfg, vocab_sizes(spec.vocab_size, d2t))
+        batch = resources.synthetic_batch(recipe, spec, st.sequences, st.length, device=plan.device)
+
+        def step() -> None:
+            with _autocast(plan.device):
+                loss, _ = drafter(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(max(1, plan.warmup)):  # the optimizer state exists from the first step on
+            step()
+        _sync(plan.device)
+        began = time.perf_counter()
+        for _ in range(plan.steps):
+            step()
+        _sync(plan.device)
+        step_s = (time.perf_counter() - began) / plan.steps
+    if plan.device.type == "cuda":
+        measured = int(perf._peak_memory_mb(plan.device, baseline) * 2**20)
+    else:
+        measured = measure.peak
+    row = {
+        "status": "ok",
+        "recipe": f"{algo}-llama.yaml",
+        "sequences": st.sequences,
+        "seq_len": st.length,
+        "micro_batch_tokens": micro,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "predicted_peak_bytes": st.peak,
+        "measured_peak_bytes": measured,
+        "measured_over_predicted": measured / st.peak,
+        "step_s": step_s,
+        "tokens_per_s": st.sequences * st.length / step_s,
+        "traced_flops_per_step": st.flops,
+    }
+    if plan.peak_tflops:
+        row["mfu_traced"] = st.flops / step_s / (plan.peak_tflops * 1e12)
+    return row
+
+
 # ---------------------------------------------------------------- engine
 
 
@@ -454,6 +569,24 @@ def print_report(report: dict[str, Any]) -> None:
             _fmt(r.get("mfu_counted"), ".1%"),
         )
     console.print(train)
+    checked = Table(title="gpu-check: each recipe's per-rank piece, `specctl plan` against measured")
+    for col in ("algo", "status", "piece", "predicted GiB", "measured GiB", "ratio", "tokens/s", "MFU"):
+        checked.add_column(col)
+    for algo, r in report.get("plan", {}).items():
+        if r["status"] != "ok":
+            checked.add_row(algo, r["status"], r.get("error", "")[:80], *[""] * 5)
+            continue
+        checked.add_row(
+            algo,
+            "ok",
+            f"{r['sequences']} x {r['seq_len']}" + (" ckpt" if r["activation_checkpointing"] else ""),
+            f"{r['predicted_peak_bytes'] / 2**30:.2f}",
+            f"{r['measured_peak_bytes'] / 2**30:.2f}",
+            f"{r['measured_over_predicted']:.2f}",
+            f"{r['tokens_per_s']:.0f}",
+            _fmt(r.get("mfu_traced"), ".1%"),
+        )
+    console.print(checked)
     if not report["engine"]:
         console.print(report["mfu_formula"])
         return
@@ -528,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         "mfu_formula": MFU_FORMULA,
         "train_verifier": {k: v for k, v in plan.verifier.items() if k != "architectures"},
         "train": train_check(plan, log),
+        "plan": plan_check(plan, log),
         "engine": {},
         "output": args.output,
     }
