@@ -165,6 +165,9 @@ def test_gpu_check_dry_run_end_to_end_without_datasets_or_gguf(tmp_path):
         assert row["status"] == "ok", row
         assert row["positions_per_s"] > 0 and row["trainable_params"] > 0
         assert row["counted_flops_per_step"] > 0
+        checked = report["plan"][algo]  # the recipe's piece: the plan's traced peak against the run's
+        assert checked["status"] == "ok", checked
+        assert 0.75 <= checked["measured_over_predicted"] <= 1.25, checked
         assert report["engine"][algo]["status"] == "ok", report["engine"][algo]
         assert report["engine"][algo]["tokens"] == report["engine"]["verifier"]["max_new_tokens"]
     assert report["engine"]["no_spec"]["tokens_per_s"] > 0
