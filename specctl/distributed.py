@@ -29,6 +29,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     owns_group: bool  # this process initialised the process group, so it tears it down
+    local_world_size: int = 1  # ranks on this machine (torchrun's LOCAL_WORLD_SIZE; 1 when unknown)
 
     @property
     def is_main(self) -> bool:
@@ -60,7 +61,8 @@ def setup(device: str = "auto") -> DistContext:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if base.type == "cuda" else "gloo")
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns_group=owns)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns, local_world_size)
 
 
 def teardown(ctx: DistContext) -> None:

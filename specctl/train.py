@@ -192,18 +192,19 @@ def online_source(recipe: Recipe, ctx: DistContext, verifier: Verifier, spec: Ve
 
 
 def verify_store(store: FeatureStore, ctx: DistContext) -> None:
-    """Check every shard's sha256 once for the run, split over the ranks, before any batch is read;
-    after that every rank reads the store unchecked (`store.verify` off, in DataLoader workers too).
+    """Check every shard's sha256 once for the run on each machine, split over its ranks, before any
+    batch is read; after that every rank reads the store unchecked (`store.verify` off, in DataLoader
+    workers too).
 
-    Still safe: each shard is hashed before training starts, and all ranks read the same files (the
-    run directory is shared: rank 0 writes the checkpoints every rank resumes from). A corrupted
-    shard fails every rank with the same one-line error, naming the file. Rank r hashes shards
-    j = r mod W: 1/W of the store each instead of every rank hashing each shard it opens, and the
-    ranks finish together, well inside a collective's timeout.
+    Still safe: every shard a rank will read is hashed on that rank's machine before training starts
+    (each machine may hold its own copy of the run directory, docs/training.md), and a corrupted
+    shard stops every rank with the same one-line error naming the file. Local rank l of L hashes
+    shards j = l mod L: 1/L of the store each, instead of every rank hashing each shard it opens;
+    the ranks finish together, well inside a collective's timeout.
     """
     error = None
     try:
-        store.verify_shards(range(ctx.rank, len(store.manifest.shards), ctx.world_size))
+        store.verify_shards(range(ctx.local_rank, len(store.manifest.shards), ctx.local_world_size))
     except FeatureStoreError as e:
         error = str(e)
     errors = [e for e in distributed.gather_objects(error, ctx) if e is not None]
@@ -581,7 +582,7 @@ def train(recipe: Recipe, ctx: DistContext, resume: bool, progress: bool) -> Tra
     tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
 
     sampler = StepSampler(p.buckets, cfg.seed, ctx.world_size, cfg.grad_accum, ctx.rank, cursor)
-    workers = data_workers(cfg.data_workers, ctx.device)
+    workers = data_workers(cfg.data_workers, ctx.device, ctx.local_world_size)
     with (
         live_view(progress and ctx.is_main, cfg.max_steps, step) as live,
         micro_batches(p.source.sample, sampler, cfg.batch_tokens, workers, ctx) as batches,

@@ -103,16 +103,16 @@ class Samples(Dataset):
         return self.get(i)
 
 
-def data_workers(setting: int | None, device: torch.device) -> int:
+def data_workers(setting: int | None, device: torch.device, ranks_here: int = 1) -> int:
     """Loader processes per rank for `train.data_workers` (None: 0 on CPU, where the step itself
-    uses the cores; on CUDA up to CUDA_DATA_WORKERS, within this rank's share of the CPUs)."""
+    uses the cores; on CUDA up to CUDA_DATA_WORKERS, within this rank's share of the machine's CPUs
+    among `ranks_here` ranks, one left for the rank itself)."""
     if setting is not None:
         return setting
     if device.type != "cuda":
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(CUDA_DATA_WORKERS, cpus // ranks_here - 1))
+    return max(1, min(CUDA_DATA_WORKERS, cpus // max(1, ranks_here) - 1))
 
 
 @contextlib.contextmanager

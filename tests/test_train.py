@@ -1264,10 +1264,8 @@ def test_data_workers_default_per_device(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert data_workers(None, cpu) == 0 and data_workers(3, cpu) == 3 and data_workers(0, cuda) == 0
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert data_workers(None, cuda) == CUDA_DATA_WORKERS  # 8 CPUs a rank: one for the rank itself
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
-    assert data_workers(None, cuda) == 1
+    assert data_workers(None, cuda, 8) == CUDA_DATA_WORKERS  # 8 CPUs a rank: one for the rank itself
+    assert data_workers(None, cuda, 16) == 3 and data_workers(None, cuda, 32) == 1
 
 
 def _reference_rows(path, store, i: int) -> dict[str, torch.Tensor]:
