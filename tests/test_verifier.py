@@ -187,3 +187,28 @@ def test_borrowed_tensors_that_do_not_fit_the_config_are_one_line(tmp_path):
     ) as e:
         load_borrowed(VerifierSection(name_or_path=str(path), device="cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_the_builtin_alias_reads_its_converted_directory(tmp_path, monkeypatch):
+    """'smollm2-135m-instruct' resolves to its converted HF directory in the cache (a tiny stand-in
+    here: the package is not needed once converted); the borrowed verifier records the hub id and
+    gives the full load's spec and tensors."""
+    from specctl.recipe import recipe_from_dict
+    from specctl.verifier import BUILTIN_VERIFIERS, load_borrowed, recipe_verifier_spec, verifier_weights
+
+    alias = "smollm2-135m-instruct"
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    converted = save_verifier(tmp_path / "models" / alias, tied=True)
+    hub_id = BUILTIN_VERIFIERS[alias]["hub_id"]
+    (converted / "specctl.json").write_text(json.dumps({"hub_id": hub_id, "source": "x.gguf"}))
+    section = VerifierSection(name_or_path=alias, device="cpu")
+    full, borrowed = load_verifier(section), load_borrowed(section)
+    recipe = recipe_from_dict(
+        {"name": "t", "verifier": section.model_dump(), "features": {"aux_layer_ids": [1, 2]}}
+    )
+    spec = recipe_verifier_spec(borrowed, recipe)
+    assert spec == recipe_verifier_spec(full, recipe) and spec.name_or_path == hub_id == borrowed.hub_id
+    want = verifier_weights(full)
+    assert torch.equal(borrowed.weights.lm_head, want.lm_head) and torch.equal(
+        borrowed.weights.norm, want.norm
+    )
