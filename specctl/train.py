@@ -168,7 +168,9 @@ def identity(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def online_source(recipe: Recipe, ctx: DistContext, verifier: Verifier, spec: VerifierSpec, progress: bool):
+def online_source(
+    recipe: Recipe, ctx: DistContext, verifier: Verifier, spec: VerifierSpec, progress: bool
+) -> Source:
     """The data stage's token samples (rank 0 prepares them), featurized by the verifier per batch."""
     data_dir = recipe.run_dir / "data"
     if ctx.is_main:  # reuses a complete data dir for the same recipe; builds it otherwise
