@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.specctl-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo results lint bench-perf gpu-check docs clean
+.PHONY: install test test-fast demo results lint bench-perf gpu-check rehearse docs clean
 
 install: $(STAMP)
 
@@ -98,6 +98,13 @@ bench-perf: install
 # an H200); without CUDA a tiny CPU dry run of the same code. docs/performance.md says what it measures.
 gpu-check: install
 	$(PY) -m benchmarks.gpu_check --output runs/gpu-check.json
+
+# The 8B recipes at real width on this CPU (random-weight Llama-3.1-8B / Qwen3-8B, 4 decoder layers):
+# collect, train (every algorithm, one sequence a step), export, export --check, each stage's
+# measured peak memory against `specctl plan`'s prediction (runs/rehearse.json; exit 1 past 25%).
+# About 20 min and 12 GB of disk on 2 cores; docs/performance.md has the table.
+rehearse: install
+	$(PY) -m benchmarks.rehearse --output runs/rehearse.json
 
 docs: install
 	$(PY) -m specctl.recipe --markdown > docs/recipe.md

@@ -68,6 +68,7 @@ from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import local_rank, resolve_dtype, verifier_gpus, visible_gpus
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
+from specctl.hf_weights import read_head
 from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
@@ -507,39 +508,11 @@ def load_target_head(verifier: VllmVerifier) -> TargetHead:
 
 
 def read_target_head(model_dir: Path, config: Any) -> TargetHead:
-    """Final norm [H] + LM head [V, H] of an HF checkpoint directory, read from its safetensors.
-
-    Names follow the HF layout: `<prefix>norm.weight` beside `<prefix>embed_tokens.weight`, and
-    `lm_head.weight`, or the embeddings when the checkpoint ties them (no lm_head tensor).
-    """
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    where: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
-    embed = next((n for n in where if n.endswith("embed_tokens.weight")), None)
-    lm_head = next((n for n in where if n.endswith("lm_head.weight")), embed)
-    norm = None if embed is None else embed.removesuffix("embed_tokens.weight") + "norm.weight"
-    if lm_head is None or norm not in where:
-        raise VerifierError(
-            f"{model_dir}: found no final norm / LM head in its safetensors files for top-k targets; "
-            f"use features.target: hidden (or --backend hf)"
-        )
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(where[name]), "pt") as f:
-            return f.get_tensor(name).float()
-
-    head = TargetHead(read(norm), read(lm_head), getattr(config, "rms_norm_eps", 1e-6))
-    H = config.hidden_size
-    if head.norm.shape != (H,) or head.lm_head.ndim != 2 or head.lm_head.shape[1] != H:
-        raise VerifierError(
-            f"{model_dir}: {norm} {list(head.norm.shape)} / {lm_head} {list(head.lm_head.shape)} do not "
-            f"fit hidden size {H}; use features.target: hidden"
-        )
-    return head
+    """Final norm [H] + LM head [V, H] (float32, CPU) of an HF checkpoint directory, read by name from
+    its safetensors (`specctl.hf_weights`: the embeddings when the checkpoint ties them)."""
+    hint = "use features.target: hidden (or --backend hf)"
+    weights = read_head(model_dir, config, "cpu", torch.float32, hint)
+    return TargetHead(weights.norm, weights.lm_head, getattr(config, "rms_norm_eps", 1e-6))
 
 
 def read_hidden_states(path: str | Path, timeout_s: float = READ_TIMEOUT_S) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     owns_group: bool  # this process initialised the process group, so it tears it down
+    local_world_size: int = 1  # ranks on this machine (torchrun's LOCAL_WORLD_SIZE; 1 when unknown)
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +54,8 @@ def setup(device: str = "auto") -> DistContext:
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("nccl" if base.type == "cuda" else "gloo")
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns_group=owns)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns, local_world_size)
 
 
 def teardown(ctx: DistContext) -> None:
@@ -129,6 +131,15 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier(ctx: DistContext) -> None:

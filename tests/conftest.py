@@ -43,8 +43,11 @@ def make_tiny_tokenizer():
     return fast
 
 
-def make_tiny_verifier(kind: str = "llama", num_layers: int = 4, vocab_size: int = 320, seed: int = 0):
-    """A random Llama/Qwen3 causal LM small enough for unit tests (hidden 64)."""
+def make_tiny_verifier(
+    kind: str = "llama", num_layers: int = 4, vocab_size: int = 320, seed: int = 0, tied: bool = False
+):
+    """A random Llama/Qwen3 causal LM small enough for unit tests (hidden 64); `tied`: the LM head
+    is the embedding matrix."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -59,7 +62,7 @@ def make_tiny_verifier(kind: str = "llama", num_layers: int = 4, vocab_size: int
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     if kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))

@@ -86,6 +86,7 @@ def worker(out: Path) -> None:
     # a 1-rank run's checkpoint, resumed on 2 ranks (sharded, with Muon state)
     train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon", parallelism="fsdp"), ctx, True, False)
     rank0_disk_full(out, ctx)
+    store_checks(out, ctx)
     distributed.teardown(ctx)
 
 
@@ -114,6 +115,49 @@ def rank0_disk_full(out: Path, ctx) -> None:
     (out / f"disk-full-rank{ctx.rank}.txt").write_text(message)
 
 
+def write_store(path: Path, corrupt: int) -> None:
+    """A 4-shard feature store of the tiny world's samples, one byte of shard `corrupt` flipped."""
+    from test_train import AUX, HIDDEN, LAYERS, tiny_world
+
+    from specctl.features import StorePlan, finalize_store, init_store, write_shard
+
+    _, _, samples = tiny_world()
+    lengths = [len(s["input_ids"]) for s in samples[:8]]
+    shards = [[0, 2], [2, 4], [4, 6], [6, 8]]
+    init_store(
+        path, StorePlan("tiny-llama", "h", LAYERS, HIDDEN, list(AUX), "bfloat16", "d", lengths, shards)
+    )
+    for j, (a, b) in enumerate(shards):
+        write_shard(path, j, samples[a:b], "bfloat16")
+    finalize_store(path)
+    victim = path / f"shard-{corrupt:05d}.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+def store_checks(out: Path, ctx) -> None:
+    """train.verify_store on 2 ranks over out/store: each rank writes the shards it hashed and the
+    error it stopped with to out/store-rank<R>.json."""
+    import json
+
+    from specctl import features
+    from specctl.errors import FeatureStoreError
+    from specctl.train import verify_store
+
+    hashed: list[str] = []
+    real = features.sha256_file
+    features.sha256_file = lambda path: hashed.append(Path(path).name) or real(path)
+    try:
+        verify_store(features.open_features(out / "store"), ctx)
+        message = "no error"
+    except FeatureStoreError as e:
+        message = str(e)
+    finally:
+        features.sha256_file = real
+    (out / f"store-rank{ctx.rank}.json").write_text(json.dumps({"hashed": hashed, "error": message}))
+
+
 # ---------------------------------------------------------------- the tests (pytest side)
 
 
@@ -138,6 +182,7 @@ def dist_out(tmp_path_factory) -> Path:
             train_mod.train(recipe(out, name, grad_accum=2, optimizer=optimizer), one, False, False)
         shutil.copytree(out / "ref-muon", out / "muon-resumed")
         point_latest(out / "muon-resumed", 2)
+        write_store(out / "store", corrupt=3)  # rank 1's to hash
 
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
         proc = subprocess.run(
@@ -215,6 +260,22 @@ def test_rank0_checkpoint_failure_stops_every_rank(dist_out):
     assert "optimizer.pt: disk full, checkpoint step-2 not saved" in rank0, rank0
     assert rank1.startswith("step-2: rank 0 could not save the checkpoint: "), rank1
     assert "disk full" in rank1
+
+
+@fault(
+    stage="train",
+    fault="torchrun, 2 ranks: a feature-store shard that only rank 1 hashes is corrupted",
+    result="every shard is hashed once on the machine, split over its ranks, before training; both "
+    "ranks stop with the same FeatureStoreError naming the shard",
+)
+def test_store_checksums_are_split_over_ranks_and_a_bad_shard_stops_every_rank(dist_out):
+    import json
+
+    rank0, rank1 = (json.loads((dist_out / f"store-rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["hashed"] == ["shard-00000.safetensors", "shard-00002.safetensors"]
+    assert rank1["hashed"] == ["shard-00001.safetensors", "shard-00003.safetensors"]
+    assert rank0["error"] == rank1["error"]
+    assert "shard-00003.safetensors: checksum mismatch (corrupted)" in rank0["error"]
 
 
 if __name__ == "__main__":

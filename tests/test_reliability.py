@@ -87,6 +87,7 @@ def no_heavy_work(monkeypatch):
         return refuse
 
     monkeypatch.setattr(train_mod, "load_verifier", heavy("load_verifier"))
+    monkeypatch.setattr(train_mod, "load_borrowed", heavy("load_borrowed"))
     monkeypatch.setattr(train_mod, "prepare_data", heavy("prepare_data"))
     monkeypatch.setattr(train_mod, "open_features", heavy("open_features"))
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +31,16 @@ from specctl.drafters import DRAFTERS
 from specctl.drafters.api import DrafterSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_targets
 from specctl.errors import DataError, FeatureStoreError, SpecctlError
-from specctl.features import StorePlan, finalize_store, init_store, write_shard
+from specctl.features import (
+    Layout,
+    StorePlan,
+    TargetHead,
+    encode_features,
+    finalize_store,
+    init_store,
+    open_features,
+    write_shard,
+)
 from specctl.optim import (
     Float32Muon,
     MuonAdamW,
@@ -44,7 +56,8 @@ from specctl.optim import (
     restore_scheduler,
 )
 from specctl.recipe import Recipe, TrainSection, config_diff, load_recipe, recipe_from_dict
-from specctl.train import Source, collate, micro_batch_at, run_training, split_indices, tau_hat
+from specctl.train import Source, run_training, split_indices, tau_hat
+from specctl.train_input import StepSampler, collate, data_workers, micro_batch_at
 from specctl.verifier import capture_hidden_states, spec_from_config
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
@@ -1106,3 +1119,242 @@ def test_metrics_count_training_tokens_for_the_learning_curve(tmp_path, offline)
     assert curve.tau_hat == [r["tau_hat"] for r in vals] and len(curve.accuracy[0]) == 3
     png = (out_dir / "learning-curve.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+# ---------------------------------------------------------------- input: verifier tensors, loader, store
+
+
+def collected_recipe(tmp_path, verifier_dir, name: str = "c", **train) -> Recipe:
+    """A recipe on a verifier saved on disk, with its feature store collected (several shards)."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(12):
+        T = int(torch.randint(12, 30, (1,), generator=g))
+        ids = torch.randint(3, 40, (T,), generator=g).tolist()
+        rows.append({"input_ids": ids, "loss_mask": [0] * (T // 3) + [1] * (T - T // 3)})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = {
+        "verifier": {"name_or_path": str(verifier_dir)},
+        "data": {"source": str(data)},
+        "features": {"shard_tokens": 100},
+    }
+    steps = dict(max_steps=3, eval_every=3, save_every=3)
+    recipe = tiny_recipe(tmp_path, name=name, extra=extra, **{**steps, **train})
+    collect(recipe, progress=False)
+    assert len(list((recipe.run_dir / "features").glob("shard-*.safetensors"))) > 2
+    return recipe
+
+
+def test_offline_training_never_materializes_the_verifiers_decoder_layers(tmp_path, monkeypatch):
+    """Checked, not assumed: with every way of building an HF model refusing, and every tensor read
+    through safetensors recorded, offline training runs and reads the embeddings, final norm and LM
+    head of the verifier, and no `model.layers.*` tensor."""
+    import safetensors.torch
+    import transformers
+    from conftest import make_tiny_tokenizer, make_tiny_verifier
+
+    from specctl import features, hf_weights
+
+    verifier_dir = tmp_path / "verifier"
+    make_tiny_verifier().save_pretrained(verifier_dir, max_shard_size="100KB")  # index + shards
+    make_tiny_tokenizer().save_pretrained(verifier_dir)
+    recipe = collected_recipe(tmp_path, verifier_dir)  # collect runs the model; training must not
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("offline training built or loaded the verifier model")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    read: list[tuple[str, str]] = []  # (file, tensor)
+
+    class Recording:
+        def __init__(self, file, *args, **kwargs):
+            self.file, self.handle = Path(file).name, safetensors.safe_open(file, *args, **kwargs)
+
+        def __enter__(self):
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append((self.file, name))
+            return self.handle.get_tensor(name)
+
+        def get_slice(self, name):
+            read.append((self.file, name))
+            return self.handle.get_slice(name)
+
+        def keys(self):
+            return self.handle.keys()
+
+    monkeypatch.setattr(hf_weights, "safe_open", Recording)
+    monkeypatch.setattr(features, "safe_open", Recording)
+    summary = run_training(recipe, progress=False)
+    assert summary.steps == 3 and math.isfinite(summary.loss)
+    from_verifier = {name for file, name in read if file.startswith("model")}
+    assert from_verifier == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    assert not [name for _, name in read if name.startswith("model.layers.")]
+    assert any(file.startswith("shard-") for file, _ in read)  # the store was read through it too
+
+
+def test_step_sampler_yields_the_micro_batches_each_step_takes():
+    """This rank's DataLoader order = the old loop's: per step, rank_share of the step's W*A
+    micro-batches of the stream, from any resumed cursor, across epochs (7 buckets, uneven)."""
+    buckets = [[i, i + 100] for i in range(7)]
+    for W, A in ((1, 1), (1, 3), (2, 1), (2, 2), (3, 2)):
+        per_step = W * A
+        for start_step in (0, 1, 5):
+            start = start_step * per_step
+            for rank in range(W):
+                want = []
+                for s in range(6):  # brute force: the chunk of each step, then this rank's share
+                    cursor = start + s * per_step
+                    chunk = [micro_batch_at(buckets, cursor + i, seed=3) for i in range(per_step)]
+                    want += rank_share(chunk, A, rank)
+                got = list(itertools.islice(StepSampler(buckets, 3, W, A, rank, start), 6 * A))
+                assert got == want, (W, A, start, rank)
+
+
+def test_data_workers_train_identically_and_an_interrupted_run_resumes_exactly(
+    tmp_path, offline, monkeypatch
+):
+    """Two loader processes: the same metrics and weights as building batches in the loop, also
+    when the run is killed mid-step and resumed; the workers are stopped either way."""
+    import multiprocessing
+
+    kill = killable(monkeypatch, DRAFTERS["dflash"])
+    reference = tiny_recipe(tmp_path / "ref")
+    run_training(reference, progress=False)
+    pids, read = tmp_path / "pids", offline.sample
+
+    def sample(i):  # records which process read it
+        with pids.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return read(i)
+
+    monkeypatch.setattr(offline, "sample", sample)
+    recipe = tiny_recipe(tmp_path / "workers", data_workers=2)
+    kill["at"] = 5  # step 5 of 6; checkpoint at 3
+    with pytest.raises(KeyboardInterrupt):
+        run_training(recipe, progress=False)
+    assert multiprocessing.active_children() == []
+    kill["at"] = None
+    run_training(recipe, resume=True, progress=False)
+    assert multiprocessing.active_children() == []
+
+    def strip(records):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+    assert strip(read_metrics(recipe)) == strip(read_metrics(reference))
+    a = ckpt.load_drafter_state(reference.run_dir / "drafters" / "dflash" / "checkpoints" / "step-6")
+    b = ckpt.load_drafter_state(recipe.run_dir / "drafters" / "dflash" / "checkpoints" / "step-6")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    readers = set(pids.read_text().split())
+    assert len(readers - {str(os.getpid())}) >= 2  # training batches came from worker processes
+
+
+def test_data_workers_default_per_device(monkeypatch):
+    from specctl.recipe import CUDA_DATA_WORKERS
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert data_workers(None, cpu) == 0 and data_workers(3, cpu) == 3 and data_workers(0, cuda) == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert data_workers(None, cuda, 8) == CUDA_DATA_WORKERS  # 8 CPUs a rank: one for the rank itself
+    assert data_workers(None, cuda, 16) == 3 and data_workers(None, cuda, 32) == 1
+
+
+def _reference_rows(path, store, i: int) -> dict[str, torch.Tensor]:
+    """Sample i of a store as training read it before decoding moved to the device: straight from
+    the shard file, fp8 dequantized per row to float32, ids int64, log-probs float32."""
+    from safetensors.torch import load_file
+
+    j = max(k for k, (a, _) in enumerate(store.manifest.shards) if a <= i)
+    t = load_file(path / store.manifest.shard_files[j]["file"])
+    a, b = t["offsets"][i - store.manifest.shards[j][0] : i - store.manifest.shards[j][0] + 2].tolist()
+    row = {"input_ids": t["input_ids"][a:b].long(), "loss_mask": t["loss_mask"][a:b].bool()}
+    if "aux_scale" in t:
+        q, scale = t["aux_hidden_states"][a:b].float(), t["aux_scale"][a:b].float()
+        row["aux_hidden_states"] = q * scale[..., None]
+    else:
+        row["aux_hidden_states"] = t["aux_hidden_states"][a:b]
+    for key, cast in (("last_hidden_state", None), ("topk_ids", torch.long), ("target_argmax", torch.long)):
+        if key in t:
+            row[key] = t[key][a:b] if cast is None else t[key][a:b].to(cast)
+    for key in ("topk_logprobs", "logsumexp"):
+        if key in t:
+            row[key] = t[key][a:b].float()
+    return row
+
+
+LAYOUTS = [
+    pytest.param(Layout("bfloat16", "fp8", "hidden", 0, True), id="fp8-aux-hidden-stats"),
+    pytest.param(Layout("bfloat16", "fp8", "topk", 4), id="fp8-aux-topk"),
+    pytest.param(Layout("bfloat16", "bfloat16"), id="bf16"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stored_rows_decoded_on_the_device_are_the_batches_of_before(tmp_path, layout):
+    """Batches cross to the device as stored (fp8 + scales, uint16 ids) and are decoded there:
+    the values and dtypes the drafter gets are those of decoding each sample on the host first."""
+    spec, weights, samples = tiny_world()
+    head = TargetHead(weights.norm.float(), weights.lm_head.float(), spec.rms_norm_eps)
+    rows = [
+        {**s, **encode_features(s["aux_hidden_states"].float(), s["last_hidden_state"].float(), layout, head)}
+        for s in samples[:9]
+    ]
+    path = tmp_path / "features"
+    lengths = [len(s["input_ids"]) for s in rows]
+    plan = StorePlan(
+        "tiny-llama", "h", LAYERS, HIDDEN, list(AUX), layout.dtype, "d", lengths, [[0, 4], [4, 9]],
+        aux_dtype=layout.aux_dtype, target=layout.target, topk=layout.topk, target_stats=layout.target_stats,
+    )  # fmt: skip
+    init_store(path, plan)
+    for j, (a, b) in enumerate(plan.shards):
+        write_shard(path, j, rows[a:b], layout)
+    finalize_store(path)
+    store = open_features(path)
+    source = Source(lengths, train_mod.FiniteSamples(store, path), train_mod.identity, spec, weights)
+    for indices in ([0, 5, 8], [3], [1, 2, 4, 6, 7]):
+        host = collate([source.sample(i) for i in indices], max_tokens=24)
+        want = collate([_reference_rows(path, store, i) for i in indices], max_tokens=24)
+        want = {
+            k: v.float() if k in ("aux_hidden_states", "last_hidden_state") else v for k, v in want.items()
+        }
+        got = source.on_device(host, torch.device("cpu"))
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        if layout.aux_dtype == "fp8":  # what crosses: 1 byte an aux element (+ a float32 scale a row)
+            assert host["aux_hidden_states"].dtype == torch.float8_e4m3fn and "aux_scale" in host
+            assert host["aux_hidden_states"].nbytes * 4 == want["aux_hidden_states"].nbytes
+        if layout.target == "topk":
+            assert host["topk_ids"].dtype == torch.uint16
+
+
+def test_each_shard_is_hashed_once_a_run_and_a_corrupted_one_stops_it_first(
+    tmp_path, tiny_verifier_dir, monkeypatch
+):
+    """The store's checksums are checked up front, once per shard (not again by every reader), and
+    a flipped byte stops the run before any step, naming the shard."""
+    from specctl import features
+
+    recipe = collected_recipe(tmp_path, tiny_verifier_dir)
+    hashed: list[str] = []
+    real = features.sha256_file
+    monkeypatch.setattr(features, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    run_training(recipe, progress=False)
+    shards = sorted(p.name for p in (recipe.run_dir / "features").glob("shard-*.safetensors"))
+    assert sorted(hashed) == shards
+
+    victim = recipe.run_dir / "features" / shards[1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(FeatureStoreError, match=rf"{shards[1]}: checksum mismatch"):
+        run_training(recipe, progress=False)

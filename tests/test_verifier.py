@@ -1,7 +1,10 @@
 """Verifier loading: the grouped-query SDPA path computes what transformers' own SDPA computes; a
-verifier spread over `tensor_parallel_size` GPUs takes its rank's group, or says in one line why not."""
+verifier spread over `tensor_parallel_size` GPUs takes its rank's group, or says in one line why not;
+offline training's verifier (three tensors read by name) is what the full load gives."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -163,3 +166,150 @@ def test_load_verifier_spreads_a_torchrun_rank_over_its_own_gpus(
         r"went to disk\); raise it",
     ):
         load_verifier(section)
+
+
+# ---------------------------------------------------------------- the borrowed tensors, read by name
+
+
+def save_verifier(path, kind: str = "llama", tied: bool = False, shard: bool = False, stored=torch.float32):
+    """A tiny random verifier saved as an HF directory (several safetensors + an index when
+    `shard`), its final norm not the all-ones it starts as, weights stored in `stored`."""
+    from conftest import make_tiny_tokenizer
+
+    model = make_tiny_verifier(kind, tied=tied)
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    model.to(stored).save_pretrained(path, **({"max_shard_size": "100KB"} if shard else {}))
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+BORROWED = [
+    pytest.param("llama", False, False, torch.float32, "float32", id="llama"),
+    pytest.param("llama", True, True, torch.float32, "bfloat16", id="llama-tied-sharded-to-bf16"),
+    pytest.param("qwen3", False, True, torch.bfloat16, "float32", id="qwen3-sharded-bf16-to-fp32"),
+    pytest.param("qwen3", True, False, torch.bfloat16, "auto", id="qwen3-tied-bf16"),
+]
+
+
+@pytest.mark.parametrize(("kind", "tied", "shard", "stored", "dtype"), BORROWED)
+def test_borrowed_verifier_is_what_the_full_load_gives(tmp_path, kind, tied, shard, stored, dtype):
+    """Offline training's verifier (config, tokenizer, three tensors read by name) gives the spec,
+    config hash and tensors (values, dtype, device, tying) of the full model load."""
+    from specctl.recipe import recipe_from_dict
+    from specctl.verifier import config_hash, load_borrowed, recipe_verifier_spec, verifier_weights
+
+    path = save_verifier(tmp_path / "v", kind, tied, shard, stored)
+    if shard:
+        assert len(list(path.glob("*.safetensors"))) > 2 and (path / "model.safetensors.index.json").is_file()
+    section = VerifierSection(name_or_path=str(path), device="cpu", dtype=dtype)
+    full, borrowed = load_verifier(section), load_borrowed(section)
+    recipe = recipe_from_dict(
+        {"name": "t", "verifier": section.model_dump(), "features": {"aux_layer_ids": [1, 3]}}
+    )
+    assert recipe_verifier_spec(borrowed, recipe) == recipe_verifier_spec(full, recipe)
+    assert config_hash(borrowed.config) == config_hash(full.config)
+    want = verifier_weights(full)
+    for name in ("embed_tokens", "lm_head", "norm"):
+        a, b = getattr(want, name), getattr(borrowed.weights, name)
+        assert torch.equal(a, b) and a.dtype == b.dtype == full.dtype and b.device == full.device, name
+    assert (borrowed.weights.lm_head is borrowed.weights.embed_tokens) == tied
+    assert not torch.equal(borrowed.weights.norm, torch.ones_like(borrowed.weights.norm))
+
+
+def test_a_hub_verifier_downloads_only_what_training_reads(tmp_path, monkeypatch):
+    """A hub id: config, tokenizer, the index and the shards that hold the embeddings, final norm and
+    LM head are fetched; no shard that holds only decoder layers. (The hub is a local directory
+    here: snapshot_download copies the files its patterns match into a snapshot directory.)"""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from specctl.hf_weights import INDEX_FILE
+    from specctl.verifier import load_borrowed, verifier_weights
+
+    remote = save_verifier(tmp_path / "remote", shard=True)
+    snapshot = tmp_path / "snapshot"
+    fetched: list[str] = []
+
+    def snapshot_download(repo, revision=None, allow_patterns=None):
+        assert repo == "someorg/tiny" and allow_patterns
+        snapshot.mkdir(exist_ok=True)
+        for file in sorted(remote.iterdir()):
+            if any(fnmatch.fnmatch(file.name, p) for p in allow_patterns):
+                shutil.copy(file, snapshot / file.name)
+                fetched.append(file.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    borrowed = load_borrowed(VerifierSection(name_or_path="someorg/tiny", device="cpu"))
+    weight_map = json.loads((remote / INDEX_FILE).read_text())["weight_map"]
+    needed = {weight_map[n] for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")}
+    shards = {f for f in fetched if f.endswith(".safetensors")}
+    assert shards == needed and len(set(weight_map.values())) > len(needed)
+    assert {"config.json", "tokenizer.json", INDEX_FILE} <= set(fetched)
+    full = verifier_weights(load_verifier(VerifierSection(name_or_path=str(remote), device="cpu")))
+    assert torch.equal(borrowed.weights.lm_head, full.lm_head) and torch.equal(
+        borrowed.weights.norm, full.norm
+    )
+    assert borrowed.hub_id == "someorg/tiny"
+
+
+def test_a_checkpoint_without_safetensors_is_loaded_whole_with_a_note(tmp_path, capsys):
+    """.bin only: the tensors cannot be read by name, so the full load gives them (same values)."""
+    from specctl.verifier import load_borrowed, verifier_weights
+
+    path = save_verifier(tmp_path / "v")
+    full = load_verifier(VerifierSection(name_or_path=str(path), device="cpu"))
+    want = verifier_weights(full)
+    torch.save(full.model.state_dict(), path / "pytorch_model.bin")
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    borrowed = load_borrowed(VerifierSection(name_or_path=str(path), device="cpu"))
+    assert "no safetensors files, so the whole model is loaded" in capsys.readouterr().err
+    for k in ("embed_tokens", "lm_head", "norm"):
+        assert torch.equal(getattr(borrowed.weights, k), getattr(want, k)), k
+
+
+def test_borrowed_tensors_that_do_not_fit_the_config_are_one_line(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specctl.errors import VerifierError
+    from specctl.verifier import load_borrowed
+
+    path = save_verifier(tmp_path / "v")
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(
+        VerifierError, match=r"do not fit hidden size 64 / vocabulary 320 in config.json"
+    ) as e:
+        load_borrowed(VerifierSection(name_or_path=str(path), device="cpu"))
+    assert "\n" not in str(e.value)
+
+
+def test_the_builtin_alias_reads_its_converted_directory(tmp_path, monkeypatch):
+    """'smollm2-135m-instruct' resolves to its converted HF directory in the cache (a tiny stand-in
+    here: the package is not needed once converted); the borrowed verifier records the hub id and
+    gives the full load's spec and tensors."""
+    from specctl.recipe import recipe_from_dict
+    from specctl.verifier import BUILTIN_VERIFIERS, load_borrowed, recipe_verifier_spec, verifier_weights
+
+    alias = "smollm2-135m-instruct"
+    monkeypatch.setenv("SPECCTL_CACHE", str(tmp_path))
+    converted = save_verifier(tmp_path / "models" / alias, tied=True)
+    hub_id = BUILTIN_VERIFIERS[alias]["hub_id"]
+    (converted / "specctl.json").write_text(json.dumps({"hub_id": hub_id, "source": "x.gguf"}))
+    section = VerifierSection(name_or_path=alias, device="cpu")
+    full, borrowed = load_verifier(section), load_borrowed(section)
+    recipe = recipe_from_dict(
+        {"name": "t", "verifier": section.model_dump(), "features": {"aux_layer_ids": [1, 2]}}
+    )
+    spec = recipe_verifier_spec(borrowed, recipe)
+    assert spec == recipe_verifier_spec(full, recipe) and spec.name_or_path == hub_id == borrowed.hub_id
+    want = verifier_weights(full)
+    assert torch.equal(borrowed.weights.lm_head, want.lm_head) and torch.equal(
+        borrowed.weights.norm, want.norm
+    )
