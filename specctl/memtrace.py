@@ -86,7 +86,9 @@ class MemoryTrace(TorchDispatchMode):
 
     @contextlib.contextmanager
     def heavy(self) -> Iterator[None]:
-        """Every factory op in this block makes a fake tensor, whatever its size (weights, inputs)."""
+        """Every floating-point factory op in this block makes a fake tensor, whatever its size
+        (weights, features); integer and bool ones stay real below FAKE_FACTORY_ELEMENTS (a draft
+        vocabulary's `arange` steers what is checked and gathered)."""
         self._all_fake, before = True, self._all_fake
         try:
             yield
@@ -134,6 +136,8 @@ class MemoryTrace(TorchDispatchMode):
         elif not any(isinstance(a, torch.Tensor) for a in flat) and (self._all_fake or _large_factory(args)):
             with self.fake:
                 out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and not out.is_floating_point() and not _large_factory(args):
+                out = func(*args, **kwargs)  # heavy() fakes values (floats); ids and masks steer
         else:
             out = func(*args, **kwargs)
         self.flops += op_flops(func, args, kwargs, out)

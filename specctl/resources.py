@@ -276,12 +276,12 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
     vdtype = _verifier_dtype(recipe, device)
     V, H = spec.vocab_size, spec.hidden_size
     with MemoryTrace() as t:
+        d2t = draft_offsets(recipe)  # steers (gathers, checks): real
         with t.heavy():
             lm_head = torch.empty(V, H, dtype=vdtype)
             embed = lm_head if spec.tie_word_embeddings else torch.empty(V, H, dtype=vdtype)
             weights = VerifierWeights(embed, lm_head, torch.empty(H, dtype=vdtype))
             torch.manual_seed(cfg.seed)
-            d2t = draft_offsets(recipe)
             drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, cfg.loss)
         if cfg.activation_checkpointing:
             distributed.checkpoint_layers(drafter)
@@ -623,26 +623,32 @@ def plan_export(x: Inputs) -> StagePlan:
 
 def drafter_parameters(x: Inputs) -> int:
     """Trainable parameters of the recipe's drafter."""
-    return sum(p.numel() for p in _meta_drafter(x).parameters() if p.requires_grad)
+    return _drafter_counts(x)[0]
 
 
 def drafter_tensors(x: Inputs) -> tuple[int, int]:
-    """(floating elements in the drafter's state dict, in its export): counted on the meta device."""
-    drafter = _meta_drafter(x)
-    floating = lambda tensors: sum(t.numel() for t in tensors if t.is_floating_point())  # noqa: E731
-    return floating(drafter.state_dict().values()), floating(drafter.export_state().values())
+    """(floating elements in the drafter's state dict, in its export)."""
+    return _drafter_counts(x)[1:]
 
 
-def _meta_drafter(x: Inputs) -> Any:
+def _drafter_counts(x: Inputs) -> tuple[int, int, int]:
+    """(trainable parameters, floating state-dict elements, floating export elements) of the
+    recipe's drafter, built with fake weights (no memory; its draft vocabulary table real)."""
     from specctl.drafters import DRAFTERS
     from specctl.drafters.api import VerifierWeights
+    from specctl.memtrace import MemoryTrace
 
     V, H = x.spec.vocab_size, x.spec.hidden_size
     algo = x.recipe.drafter.algo
-    with torch.device("meta"):
-        weights = VerifierWeights(torch.empty(V, H), torch.empty(V, H), torch.empty(H))
-        section = getattr(x.recipe.drafter, algo)
-        return DRAFTERS[algo].build(section, x.spec, weights, draft_offsets(x.recipe), x.recipe.train.loss)
+    floating = lambda tensors: sum(t.numel() for t in tensors if t.is_floating_point())  # noqa: E731
+    with MemoryTrace() as t:
+        d2t = draft_offsets(x.recipe)
+        with t.heavy():
+            weights = VerifierWeights(torch.empty(V, H), torch.empty(V, H), torch.empty(H))
+            section = getattr(x.recipe.drafter, algo)
+            drafter = DRAFTERS[algo].build(section, x.spec, weights, d2t, x.recipe.train.loss)
+        trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+        return trainable, floating(drafter.state_dict().values()), floating(drafter.export_state().values())
 
 
 def plan_bench(x: Inputs) -> StagePlan:
