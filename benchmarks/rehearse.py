@@ -25,6 +25,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -213,6 +214,7 @@ def rehearse_model(model: str, args: argparse.Namespace) -> list[dict[str, Any]]
     verifier = build_verifier(model, args.layers, folder / "verifier")
     data = write_conversations(folder / "conversations.jsonl", args.samples, args.max_length)
     recipe = write_recipe(model, verifier, data, args)
+    shutil.rmtree(ROOT / f"rehearse-{model}", ignore_errors=True)  # every stage measured from scratch
     rows = []
     stages = [("collect", None)] + [(s, a) for a in args.algos for s in ("train", "export")]
     for stage, algo in stages:
