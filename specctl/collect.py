@@ -122,7 +122,8 @@ def collect(
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
-    check_stage(recipe, "collect", force, lambda text: note(text, enabled=progress), run_dir)
+    for stage in ("data", "collect"):  # the data stage's generation runs here too
+        check_stage(recipe, stage, force, lambda text: note(text, enabled=progress), run_dir)
     if verifier is None:  # the vLLM engine's log beside the data stage's (one per shard worker)
         log = run_dir / "logs" / ("collect-vllm.log" if world == 1 else f"collect-vllm-{rank}.log")
         verifier = _load_verifier(recipe, log)

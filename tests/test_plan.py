@@ -135,8 +135,8 @@ def test_stages_refuse_at_start_and_force_goes_on(tmp_path, monkeypatch, offline
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", RECIPES_8B)
-def test_shipped_8b_recipes_fit_one_node_of_80_gib(path):
+@pytest.mark.parametrize("path", [*RECIPES_8B, "recipes/dflash-llama-70b.yaml"])
+def test_shipped_gpu_recipes_fit_the_one_node_of_80_gib_they_are_written_for(path):
     plan = plan_recipe(load_recipe(path), Cluster("cuda", 8, 80 * GIB))
     assert refusal(plan) is None, refusal(plan)
     assert {s.stage for s in plan.stages} == {"data", "collect", "train", "export", "bench"}
