@@ -223,6 +223,8 @@ def rehearse_model(model: str, args: argparse.Namespace) -> list[dict[str, Any]]
         row["ratio"] = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
         print(_line(row), flush=True)
         rows.append(row)
+        if stage == "export":  # its checkpoints and export: up to 11 GB an algorithm, measured now
+            shutil.rmtree(ROOT / f"rehearse-{model}" / "drafters" / algo, ignore_errors=True)
     return rows
 
 

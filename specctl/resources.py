@@ -549,6 +549,12 @@ def train_terms(x: Inputs, st: StepTrace) -> list[Term]:
     return terms + x.overheads(sum(t.bytes for t in terms))
 
 
+def checkpoints_kept(cfg: Any) -> int:
+    """Checkpoints on disk at once: train.keep_checkpoints, or fewer when the run saves fewer
+    (every save_every steps and at the end)."""
+    return max(1, min(cfg.keep_checkpoints, ceil_div(cfg.max_steps, cfg.save_every)))
+
+
 def micro_tokens(recipe: Any) -> int:
     cfg = recipe.train
     return min(cfg.micro_batch_tokens or cfg.batch_tokens, cfg.batch_tokens)
@@ -569,7 +575,7 @@ def plan_train(x: Inputs) -> StagePlan:
         "train",
         terms,
         cluster.memory,
-        cfg.keep_checkpoints * (st.trainable * 4 + st.optimizer),
+        checkpoints_kept(cfg) * (st.trainable * 4 + st.optimizer),
         tokens,
         _gpu_seconds(steps_flops, cluster, 1) if x.cuda else None,
         [
