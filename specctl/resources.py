@@ -198,13 +198,34 @@ def verifier_config(section: Any) -> Any:
         ) from None
 
 
-def count_parameters(config: Any) -> int:
-    """Parameters of the verifier `config` describes (built on the meta device: no memory)."""
-    from transformers import AutoModelForCausalLM
+DENSE_DECODERS = ("llama", "qwen3", "qwen2", "mistral")  # the architectures `count_parameters` sums by hand
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+
+def count_parameters(config: Any) -> int:
+    """Parameters of the verifier `config` describes. A dense Llama-style decoder is summed from its
+    shapes (embeddings, attention with its biases and Qwen3's q/k norms, gated MLP, norms, LM head
+    unless tied): training's check must not build the verifier, not even on the meta device. Other
+    architectures (mixtures of experts...) are built on the meta device and counted."""
+    if getattr(config, "model_type", None) not in DENSE_DECODERS:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return sum(p.numel() for p in model.parameters())
+    H, V, inter = config.hidden_size, config.vocab_size, config.intermediate_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or H // heads
+    attention = H * heads * d + 2 * H * kv * d + heads * d * H
+    if config.model_type == "qwen2":
+        attention += heads * d + 2 * kv * d  # q, k, v biases
+    elif getattr(config, "attention_bias", False):
+        attention += heads * d + 2 * kv * d + H  # q, k, v and o biases
+    if config.model_type == "qwen3":
+        attention += 2 * d  # q_norm, k_norm
+    layer = attention + 3 * H * inter + 2 * H
+    head = 0 if getattr(config, "tie_word_embeddings", False) else V * H
+    return V * H + config.num_hidden_layers * layer + H + head
 
 
 # ---------------------------------------------------------------- traced stages

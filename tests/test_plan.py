@@ -9,6 +9,7 @@ import math
 import random
 
 import pytest
+import torch
 from test_train import offline, read_metrics, tiny_recipe, train_lines  # noqa: F401  (fixture)
 
 from specctl import resources
@@ -190,3 +191,28 @@ def test_a_trace_of_the_recipes_step_is_cheap_in_memory():
     grown = status("VmHWM:") - before
     assert st.peak > 20 * GIB  # an 8B-width DFlash step with a 1.1B-parameter drafter
     assert grown < 2 * GIB
+
+
+def _tiny(cls, **extra):
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    return cls(**common, num_attention_heads=4, num_key_value_heads=2, **extra)
+
+
+def test_parameter_count_by_hand_is_the_built_models():
+    """The plan sums a dense decoder's parameters from its config (training must not build the
+    verifier); the sum is the parameter count of the model transformers builds from it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    from specctl.model_configs import PUBLISHED, published_config
+
+    configs = [published_config(name) for name in PUBLISHED] + [
+        _tiny(LlamaConfig, tie_word_embeddings=True),
+        _tiny(LlamaConfig, attention_bias=True),
+        _tiny(Qwen3Config, head_dim=32),
+        _tiny(Qwen2Config),
+        _tiny(MistralConfig),
+    ]
+    for config in configs:
+        with torch.device("meta"):
+            built = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        assert resources.count_parameters(config) == built, config.model_type
