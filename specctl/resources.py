@@ -732,7 +732,7 @@ def plan_recipe(recipe: Any, cluster: Cluster, stages: tuple[str, ...] = tuple(S
 def check_stage(
     recipe: Any, stage: str, force: bool = False, say=None, path: Path | None = None
 ) -> StagePlan | None:
-    """The stage's plan on this machine, said in one line; PlanError when it does not fit (unless
+    """The stage's plan on this machine, said in one line on a GPU; PlanError when it does not fit (unless
     `force`, which says the refusal as a warning and goes on). A verifier whose config cannot be
     read here is said and skipped: the stage itself then says what is wrong with it."""
     try:
@@ -742,7 +742,7 @@ def check_stage(
             say(f"plan: not checked ({e})")
         return None
     s = plan.stages[0]
-    if say is not None and s.capacity:
+    if say is not None and s.capacity and plan.cluster.device == "cuda":  # a CPU run's figures are noise
         say(f"plan: {stage} peak {gib(s.peak)} per {plan.cluster.device} device of {gib(s.capacity)}")
     message = refusal(plan)
     if message is not None and not force:
