@@ -38,7 +38,7 @@ from specctl.data.generate import (
     run_conversations,
 )
 from specctl.data.journal import Journal
-from specctl.durable import recover_dir, replace_dir
+from specctl.durable import Owner, recover_dir, replace_dir
 from specctl.errors import DataError
 from specctl.progress import duration, note, progress_bar
 from specctl.recipe import DataSection, VerifierSection
@@ -46,6 +46,25 @@ from specctl.recipe import DataSection, VerifierSection
 FORMAT_VERSION = 1
 FILES = ("tokens.safetensors", "token_freq.safetensors", "conversations.jsonl")
 TOKENIZE_CHUNK = 256
+
+
+def _proves_data(path: Path) -> bool:
+    """manifest.json as the data stage writes it (every version: a JSON object with `format` and
+    `fingerprint`, written last); a user's own manifest.json does not pass for one."""
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "format" in manifest and "fingerprint" in manifest
+
+
+# anything else non-empty at runs/<name>/data is a user's, and is never replaced
+OWNER = Owner(
+    "the data stage",
+    ("manifest.json",),
+    "choose another run name or output_dir, or move those files away",
+    proves=_proves_data,
+)
 
 
 @dataclass
@@ -329,6 +348,7 @@ def _prepare_data(cfg: DataSection, tokenizer, out_dir: Path, gen: _Generation) 
     generating = sources.is_self_generated(cfg.source) or cfg.regenerate
     identity = gen.identity if generating else None
     recover_dir(out_dir)  # a run killed mid-swap left the complete old dir beside out_dir: reuse it
+    OWNER.check(out_dir)  # before any work: a user's directory there is refused, not replaced later
     manifest = read_manifest(out_dir)
     if (
         manifest is not None
@@ -635,4 +655,4 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, identity, fi
 
     # Flushed, then swapped in whole; a kill between the two renames is undone by the next run
     # (durable.recover_dir), so self-generated conversations are not lost to it.
-    replace_dir(out_dir, write_files)
+    replace_dir(out_dir, write_files, OWNER)
