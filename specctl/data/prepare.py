@@ -5,6 +5,7 @@ On-disk format of runs/<name>/data/ (see docs/data.md):
   token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (draft vocab reduction)
   conversations.jsonl     one line per sample: {"messages": [...]} or {"pretokenized": true, ...}
   manifest.json           format version, fingerprint, counts, tokenizer, source, file sizes
+  .specctl-data           marker, written first: proves the directory is the stage's (OWNER)
 
 The directory is built under a temporary name, flushed and swapped into place
 (`durable.replace_dir`, as checkpoints and exports are), and manifest.json is the last file
@@ -48,9 +49,16 @@ FILES = ("tokens.safetensors", "token_freq.safetensors", "conversations.jsonl")
 TOKENIZE_CHUNK = 256
 
 
+# written first into every data directory this version builds: a directory whose manifest was
+# lost (deleted, damaged) is still provably the stage's and is rebuilt, not refused
+MARKER = ".specctl-data"
+
+
 def _proves_data(path: Path) -> bool:
-    """manifest.json as the data stage writes it (every version: a JSON object with `format` and
-    `fingerprint`, written last); a user's own manifest.json does not pass for one."""
+    """The marker, or manifest.json as the data stage writes it (every version: a JSON object with
+    `format` and `fingerprint`, written last); a user's own manifest.json does not pass for one."""
+    if (path / MARKER).is_file():
+        return True
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -61,7 +69,7 @@ def _proves_data(path: Path) -> bool:
 # anything else non-empty at runs/<name>/data is a user's, and is never replaced
 OWNER = Owner(
     "the data stage",
-    ("manifest.json",),
+    ("manifest.json", MARKER),
     "choose another run name or output_dir, or move those files away",
     proves=_proves_data,
 )
@@ -624,6 +632,7 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, identity, fi
     token_freq = torch.bincount(input_ids[loss_mask.bool()].long(), minlength=vocab_size)  # [V]
 
     def write_files(tmp: Path) -> None:
+        (tmp / MARKER).write_text("written by the specctl data stage; see manifest.json\n")
         save_file(
             {"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets},
             str(tmp / "tokens.safetensors"),
