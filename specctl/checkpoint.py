@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from specctl.distributed import DistContext, broadcast_object
 from specctl.drafters import DRAFTERS, VerifierSpec
-from specctl.durable import disk_full, recover_dirs, replace_dir, sha256_file, write_atomic
+from specctl.durable import Owner, disk_full, recover_dirs, replace_dir, sha256_file, write_atomic
 from specctl.errors import CheckpointError, SpecctlError, first_line
 
 if TYPE_CHECKING:
@@ -64,6 +64,13 @@ CHECKSUMMED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE)
 REQUIRED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE, CHECKSUM_FILE)
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+# every checkpoint (every version) has meta.json: a non-empty step-N without one is not train's
+# to replace (re-saving a step) or delete (pruning)
+OWNER = Owner(
+    "train",
+    (META_FILE,),
+    "move it out of the checkpoints directory or choose another run name",
+)
 
 
 # ---------------------------------------------------------------- RNG
@@ -101,6 +108,14 @@ def step_of(path: Path) -> int | None:
 
 def is_complete(path: Path) -> bool:
     return step_of(path) is not None and all((path / f).is_file() for f in REQUIRED)
+
+
+def check_checkpoint_dirs(root: Path) -> None:
+    """Refuse (ForeignDirError) before training when a step-N directory in `root` holds files
+    train did not write: it would be replaced by a save of that step, or deleted by pruning."""
+    for path in sorted(root.glob("step-*")):
+        if step_of(path) is not None:
+            OWNER.check(path)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -278,7 +293,8 @@ def _torch_save(obj: Any, path: Path) -> None:
 
 def prune(root: Path, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints (and whatever `latest` names); drop leftovers
-    of interrupted writes."""
+    of interrupted writes. A step-N directory train cannot prove it wrote (`OWNER`) is never
+    deleted (train refused to start beside one: `check_checkpoint_dirs`)."""
     recover_dirs(root)  # step dirs a kill caught mid-write or mid-swap
     for tmp in root.glob(f".{LATEST}.tmp-*"):
         tmp.unlink(missing_ok=True)
@@ -286,7 +302,7 @@ def prune(root: Path, keep: int) -> None:
     pointer = root / LATEST
     current = pointer.read_text().strip() if pointer.is_file() else None
     for old in steps[:-keep] if keep > 0 else steps:
-        if old.name != current:
+        if old.name != current and OWNER.owns(old):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -360,7 +376,7 @@ def _write_checkpoint(
         writing = path
 
     try:
-        replace_dir(path, write)  # re-saving a step (after resuming from it) swaps it whole
+        replace_dir(path, write, OWNER)  # re-saving a step (after resuming from it) swaps it whole
         writing = root / LATEST
         _write_latest(root, path.name)
     except Exception as e:

@@ -36,10 +36,11 @@ from typing import Any
 import torch
 
 from specctl.claims import Claim, ShardClaims
-from specctl.data import load_samples, prepare_data
+from specctl.data import DATA_OWNER, load_samples, prepare_data
 from specctl.durable import recover_dirs
 from specctl.errors import UsageError
 from specctl.estimate import StoreEstimate, check_store_fits, human_count
+from specctl.features import OWNER as FEATURES_OWNER
 from specctl.features import (
     Layout,
     StorePlan,
@@ -122,6 +123,8 @@ def collect(
     start = time.perf_counter()
     rank, world = parse_shard(shard)
     run_dir = recipe.run_dir
+    DATA_OWNER.check(run_dir / "data")  # a user's directory at either: refused before any work
+    FEATURES_OWNER.check(run_dir / "features")
     for stage in ("data", "collect"):  # the data stage's generation runs here too
         check_stage(recipe, stage, force, lambda text: note(text, enabled=progress), run_dir)
     if verifier is None:  # the vLLM engine's log beside the data stage's (one per shard worker)

@@ -20,10 +20,13 @@ import re
 import shutil
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 from safetensors import SafetensorError
+
+from specctl.errors import ForeignDirError
 
 
 def sha256_file(path: Path) -> str:
@@ -174,7 +177,46 @@ _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<host>.+)-)?(?
 ForeignAlive = Callable[[str, int, Path], bool] | None
 
 
-def replace_dir(path: Path, write: Callable[[Path], None]) -> None:
+@dataclass(frozen=True)
+class Owner:
+    """The stage that writes a directory and what proves it did: any one of `marks` (its manifest,
+    or a marker it writes first when it creates the directory), or `proves(path)` where a file's
+    presence is not proof enough (an export's config.json: a model directory has one too).
+
+    A stage replaces, deletes or writes into a directory only when it is absent, empty, or
+    proven its own: a run name or an --output that points at a user's directory must never cost
+    the user's files. Directories written by older specctl versions carry the same manifests.
+    """
+
+    stage: str  # "the data stage": who refuses, in the message
+    marks: tuple[str, ...]  # file names, any one of which proves the directory is the stage's
+    fix: str  # what the user does instead: "choose another run name"
+    proves: Callable[[Path], bool] | None = None  # replaces the marks' presence as the proof
+
+    def owns(self, path: Path) -> bool:
+        if self.proves is not None:
+            return self.proves(path)
+        return any((path / mark).is_file() for mark in self.marks)
+
+    def check(self, path: Path) -> None:
+        """Return when `path` may be replaced: absent, an empty directory (ignoring specctl's own
+        leftovers of killed writes, which another worker of the stage may be creating), or one
+        this owner proves; else ForeignDirError (one line: what, where, what to do)."""
+        if not path.exists() and not path.is_symlink():
+            return
+        if not path.is_dir():
+            raise ForeignDirError(
+                f"{path}: exists and is not a directory, {self.stage} will not replace it; {self.fix}"
+            )
+        if not any(not _LEFTOVER.match(p.name) for p in path.iterdir()) or self.owns(path):
+            return
+        raise ForeignDirError(
+            f"{path}: holds files {self.stage} did not write (no {' or '.join(self.marks)}); "
+            f"refusing to replace them: {self.fix}"
+        )
+
+
+def replace_dir(path: Path, write: Callable[[Path], None], owner: Owner) -> None:
     """Write a directory through `write(tmp)` into a hidden sibling, flush it, then swap it in.
 
     Whatever instant the process dies at (kill -9, power loss), `path` afterwards holds the old
@@ -182,8 +224,11 @@ def replace_dir(path: Path, write: Callable[[Path], None]) -> None:
     renames) leaves the old one as .NAME.old-HOST-PID, which `recover_dir` -- called on every write --
     puts back. An exception from `write` (a full disk) leaves `path` untouched and no temp dir.
     Its files get the umask's modes (give_umask_modes), whatever library wrote them.
+    A directory at `path` that `owner` cannot prove its own is refused before anything is written
+    (`Owner.check`), and checked again just before the swap.
     """
     recover_dir(path)
+    owner.check(path)
     tmp, old = temp_path(path), temp_path(path, "old")
     shutil.rmtree(tmp, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -192,6 +237,7 @@ def replace_dir(path: Path, write: Callable[[Path], None]) -> None:
         write(tmp)
         give_umask_modes(tmp)
         fsync_files(tmp)
+        owner.check(path)  # another process may have put something there meanwhile
         if path.exists():
             os.rename(path, old)
             try:

@@ -32,6 +32,11 @@ class RecipeError(UsageError):
     """The recipe (or a --set override) is invalid; exit code 2 like any usage error."""
 
 
+class ForeignDirError(UsageError):
+    """A stage was pointed (by a run name, an --output) at a directory holding files it did not
+    write; it refuses to replace or delete them. Exit code 2: the path chosen is the mistake."""
+
+
 class DataError(SpecctlError):
     """Conversation data is missing, empty or malformed."""
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from specctl.drafters import VerifierWeights
 from specctl.drafters.vocab import t2d_from_d2t
-from specctl.durable import disk_full, recover_dir, replace_dir
+from specctl.durable import Owner, disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError, first_line
 from specctl.format import SpeculatorsConfig
 from specctl.hub import human_bytes
@@ -89,6 +89,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# an export directory proves itself by a speculators config.json (ours or anyone's); a model
+# directory's config.json does not, and an --output pointing at one is refused
+OWNER = Owner("export", (CONFIG_FILE,), "choose another --output", proves=is_export_dir)
+
+
 def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
     """Write the export through `durable.replace_dir`: a failure or a kill leaves `output` as it
     was (or wholly new). A full disk (or file size limit) raises one line naming `output`."""
@@ -102,7 +107,7 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
         )
     existed = output.exists()
     try:
-        replace_dir(output, write)
+        replace_dir(output, write, OWNER)
     except Exception as e:
         if not disk_full(e):
             raise

@@ -32,10 +32,17 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from specctl.drafters.targets import verifier_topk
-from specctl.durable import ForeignAlive, create_once, recover_dirs, sha256_file, write_atomic
+from specctl.durable import ForeignAlive, Owner, create_once, recover_dirs, sha256_file, write_atomic
 from specctl.errors import FeatureStoreError
 
 FORMAT_VERSION = 1
+# plan.json is written first, when collect creates the store (manifest.json last): a non-empty
+# directory at runs/<name>/features with neither is a user's, and collect writes nothing into it
+OWNER = Owner(
+    "collect-hidden-states",
+    ("plan.json", "manifest.json"),
+    "choose another run name or output_dir, or move those files away",
+)
 TENSOR_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP8 = "fp8"  # aux_dtype: float8 e4m3 + one float32 scale per row
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: a row's largest |x| maps here
@@ -302,7 +309,9 @@ def init_store(path: Path, plan: StorePlan, foreign_alive: ForeignAlive = None) 
     """Create the store or check that an existing one was started with the same plan.
 
     Half-written files of killed workers go first; live workers' are kept (on another host: while
-    `foreign_alive` says so, e.g. `ShardClaims.writer_alive`; without it, always)."""
+    `foreign_alive` says so, e.g. `ShardClaims.writer_alive`; without it, always). A directory
+    that is not a store (`OWNER`) is refused before anything is written or removed in it."""
+    OWNER.check(path)
     path.mkdir(parents=True, exist_ok=True)
     recover_dirs(path, foreign_alive)
     plan_file = path / "plan.json"

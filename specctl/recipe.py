@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -441,9 +442,28 @@ class BenchSection(Section):
     )
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def check_run_name(name: str) -> str:
+    """`name` if it names one directory inside output_dir, else ValueError saying what is allowed.
+    `.`, `..`, a separator or a leading dot would put runs/<name>/data (which the data stage
+    replaces) somewhere else: `--set name=..` made it ./data, a user's directory."""
+    if not RUN_NAME.fullmatch(name):
+        raise ValueError(
+            f"run name {name!r} not allowed: use letters, digits, '.', '_' and '-', not starting "
+            "with '.' (no '.', '..' or path separators: the name is one directory under output_dir)"
+        )
+    return name
+
+
 class Recipe(Section):
-    name: str = Field(..., pattern=r"^[A-Za-z0-9._-]+$", description="Run name: outputs go to runs/<name>/.")
-    output_dir: str = Field("runs", description="Parent directory of run directories.")
+    name: str = Field(
+        ...,
+        description="Run name: outputs go to runs/<name>/. Letters, digits, `.`, `_` and `-`, not "
+        "starting with `.` (so never `.`, `..` or a path).",
+    )
+    output_dir: str = Field("runs", description="Parent directory of run directories (any path).")
     verifier: VerifierSection = Field(default_factory=VerifierSection)
     data: DataSection = Field(default_factory=DataSection)
     features: FeaturesSection = Field(default_factory=FeaturesSection)
@@ -451,6 +471,11 @@ class Recipe(Section):
     train: TrainSection = Field(default_factory=TrainSection)
     export: ExportSection = Field(default_factory=ExportSection)
     bench: BenchSection = Field(default_factory=BenchSection)
+
+    @field_validator("name")
+    @classmethod
+    def _run_name(cls, name: str) -> str:
+        return check_run_name(name)
 
     @property
     def run_dir(self) -> Path:

@@ -29,7 +29,13 @@ from torch import nn
 
 from specctl import devices, distributed
 from specctl.batching import length_buckets
-from specctl.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, save_checkpoint
+from specctl.checkpoint import (
+    check_checkpoint_dirs,
+    check_resumable,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum
@@ -578,6 +584,7 @@ def train(
     cfg, algo = recipe.train, recipe.drafter.algo
     out_dir = recipe.run_dir / "drafters" / algo
     ckpt_root = out_dir / "checkpoints"
+    check_checkpoint_dirs(ckpt_root)
     resume_from = latest_checkpoint(ckpt_root) if resume else None
     if resume and resume_from is None:
         raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")

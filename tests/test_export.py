@@ -26,7 +26,7 @@ from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import umask
 from specctl.errors import SpecctlError
-from specctl.export import export_drafters, find_checkpoints, load_drafter, save_drafter
+from specctl.export import convert_export, export_drafters, find_checkpoints, load_drafter, save_drafter
 from specctl.hub import push_to_hub
 from specctl.recipe import dump_recipe, recipe_from_dict
 from specctl.validate import CONFIG_FILE, WEIGHTS_FILE, validate_export
@@ -650,6 +650,26 @@ def test_export_is_atomic(verifier, tmp_path, monkeypatch):
     with pytest.raises(SpecctlError, match="not a speculators export; refusing to replace it"):
         save_drafter(build_drafter(verifier, "dflash"), other)
     assert (other / "todo.txt").read_text() == "keep me"
+
+
+@fault(
+    stage="export",
+    fault="`export --output` naming a user's directory: a model directory (its own config.json), other files",
+    result="refused before anything is written, one line naming the directory; every file intact",
+)
+def test_export_output_never_replaces_a_users_directory(verifier, exports, tmp_path):
+    source = exports[ALGOS[0], False][1]
+    model = tmp_path / "model"
+    shutil.copytree(verifier["path"], model)
+    notes = tmp_path / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "sub" / "todo.txt").write_text("keep me")
+    for output in (model, notes):
+        before = {p: p.read_bytes() for p in sorted(output.rglob("*")) if p.is_file()}
+        with pytest.raises(SpecctlError, match=f"^{output}: exists and is not a speculators export"):
+            convert_export(source, output, "float16")
+        assert {p: p.read_bytes() for p in sorted(output.rglob("*")) if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "notes"]
 
 
 @fault(

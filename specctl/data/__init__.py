@@ -4,9 +4,11 @@ Later stages use prepare_data (build or reuse runs/<name>/data/), load_samples a
 """
 
 from specctl.data.chat import pre_query_prefix, render, tokenize_conversation, tokenize_conversations
+from specctl.data.prepare import OWNER as DATA_OWNER
 from specctl.data.prepare import DataSummary, data_fingerprint, load_samples, load_token_freq, prepare_data
 
 __all__ = [
+    "DATA_OWNER",
     "DataSummary",
     "data_fingerprint",
     "load_samples",

@@ -5,6 +5,7 @@ On-disk format of runs/<name>/data/ (see docs/data.md):
   token_freq.safetensors  token_freq int64 [V]: counts of loss-masked tokens (draft vocab reduction)
   conversations.jsonl     one line per sample: {"messages": [...]} or {"pretokenized": true, ...}
   manifest.json           format version, fingerprint, counts, tokenizer, source, file sizes
+  .specctl-data           marker, written first: proves the directory is the stage's (OWNER)
 
 The directory is built under a temporary name, flushed and swapped into place
 (`durable.replace_dir`, as checkpoints and exports are), and manifest.json is the last file
@@ -38,7 +39,7 @@ from specctl.data.generate import (
     run_conversations,
 )
 from specctl.data.journal import Journal
-from specctl.durable import recover_dir, replace_dir
+from specctl.durable import Owner, recover_dir, replace_dir
 from specctl.errors import DataError
 from specctl.progress import duration, note, progress_bar
 from specctl.recipe import DataSection, VerifierSection
@@ -46,6 +47,32 @@ from specctl.recipe import DataSection, VerifierSection
 FORMAT_VERSION = 1
 FILES = ("tokens.safetensors", "token_freq.safetensors", "conversations.jsonl")
 TOKENIZE_CHUNK = 256
+
+
+# written first into every data directory this version builds: a directory whose manifest was
+# lost (deleted, damaged) is still provably the stage's and is rebuilt, not refused
+MARKER = ".specctl-data"
+
+
+def _proves_data(path: Path) -> bool:
+    """The marker, or manifest.json as the data stage writes it (every version: a JSON object with
+    `format` and `fingerprint`, written last); a user's own manifest.json does not pass for one."""
+    if (path / MARKER).is_file():
+        return True
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "format" in manifest and "fingerprint" in manifest
+
+
+# anything else non-empty at runs/<name>/data is a user's, and is never replaced
+OWNER = Owner(
+    "the data stage",
+    ("manifest.json", MARKER),
+    "choose another run name or output_dir, or move those files away",
+    proves=_proves_data,
+)
 
 
 @dataclass
@@ -329,6 +356,7 @@ def _prepare_data(cfg: DataSection, tokenizer, out_dir: Path, gen: _Generation) 
     generating = sources.is_self_generated(cfg.source) or cfg.regenerate
     identity = gen.identity if generating else None
     recover_dir(out_dir)  # a run killed mid-swap left the complete old dir beside out_dir: reuse it
+    OWNER.check(out_dir)  # before any work: a user's directory there is refused, not replaced later
     manifest = read_manifest(out_dir)
     if (
         manifest is not None
@@ -604,6 +632,7 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, identity, fi
     token_freq = torch.bincount(input_ids[loss_mask.bool()].long(), minlength=vocab_size)  # [V]
 
     def write_files(tmp: Path) -> None:
+        (tmp / MARKER).write_text("written by the specctl data stage; see manifest.json\n")
         save_file(
             {"input_ids": input_ids, "loss_mask": loss_mask, "offsets": offsets},
             str(tmp / "tokens.safetensors"),
@@ -635,4 +664,4 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, identity, fi
 
     # Flushed, then swapped in whole; a kill between the two renames is undone by the next run
     # (durable.recover_dir), so self-generated conversations are not lost to it.
-    replace_dir(out_dir, write_files)
+    replace_dir(out_dir, write_files, OWNER)
