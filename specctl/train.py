@@ -629,6 +629,18 @@ def check_step(s: StepFigures, step: int, first: bool) -> None:
         )
 
 
+def restore(p: Pieces, checkpoint: Path | None, ctx: DistContext) -> tuple[int, int, int | None, Skips]:
+    """Where the loop starts: (optimizer steps done, micro-batches consumed (global, across ranks),
+    training tokens seen (all ranks; the x axis of the learning curve), skipped steps); from
+    `checkpoint` (verified by `resume_checkpoint`), its weights, optimizer and schedule loaded."""
+    if checkpoint is None:
+        return 0, 0, 0, Skips()
+    state = load_checkpoint(checkpoint, p.model, p.optimizer, ctx, verified=True)
+    restore_scheduler(p.scheduler, state["scheduler"])
+    # tokens_seen None: a checkpoint from before the count was kept
+    return state["step"], state["cursor"], state.get("tokens_seen"), Skips.from_state(state)
+
+
 def train(
     recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool = False
 ) -> TrainSummary | None:
@@ -645,15 +657,7 @@ def train(
     check_stage(recipe, "train", force, say, recipe.run_dir)
     p = build_pieces(recipe, ctx, progress)
 
-    step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
-    seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
-    skips = Skips()
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, p.model, p.optimizer, ctx, verified=True)
-        restore_scheduler(p.scheduler, state["scheduler"])
-        step, cursor = state["step"], state["cursor"]
-        seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
-        skips = Skips.from_state(state)
+    step, cursor, seen, skips = restore(p, resume_from, ctx)
     start, checkpoint = step, resume_from
     tracker = None
     if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
