@@ -8,7 +8,7 @@ Layout of `<drafters>/<algo>/checkpoints/`:
       trainer_state.pt      step, data cursor, LR scheduler, RNG states (python, numpy, torch, cuda)
       recipe.yaml           the recipe this run used
       meta.json             algo, loss, step, world size, the VerifierSpec the drafter was built for
-      checksums.json        sha256 of the three state files, checked before they are read
+      checksums.json        sha256 of every other file, checked before any is read
     latest                  text file naming the newest step-N directory
 
 A checkpoint is written to a hidden temporary directory and renamed into place only when every
@@ -18,10 +18,13 @@ the save with one line naming the file and the checkpoint `--resume` continues f
 through `torch.distributed.checkpoint.state_dict`, so the same code saves a plain module, DDP or
 FSDP2 (gathered to rank 0) and loads into any of them (rank 0 reads, then broadcasts).
 
-The state files are checksummed like feature shards: a flipped bit in a weight or an optimizer
-moment loads without complaint and silently skews the run, so resume and export verify the
-sha256 first and name the file that no longer matches. recipe.yaml and meta.json stay plain,
-hand-editable text.
+Every file is checksummed like feature shards: a flipped bit in a weight or an optimizer moment
+loads without complaint and silently skews the run, and a torn recipe.yaml or meta.json rebuilds
+another drafter, so resume and export verify the sha256 first and name the file that no longer
+matches (recipe.yaml and meta.json are plain text to read, not to edit). Resume takes the newest
+checkpoint that verifies (`resume_checkpoint`), saying which newer ones it skipped and why: a
+corrupt `latest` costs the steps since the one before, not the run. Checkpoints written before
+recipe.yaml and meta.json were checksummed still load; those two are then only parsed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 from specctl.distributed import DistContext, broadcast_object
 from specctl.drafters import DRAFTERS, VerifierSpec
 from specctl.durable import Owner, disk_full, recover_dirs, replace_dir, sha256_file, write_atomic
-from specctl.errors import CheckpointError, SpecctlError, first_line
+from specctl.errors import CheckpointError, RecipeError, SpecctlError, first_line
+from specctl.progress import note
 
 if TYPE_CHECKING:
     from specctl.recipe import Recipe
@@ -60,7 +65,8 @@ TRAINER_FILE = "trainer_state.pt"
 RECIPE_FILE = "recipe.yaml"
 META_FILE = "meta.json"
 CHECKSUM_FILE = "checksums.json"
-CHECKSUMMED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+STATE_FILES = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE)
+CHECKSUMMED = (*STATE_FILES, RECIPE_FILE, META_FILE)  # every file but checksums.json itself
 REQUIRED = (DRAFTER_FILE, OPTIMIZER_FILE, TRAINER_FILE, META_FILE, CHECKSUM_FILE)
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -148,8 +154,28 @@ def find_checkpoint(path: str | Path, algo: str | None = None) -> Path:
     raise SpecctlError(f"{path}: no training checkpoint found; run `specctl train RECIPE` first")
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint file that cannot be used, with the short `reason` a resume that skips the
+    checkpoint prints; the message adds what to do."""
+
+    def __init__(self, file: Path, reason: str):
+        self.file, self.reason = file, reason
+        super().__init__(
+            f"{file}: {reason}; delete {file.parent}: the checkpoint before it then counts as the "
+            "latest (train --resume skips it by itself)"
+        )
+
+
 def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / META_FILE).read_text())
+    """meta.json as a dict; DamagedCheckpoint when it is missing, not JSON or not an object."""
+    file = path / META_FILE
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise DamagedCheckpoint(file, f"unreadable ({first_line(e)})") from None
+    if not isinstance(meta, dict):
+        raise DamagedCheckpoint(file, f"holds a JSON {type(meta).__name__}, not an object")
+    return meta
 
 
 def load_drafter_state(path: Path) -> dict[str, torch.Tensor]:
@@ -166,8 +192,15 @@ def saved_recipe(checkpoint: Path) -> Recipe:
 
     recipe_file = checkpoint / RECIPE_FILE
     if not recipe_file.is_file():
-        raise SpecctlError(f"{recipe_file}: missing; the checkpoint cannot be rebuilt without its recipe")
-    return recipe_from_dict(yaml.safe_load(recipe_file.read_text()) or {}, str(recipe_file))
+        raise DamagedCheckpoint(recipe_file, "missing; the checkpoint cannot be rebuilt without its recipe")
+    try:
+        tree = yaml.safe_load(recipe_file.read_text()) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:  # UnicodeDecodeError is a ValueError
+        raise DamagedCheckpoint(recipe_file, f"unreadable ({first_line(e)})") from None
+    try:
+        return recipe_from_dict(tree, RECIPE_FILE)
+    except RecipeError as e:
+        raise DamagedCheckpoint(recipe_file, f"not a valid recipe ({first_line(e)})") from None
 
 
 def drafter_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
@@ -179,8 +212,11 @@ def drafter_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
 
 
 # Training settings that change neither the weights nor the learning curve (cadence of saving and
-# logging, where metrics go); per_algo is applied by `for_algo`, not compared itself.
-BOOKKEEPING = frozenset({"per_algo", "save_every", "log_every", "keep_checkpoints", "report_to"})
+# logging, where metrics go, when a streak of skipped steps stops the run); per_algo is applied by
+# `for_algo`, not compared itself.
+BOOKKEEPING = frozenset(
+    {"per_algo", "save_every", "log_every", "keep_checkpoints", "report_to", "max_skipped_steps"}
+)
 
 
 def training_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
@@ -265,17 +301,94 @@ def write_checksums(path: Path) -> None:
     (path / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1) + "\n")
 
 
-def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
-    """Raise CheckpointError naming the first of `names` whose sha256 differs from checksums.json."""
-    advice = f"delete {path}; the checkpoint before it then counts as the latest (train --resume, export)"
+def checksum_problem(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> tuple[str, str] | None:
+    """(file name, what is wrong) for the first of `names` that does not match checksums.json, or
+    for checksums.json itself; None when all match. The state files must be listed; recipe.yaml and
+    meta.json are checked when listed (checkpoints from before they were are only parsed)."""
     try:
         sums = json.loads((path / CHECKSUM_FILE).read_text())
-        expected = {name: sums[name] for name in names}
+        expected = {name: sums[name] for name in names if name in STATE_FILES or name in sums}
     except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{path / CHECKSUM_FILE}: missing or unreadable; {advice}") from None
-    for name in names:
-        if sha256_file(path / name) != expected[name]:
-            raise CheckpointError(f"{path / name}: checksum mismatch (corrupted); {advice}")
+        return CHECKSUM_FILE, "missing or unreadable"
+    for name, digest in expected.items():
+        try:
+            actual = sha256_file(path / name)
+        except OSError as e:
+            return name, f"unreadable ({first_line(e)})"
+        if actual != digest:
+            return name, "checksum mismatch (corrupted)"
+    return None
+
+
+def verify_checksums(path: Path, names: tuple[str, ...] = CHECKSUMMED) -> None:
+    """Raise DamagedCheckpoint naming the first of `names` whose sha256 differs from checksums.json."""
+    problem = checksum_problem(path, names)
+    if problem is not None:
+        raise DamagedCheckpoint(path / problem[0], problem[1])
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why resume cannot use the checkpoint at `path` (one short phrase naming the file), or None:
+    a file missing, one that differs from its checksum, a meta.json or recipe.yaml that does not
+    parse. Hashes every file, so it costs a read of the checkpoint."""
+    missing = [name for name in (*REQUIRED, RECIPE_FILE) if not (path / name).is_file()]
+    if missing:
+        return f"incomplete: no {', '.join(missing)}"
+    if (problem := checksum_problem(path)) is not None:
+        return f"{problem[0]}: {problem[1]}"
+    try:
+        read_meta(path)
+        saved_recipe(path)
+    except DamagedCheckpoint as e:
+        return f"{e.file.name}: {e.reason}"
+    return None
+
+
+def resume_candidates(root: Path) -> list[Path]:
+    """Checkpoints resume may take, best first: the one `latest` names, then the complete step-N
+    below it, newest first (any above it are left over from another run). Without a usable
+    pointer, every complete step-N, newest first."""
+    done = sorted((p for p in root.glob("step-*") if is_complete(p)), key=lambda p: -(step_of(p) or 0))
+    pointer = root / LATEST
+    named = root / pointer.read_text().strip() if pointer.is_file() else None
+    if named is None or step_of(named) is None or not named.is_dir():
+        return done
+    below = [p for p in done if (step_of(p) or 0) < (step_of(named) or 0)]
+    return [named, *below]
+
+
+def pick_resume_checkpoint(root: Path, say: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint under `root` that verifies (`checkpoint_problem`), after one line via
+    `say` for each newer one skipped and why; None when there is none at all, CheckpointError
+    when none of them verifies."""
+    skipped = []
+    for path in resume_candidates(root):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        say(f"{path}: skipped for resume ({problem}); trying the checkpoint before it")
+        skipped.append(f"{path.name} ({problem})")
+    if skipped:
+        raise CheckpointError(
+            f"{root}: no checkpoint verifies ({'; '.join(skipped)}); train without --resume to start over"
+        )
+    return None
+
+
+def resume_checkpoint(root: Path, ctx: DistContext) -> Path | None:
+    """`pick_resume_checkpoint` on rank 0 (its lines printed there), the same answer on every rank:
+    one rank hashes the checkpoints, the others do not read them."""
+    found: Path | None = None
+    error = None
+    if ctx.is_main:
+        try:
+            found = pick_resume_checkpoint(root, lambda text: note(text))
+        except CheckpointError as e:
+            error = str(e)
+    found, error = broadcast_object((found, error), ctx)
+    if error is not None:
+        raise CheckpointError(error)
+    return found
 
 
 # ---------------------------------------------------------------- save
@@ -394,15 +507,17 @@ def _write_checkpoint(
 
 
 def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: DistContext, verified: bool = False
 ) -> dict[str, Any]:
     """Restore drafter, optimizer and RNG states from `path` (read on rank 0, broadcast to the rest);
-    returns the trainer state (step, cursor, scheduler, ...). Works across world sizes."""
+    returns the trainer state (step, cursor, scheduler, ...). Works across world sizes. `verified`:
+    the checksums were just checked (`resume_checkpoint`); hashing gigabytes twice buys nothing."""
     model_state: dict[str, Any] = {}
     optim_state: dict[str, Any] = {}
     trainer_bytes = None
     if ctx.is_main:
-        verify_checksums(path)
+        if not verified:
+            verify_checksums(path)
         model_state = load_file(path / DRAFTER_FILE)
         optim_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         trainer_bytes = (path / TRAINER_FILE).read_bytes()

@@ -278,6 +278,13 @@ class TrainSettings(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(1.0, ge=0, description="Max gradient norm (0 = off).")
+    max_skipped_steps: int = Field(
+        10,
+        ge=1,
+        description="A step whose gradients hold NaN/Inf (their norm is not finite) is skipped: no "
+        "update, the learning rate moves on, counted as `skipped_steps` in metrics.jsonl. This many "
+        "in a row stop the run, naming the step.",
+    )
     batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (per rank).")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     micro_batch_tokens: int | None = Field(

@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,8 +33,8 @@ from specctl.batching import length_buckets
 from specctl.checkpoint import (
     check_checkpoint_dirs,
     check_resumable,
-    latest_checkpoint,
     load_checkpoint,
+    resume_checkpoint,
     save_checkpoint,
 )
 from specctl.curves import plot_curves, read_curve
@@ -521,7 +522,43 @@ class StepFigures:
     loss: float
     counted: float
     tokens: int
-    grad_norm: float | None
+    grad_norm: float | None  # total, before clipping; None when the loss was not finite
+    skipped: bool = False  # the gradients held NaN/Inf: nothing was applied
+
+
+@dataclass
+class Skips:
+    """Steps skipped for non-finite gradients: in all (metrics.jsonl's `skipped_steps`) and in a row.
+    Kept in checkpoints, so a resumed run counts (and stops) as an uninterrupted one."""
+
+    total: int = 0
+    in_a_row: int = 0
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Skips:
+        return cls(state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0))
+
+    def state(self) -> dict[str, int]:
+        return {"skipped_steps": self.total, "skipped_in_a_row": self.in_a_row}
+
+    def count(self, s: StepFigures, step: int, limit: int) -> str | None:
+        """Count optimizer step `step`: the warning line when it was skipped (None otherwise);
+        SpecctlError naming it when it is the `limit`-th skipped in a row."""
+        if not s.skipped:
+            self.in_a_row = 0
+            return None
+        self.total, self.in_a_row = self.total + 1, self.in_a_row + 1
+        if self.in_a_row >= limit:
+            raise SpecctlError(
+                f"step {step}: gradients not finite (NaN/Inf) {self.in_a_row} steps in a row (steps "
+                f"{step - self.in_a_row + 1}-{step}), none applied, so the checkpoints are sound; lower "
+                f"train.lr and resume, or check the features for NaN/Inf (train.max_skipped_steps={limit})"
+            )
+        return (
+            f"warning: step {step}: gradients not finite (norm {s.grad_norm}) with a finite loss "
+            f"({s.loss:.4g}); step skipped, weights unchanged ({self.in_a_row} in a row, {self.total} in "
+            f"all; train.max_skipped_steps={limit} in a row stop the run)"
+        )
 
 
 def optimizer_step(
@@ -554,13 +591,34 @@ def optimizer_step(
     figures = StepFigures(loss_sum / per_step, counted, int(tokens), None)
     if not math.isfinite(figures.loss):  # before the update: the checkpoints stay finite
         return figures
-    if cfg.grad_clip > 0:
-        norm = nn.utils.clip_grad_norm_(p.model.parameters(), cfg.grad_clip)
-        figures.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-    p.optimizer.step()
-    p.scheduler.step()
-    p.optimizer.zero_grad(set_to_none=True)
+    figures.grad_norm = apply_gradients(p, cfg.grad_clip)
+    figures.skipped = not math.isfinite(figures.grad_norm)
     return figures
+
+
+def apply_gradients(p: Pieces, grad_clip: float) -> float:
+    """Clip and apply the accumulated gradients, step the schedule; returns their total norm.
+
+    The norm is the same on every rank (DDP has averaged the gradients; FSDP2's shards are
+    reduced), and so is what follows. A norm that is not finite means NaN/Inf in some gradient
+    while the loss was finite (an overflow in the backward): clipping would scale every gradient
+    by NaN and the optimizer would write it into the weights and its moments, and the next
+    checkpoint would be NaN. So the step is skipped: gradients dropped, weights and optimizer
+    state untouched. The schedule still steps: a skipped step is a step of the run (its data is
+    consumed, it is counted), and step N's learning rate stays what the schedule says for N.
+    """
+    params = [q for q in p.model.parameters() if q.grad is not None]
+    norm = nn.utils.get_total_norm([q.grad for q in params])  # what clip_grad_norm_ computes
+    total = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if math.isfinite(total):
+        if grad_clip > 0:
+            nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+        p.optimizer.step()
+    with warnings.catch_warnings():  # a skipped first step: "scheduler.step() before optimizer.step()"
+        warnings.simplefilter("ignore", UserWarning)
+        p.scheduler.step()
+    p.optimizer.zero_grad(set_to_none=True)
+    return total
 
 
 def check_step(s: StepFigures, step: int, first: bool) -> None:
@@ -577,6 +635,18 @@ def check_step(s: StepFigures, step: int, first: bool) -> None:
         )
 
 
+def restore(p: Pieces, checkpoint: Path | None, ctx: DistContext) -> tuple[int, int, int | None, Skips]:
+    """Where the loop starts: (optimizer steps done, micro-batches consumed (global, across ranks),
+    training tokens seen (all ranks; the x axis of the learning curve), skipped steps); from
+    `checkpoint` (verified by `resume_checkpoint`), its weights, optimizer and schedule loaded."""
+    if checkpoint is None:
+        return 0, 0, 0, Skips()
+    state = load_checkpoint(checkpoint, p.model, p.optimizer, ctx, verified=True)
+    restore_scheduler(p.scheduler, state["scheduler"])
+    # tokens_seen None: a checkpoint from before the count was kept
+    return state["step"], state["cursor"], state.get("tokens_seen"), Skips.from_state(state)
+
+
 def train(
     recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool = False
 ) -> TrainSummary | None:
@@ -585,7 +655,7 @@ def train(
     out_dir = recipe.run_dir / "drafters" / algo
     ckpt_root = out_dir / "checkpoints"
     check_checkpoint_dirs(ckpt_root)
-    resume_from = latest_checkpoint(ckpt_root) if resume else None
+    resume_from = resume_checkpoint(ckpt_root, ctx) if resume else None  # the newest that verifies
     if resume and resume_from is None:
         raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
     if resume_from is not None:
@@ -594,13 +664,7 @@ def train(
     check_stage(recipe, "train", force, say, recipe.run_dir)
     p = build_pieces(recipe, ctx, progress)
 
-    step, cursor = 0, 0  # optimizer steps done; micro-batches consumed (global, across ranks)
-    seen: int | None = 0  # training tokens consumed (all ranks): the x axis of the learning curve
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, p.model, p.optimizer, ctx)
-        restore_scheduler(p.scheduler, state["scheduler"])
-        step, cursor = state["step"], state["cursor"]
-        seen = state.get("tokens_seen")  # None: a checkpoint from before the count was kept
+    step, cursor, seen, skips = restore(p, resume_from, ctx)
     start, checkpoint = step, resume_from
     tracker = None
     if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
@@ -639,6 +703,7 @@ def train(
                     "cursor": cursor,
                     "scheduler": p.scheduler.state_dict(),
                     "tokens_seen": seen,
+                    **skips.state(),
                 }
                 checkpoint = save_checkpoint(
                     ckpt_root, step, p.model, p.optimizer, trainer, *saved, ctx, keep
@@ -650,6 +715,8 @@ def train(
             began, lr = time.perf_counter(), p.scheduler.get_last_lr()[0]
             s = optimizer_step(p, cfg, ctx, cursor, batches)
             check_step(s, step + 1, first=step == start)
+            if (warning := skips.count(s, step + 1, cfg.max_skipped_steps)) is not None:
+                note(warning, enabled=ctx.is_main)
             cursor += ctx.world_size * cfg.grad_accum
             seen = None if seen is None else seen + s.tokens
             step += 1
@@ -659,8 +726,9 @@ def train(
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 record = {"step": step, **tokens_field(seen), "loss": s.loss, "lr": lr}
                 record["tokens_per_s"] = tokens_since / busy
-                if s.grad_norm is not None:
+                if s.grad_norm is not None and not s.skipped:
                     record["grad_norm"] = s.grad_norm
+                record["skipped_steps"] = skips.total
                 log.write(record)
                 live(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}", tps=f"{record['tokens_per_s']:.0f}")
                 tokens_since, busy = 0.0, 0.0

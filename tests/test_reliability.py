@@ -199,15 +199,18 @@ def _tiny_checkpoint(root: Path) -> tuple[Path, torch.nn.Module, torch.optim.Opt
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 8)).sum().backward()
     optimizer.step()
-    path = ckpt.save_checkpoint(root, 3, model, optimizer, {"step": 3, "cursor": 3}, "", {}, CPU, keep=2)
+    path = ckpt.save_checkpoint(
+        root, 3, model, optimizer, {"step": 3, "cursor": 3}, "name: x\n", {"algo": "toy"}, CPU, keep=2
+    )
     return path, model, optimizer
 
 
 @fault(
     stage="train",
-    fault="one flipped bit in a checkpoint's drafter.safetensors, optimizer.pt or trainer_state.pt",
-    result="resume (and export, for the drafter file) refuses it: CheckpointError naming the file, "
-    "`checksum mismatch`, and what to delete",
+    fault="one flipped bit in any file of a checkpoint: drafter.safetensors, optimizer.pt, "
+    "trainer_state.pt, recipe.yaml, meta.json",
+    result="loading it (and export, for the drafter file) refuses it: CheckpointError naming the file, "
+    "`checksum mismatch`, and what to delete; resume passes over it to the one before",
 )
 @pytest.mark.parametrize("name", ckpt.CHECKSUMMED)
 def test_flipped_bit_in_a_checkpoint_is_named(tmp_path, name):
@@ -217,6 +220,7 @@ def test_flipped_bit_in_a_checkpoint_is_named(tmp_path, name):
     with pytest.raises(CheckpointError) as e:
         ckpt.load_checkpoint(path, model, optimizer, CPU)
     assert str(e.value).startswith(f"{path / name}: checksum mismatch (corrupted); delete {path}")
+    assert ckpt.checkpoint_problem(path) == f"{name}: checksum mismatch (corrupted)"
     assert "\n" not in str(e.value)
     if name == ckpt.DRAFTER_FILE:
         with pytest.raises(CheckpointError, match="checksum mismatch"):
@@ -239,6 +243,38 @@ def test_checkpoint_without_readable_checksums(tmp_path):
         ckpt.load_checkpoint(path, model, optimizer, CPU)
     (path / ckpt.CHECKSUM_FILE).unlink()
     assert not ckpt.is_complete(path) and ckpt.latest_checkpoint(root) is None
+
+
+@fault(
+    stage="train",
+    fault="a checkpoint's meta.json or recipe.yaml that does not parse (not JSON, not an object, bad "
+    "YAML, an invalid recipe), its checksum matching (a checkpoint from before they were checksummed)",
+    result="export and resume stop with a CheckpointError naming the file and why, never a traceback",
+)
+@pytest.mark.parametrize(
+    ("name", "text", "why"),
+    [
+        (ckpt.META_FILE, "{broken", r"unreadable \(Expecting property name"),
+        (ckpt.META_FILE, "[1, 2]", "holds a JSON list, not an object"),
+        (ckpt.META_FILE, "\udcff", r"unreadable \("),
+        (ckpt.RECIPE_FILE, "drafter: [unclosed\n", r"unreadable \(while parsing a flow sequence"),
+        (ckpt.RECIPE_FILE, "- a list\n", r"not a valid recipe \("),
+        (ckpt.RECIPE_FILE, "train: {lr: -1}\n", r"not a valid recipe \(recipe\.yaml: name: required"),
+    ],
+)
+def test_broken_meta_or_recipe_of_a_checkpoint_is_one_line(tmp_path, name, text, why):
+    path, _, _ = _tiny_checkpoint(tmp_path / "checkpoints")
+    data = text.encode("utf-8", "surrogateescape")
+    (path / name).write_bytes(data)
+    sums = json.loads((path / ckpt.CHECKSUM_FILE).read_text())
+    del sums[ckpt.RECIPE_FILE], sums[ckpt.META_FILE]  # as an older checkpoint lists them
+    (path / ckpt.CHECKSUM_FILE).write_text(json.dumps(sums))
+    read = ckpt.read_meta if name == ckpt.META_FILE else ckpt.saved_recipe
+    message = rf"^{re.escape(str(path / name))}: {why}.*; delete {re.escape(str(path))}:"
+    with pytest.raises(CheckpointError, match=message) as e:
+        read(path)
+    assert "\n" not in str(e.value)
+    assert re.fullmatch(rf"{re.escape(name)}: {why}.*", ckpt.checkpoint_problem(path))
 
 
 # ---------------------------------------------------------------- non-finite features

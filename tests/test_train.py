@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ from specctl.distributed import DistContext, rank_share
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import DrafterSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab, draft_loss, verifier_targets
-from specctl.errors import DataError, FeatureStoreError, SpecctlError
+from specctl.errors import CheckpointError, DataError, FeatureStoreError, SpecctlError
 from specctl.features import (
     Layout,
     StorePlan,
@@ -534,12 +535,25 @@ def tiny_source(samples=None) -> Source:
     return Source([len(s["input_ids"]) for s in samples], samples.__getitem__, lambda b: b, spec, weights)
 
 
+class NanGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: an overflow in a backward under a finite loss."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
 class ToyDrafter(nn.Module):
     """Test double honouring the drafter contract: two heads read the aux features at t and
     predict the verifier's tokens t+1 and t+2 (K=2). In training it keeps a random 70% of rows,
     so results depend on the RNG the loop seeds. Class attributes script failures."""
 
     nan_at: int | None = None  # return a NaN loss on this training forward
+    nan_grad_at: frozenset[int] = frozenset()  # a finite loss whose gradients are NaN on these forwards
     built: list = []  # d2t of every drafter built, newest last
 
     def __init__(self, spec, weights, d2t, loss):
@@ -561,6 +575,8 @@ class ToyDrafter(nn.Module):
     def forward(self, batch):
         self.calls += self.training
         h = torch.tanh(self.fc(batch["aux_hidden_states"].flatten(2)))  # [B, T, H]
+        if self.training and self.calls in ToyDrafter.nan_grad_at:
+            h = NanGradient.apply(h)
         counted = batch["loss_mask"] & batch["attention_mask"]  # [B, T]
         T = counted.shape[1]
         losses, correct, count = [], [], []
@@ -590,7 +606,7 @@ def use_toy_drafter() -> dict:
     toy = dataclasses.replace(
         real, build=lambda config, spec, weights, d2t, loss: ToyDrafter(spec, weights, d2t, loss)
     )
-    ToyDrafter.nan_at = None
+    ToyDrafter.nan_at, ToyDrafter.nan_grad_at = None, frozenset()
     return {"dflash": toy}
 
 
@@ -654,7 +670,7 @@ def toy(monkeypatch):
     for name, spec in use_toy_drafter().items():
         monkeypatch.setitem(DRAFTERS, name, spec)
     yield ToyDrafter
-    ToyDrafter.nan_at = None
+    ToyDrafter.nan_at, ToyDrafter.nan_grad_at = None, frozenset()
 
 
 # ---------------------------------------------------------------- the loop: behaviour
@@ -813,6 +829,96 @@ def test_resume_refuses_a_checkpoint_of_another_drafter(tmp_path, offline):
     assert run_training(more, resume=True, progress=False).steps == 6
 
 
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """Replace a checkpoint file and its checksums (a damage checksums do not catch)."""
+    path.write_text(text)
+    ckpt.write_checksums(path.parent)
+
+
+DAMAGES = {  # what breaks the latest checkpoint -> why resume skips it
+    "flipped drafter byte": (
+        lambda c: _flip_byte(c / ckpt.DRAFTER_FILE),
+        r"drafter\.safetensors: checksum mismatch \(corrupted\)",
+    ),
+    "broken meta.json": (lambda c: (c / ckpt.META_FILE).write_text("{"), r"meta\.json: checksum mismatch"),
+    "meta.json a list": (lambda c: _rewrite(c / ckpt.META_FILE, "[]"), r"meta\.json: holds a JSON list"),
+    "recipe.yaml not YAML": (
+        lambda c: _rewrite(c / ckpt.RECIPE_FILE, "drafter: [unclosed\n"),
+        r"recipe\.yaml: unreadable \(while parsing",
+    ),
+    "optimizer.pt missing": (lambda c: (c / ckpt.OPTIMIZER_FILE).unlink(), r"incomplete: no optimizer\.pt"),
+}
+
+
+@fault(
+    stage="train",
+    fault="the latest checkpoint is damaged: a flipped byte in its drafter, a torn meta.json, a "
+    "meta.json or recipe.yaml that does not parse, a file missing",
+    result="`--resume` says in one line which checkpoint it skipped and why, continues from the one "
+    "before and ends as an uninterrupted run",
+)
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_resume_falls_back_past_a_damaged_latest_checkpoint(tmp_path, offline, toy, capsys, damage):
+    recipe = tiny_recipe(tmp_path)  # checkpoints at steps 3 and 6
+    run_training(recipe, progress=False)
+    root = recipe.run_dir / "drafters" / "dflash" / "checkpoints"
+    want, records = _saved_state(root / "step-6"), read_metrics(recipe)
+    break_it, why = DAMAGES[damage]
+    break_it(root / "step-6")
+    capsys.readouterr()
+    summary = run_training(recipe, resume=True, progress=False)
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    line = rf"{re.escape(str(root / 'step-6'))}: skipped for resume \({why}.*\); trying the checkpoint before"
+    assert len(skipped) == 1 and re.fullmatch(line + " it", skipped[0])
+    assert summary.steps == 6 and summary.checkpoint == root / "step-6"
+    got = _saved_state(root / "step-6")
+    assert _same(want[0], got[0]) and _same(want[1], got[1])  # steps 4-6 again, from step-3: the same
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
+    assert strip(read_metrics(recipe)) == strip(records)
+    assert ckpt.checkpoint_problem(root / "step-6") is None  # re-saved whole
+
+
+@fault(
+    stage="train",
+    fault="every checkpoint of a run is damaged (or `latest` names a damaged one and none is older)",
+    result="`--resume` stops with one CheckpointError listing each checkpoint and why; nothing trained",
+)
+def test_resume_with_no_checkpoint_that_verifies_is_one_line(tmp_path, offline, toy):
+    recipe = tiny_recipe(tmp_path)
+    run_training(recipe, progress=False)
+    root = recipe.run_dir / "drafters" / "dflash" / "checkpoints"
+    _flip_byte(root / "step-6" / ckpt.OPTIMIZER_FILE)
+    (root / "step-3" / ckpt.META_FILE).write_text("{}")
+    metrics = read_metrics(recipe)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{re.escape(str(root))}: no checkpoint verifies \(step-6 \(optimizer\.pt: checksum mismatch "
+        r"\(corrupted\)\); step-3 \(meta\.json: checksum mismatch \(corrupted\)\)\); train without --resume",
+    ) as e:
+        run_training(recipe, resume=True, progress=False)
+    assert "\n" not in str(e.value) and read_metrics(recipe) == metrics
+
+
+def test_resume_candidates_follow_latest_and_ignore_newer_leftovers(tmp_path):
+    root = tmp_path / "checkpoints"
+    for n in (2, 4, 6, 8):
+        (root / f"step-{n}").mkdir(parents=True)
+        for name in ckpt.REQUIRED:
+            (root / f"step-{n}" / name).write_text("")
+    (root / "step-5").mkdir()  # incomplete: never a fallback
+    assert [p.name for p in ckpt.resume_candidates(root)] == ["step-8", "step-6", "step-4", "step-2"]
+    (root / ckpt.LATEST).write_text("step-6\n")  # step-8: left by another, longer run
+    assert [p.name for p in ckpt.resume_candidates(root)] == ["step-6", "step-4", "step-2"]
+    (root / ckpt.LATEST).write_text("step-5\n")  # named though incomplete: reported, then the ones below
+    assert [p.name for p in ckpt.resume_candidates(root)] == ["step-5", "step-4", "step-2"]
+
+
 def test_drafter_settings_hold_only_what_defines_the_drafter(tmp_path):
     base = ckpt.drafter_settings(tiny_recipe(tmp_path), "dflash")
     other = tiny_recipe(tmp_path, extra={"drafter": {"eagle3": {"ttt_steps": 5}}}, lr=1.0, max_steps=9)
@@ -830,6 +936,90 @@ def test_nan_loss_fails_fast_naming_the_step(tmp_path, offline, toy):
     toy.nan_at = 2
     with pytest.raises(SpecctlError, match=r"^step 2: training loss is nan"):
         run_training(tiny_recipe(tmp_path), progress=False)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor in a nested state (dicts in key order, lists in order)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _saved_state(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(drafter tensors, optimizer moments) of a checkpoint, the learning rates aside."""
+    drafter = ckpt.load_drafter_state(path)
+    optim = torch.load(path / ckpt.OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    # clone: safetensors may map the file, and a test damages it in place afterwards
+    return [drafter[k].clone() for k in sorted(drafter)], _tensors(optim["state"])
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@fault(
+    stage="train",
+    fault="NaN gradients under a finite loss (an overflow in the backward), with and without clipping",
+    result="the step is skipped: weights and optimizer state unchanged, the LR schedule moves on, "
+    "`skipped_steps` in metrics.jsonl and a warning line; every checkpoint is finite",
+)
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_nan_gradients_skip_the_step_and_never_reach_the_weights(tmp_path, offline, toy, capsys, grad_clip):
+    toy.nan_grad_at = frozenset({3})
+    recipe = tiny_recipe(tmp_path, grad_clip=grad_clip, save_every=1, keep_checkpoints=6)
+    assert run_training(recipe, progress=False).steps == 6
+    train = train_lines(read_metrics(recipe))
+    assert [r["skipped_steps"] for r in train] == [0, 0, 1, 1, 1, 1]
+    assert ["grad_norm" in r for r in train] == [True, True, False, True, True, True]
+    assert all(math.isfinite(r["loss"]) for r in train)
+    cfg = recipe.train
+    lrs = [lr_at(i, cfg.lr, cfg.warmup_steps, 6, cfg.schedule, cfg.min_lr_ratio) for i in range(6)]
+    assert [r["lr"] for r in train] == pytest.approx(lrs)  # the schedule did not stall
+    root = recipe.run_dir / "drafters" / "dflash" / "checkpoints"
+    states = {n: _saved_state(root / f"step-{n}") for n in range(1, 7)}
+    saved = [t for drafter, optim in states.values() for t in drafter + optim if t.is_floating_point()]
+    assert all(bool(t.isfinite().all()) for t in saved)
+    assert _same(states[2][0], states[3][0]) and _same(states[2][1], states[3][1])  # step 3 applied nothing
+    assert not _same(states[3][0], states[4][0])  # step 4 trained again
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "gradients not finite" in line]
+    assert len(warnings) == 1 and re.match(
+        r"warning: step 3: gradients not finite \(norm nan\) with a finite loss \(.*\); step skipped, "
+        r"weights unchanged \(1 in a row, 1 in all; train\.max_skipped_steps=10",
+        warnings[0],
+    )
+
+
+@fault(
+    stage="train",
+    fault="NaN gradients `train.max_skipped_steps` steps in a row (also across a resume)",
+    result="SpecctlError naming the step and the streak; nothing was applied, so the checkpoints "
+    "are finite and a resumed run counts the streak where it stopped",
+)
+def test_nan_gradients_in_a_row_stop_the_run_naming_the_step(tmp_path, offline, toy):
+    toy.nan_grad_at = frozenset({2, 4, 5, 6})  # one skip, a good step, then three in a row
+    recipe = tiny_recipe(tmp_path, max_steps=8, max_skipped_steps=3, save_every=1, keep_checkpoints=8)
+    stop = r"^step 6: gradients not finite \(NaN/Inf\) 3 steps in a row \(steps 4-6\), none applied"
+    with pytest.raises(SpecctlError, match=stop) as e:
+        run_training(recipe, progress=False)
+    assert "\n" not in str(e.value)
+    root = recipe.run_dir / "drafters" / "dflash" / "checkpoints"
+    assert ckpt.latest_checkpoint(root).name == "step-5"
+    assert [r["skipped_steps"] for r in train_lines(read_metrics(recipe))] == [0, 1, 1, 2, 3]
+    three, five = _saved_state(root / "step-3"), _saved_state(root / "step-5")
+    assert _same(three[0], five[0]) and _same(three[1], five[1])
+    assert all(bool(t.isfinite().all()) for t in five[0] + five[1] if t.is_floating_point())
+
+    toy.nan_grad_at = frozenset({1})  # the resumed run's first step: step 6, the third in a row again
+    with pytest.raises(SpecctlError, match=stop):
+        run_training(recipe, resume=True, progress=False)
+    toy.nan_grad_at = frozenset()
+    assert run_training(recipe, resume=True, progress=False).steps == 8
+    assert [r["skipped_steps"] for r in train_lines(read_metrics(recipe))] == [0, 1, 1, 2, 3, 3, 3, 3]
 
 
 @fault(
