@@ -534,13 +534,15 @@ def main() -> None:
 def _run(debug: bool) -> None:
     """The app under the one error handler: one line and an exit code per known failure."""
     from specctl.errors import SpecctlError
+    from specctl.redact import redact_text
 
     try:
         app()
     except SpecctlError as e:
         if debug:
             raise
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        # a job's stderr is a log file: a server URL's credentials stay out of it
+        err.print(f"[red]error:[/red] {redact_text(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # a full disk, however the writing library reports it (torch, safetensors)
         from specctl.durable import disk_full
