@@ -232,7 +232,8 @@ BaseUrlOpt = Annotated[
         "--base-url",
         metavar="URL",
         help="Bench an OpenAI-compatible server that is already running, e.g. http://127.0.0.1:8000 "
-        "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set.",
+        "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set, "
+        "to loopback or https only unless bench.allow_key_over_http.",
     ),
 ]
 DatasetOpt = Annotated[
