@@ -232,7 +232,8 @@ BaseUrlOpt = Annotated[
         "--base-url",
         metavar="URL",
         help="Bench an OpenAI-compatible server that is already running, e.g. http://127.0.0.1:8000 "
-        "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set.",
+        "(nothing is started; acceptance from /metrics when it is vLLM). OPENAI_API_KEY is sent if set, "
+        "to loopback or https only unless bench.allow_key_over_http.",
     ),
 ]
 DatasetOpt = Annotated[
@@ -534,13 +535,15 @@ def main() -> None:
 def _run(debug: bool) -> None:
     """The app under the one error handler: one line and an exit code per known failure."""
     from specctl.errors import SpecctlError
+    from specctl.redact import redact_text
 
     try:
         app()
     except SpecctlError as e:
         if debug:
             raise
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        # a job's stderr is a log file: a server URL's credentials stay out of it
+        err.print(f"[red]error:[/red] {redact_text(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     except Exception as e:  # a full disk, however the writing library reports it (torch, safetensors)
         from specctl.durable import disk_full

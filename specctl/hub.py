@@ -5,6 +5,7 @@ on, the acceptance it measured, and the `vllm serve` line that serves it)."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,25 @@ def model_card(export: ExportDir, repo: str) -> str:
     return "\n".join(lines)
 
 
+def upload_files(path: Path) -> list[Path]:
+    """The files of an export directory an upload takes (hidden ones left out), in order. A symlink
+    whose target is outside `path` is refused (UsageError): the upload would publish whatever it
+    points to -- a home directory's key, another model -- under the drafter's name."""
+    root = path.resolve()
+    files = []
+    for p in sorted(path.rglob("*")):
+        if p.name.startswith("."):
+            continue
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
+            raise UsageError(
+                f"{p}: a symlink to {os.readlink(p)}, outside the export directory {path}; "
+                "copy the file into the directory (or remove the link) and push again"
+            )
+        if p.is_file():
+            files.append(p)
+    return files
+
+
 def push_to_hub(
     path: str | Path,
     repo: str,
@@ -190,7 +210,7 @@ def push_to_hub(
     path = Path(path)
     check_repo_id(repo)
     export = validate_export(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files = upload_files(path)
     listed = [(str(p.relative_to(path)), p.stat().st_size) for p in files]
     card = None if (path / CARD_FILE).is_file() else model_card(export, repo)
     if card is not None:

@@ -28,6 +28,7 @@ from pydantic.fields import FieldInfo
 
 from specctl.drafters import DEFAULT_ALGO, DRAFTERS
 from specctl.errors import RecipeError, first_line
+from specctl.redact import redact_tree
 
 BUILTIN_RECIPES = Path(__file__).parent / "recipes"
 
@@ -125,6 +126,11 @@ class DataSection(Section):
         description="Base URL for `engine: server`, e.g. http://127.0.0.1:8000, or a list of them: each "
         "request goes to the server with the fewest in flight, and a server that stops answering has its "
         "requests moved to the others (an API key, if the servers need one, is read from OPENAI_API_KEY).",
+    )
+    allow_key_over_http: bool = Field(
+        False,
+        description="Send OPENAI_API_KEY (and credentials written in `server_url`) over plain http to a "
+        "host that is not loopback. Off: such a server_url is refused before any request; use https.",
     )
     server_model: str | None = Field(
         None,
@@ -440,6 +446,11 @@ class BenchSection(Section):
         None,
         description="Bench an OpenAI-compatible server that is already running (`http://host:port`) "
         "instead of `backend`: nothing is started; acceptance from its /metrics when it is vLLM.",
+    )
+    allow_key_over_http: bool = Field(
+        False,
+        description="Send OPENAI_API_KEY (and credentials written in `base_url`) over plain http to a "
+        "host that is not loopback. Off: such a base_url is refused before any request; use https.",
     )
     ready_timeout_s: float = Field(
         900.0,
@@ -770,7 +781,9 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 def dump_recipe(recipe: Recipe) -> str:
-    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+    """The recipe as YAML, as every file that records it (checkpoints' recipe.yaml, provenance)
+    writes it: credentials in its URLs masked (specctl.redact); the object keeps them."""
+    return yaml.safe_dump(redact_tree(recipe.model_dump(mode="json")), sort_keys=False)
 
 
 # ---------------------------------------------------------------- docs

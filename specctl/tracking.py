@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from specctl.errors import SpecctlError, first_line
+from specctl.redact import redact_tree
 
 # report_to -> (modules that provide it, the pip extra / package to install)
 TRACKERS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -109,7 +110,7 @@ def open_tracker(
     inner.main_process_only = False  # specctl picks the rank
     try:
         inner.start()
-        inner.store_init_configuration(flat_config(config))
+        inner.store_init_configuration(flat_config(redact_tree(config)))  # no credential leaves
     except Exception as e:  # a login, a network, a dashboard that will not start
         raise SpecctlError(f"train.report_to: {report_to} could not start ({first_line(e)})") from None
     return Tracker(inner)

@@ -419,7 +419,8 @@ def test_hub_sets_map_rows(monkeypatch):
 
     calls = []
 
-    def fake_load(path, subset=None, split=None, data_files=None):
+    def fake_load(path, subset=None, split=None, data_files=None, trust_remote_code=None):
+        assert trust_remote_code is False  # a hub loading script is never run
         calls.append((path, subset, split, data_files))
         if path == "HuggingFaceH4/mt_bench_prompts":
             return [{"prompt": ["Write a poem.", "Now shorter."], "category": "writing"}]
@@ -460,7 +461,8 @@ def test_hub_dataset_id_with_split_subset_and_column(monkeypatch):
 
     calls = []
 
-    def fake_load(path, subset=None, split=None):
+    def fake_load(path, subset=None, split=None, trust_remote_code=None):
+        assert trust_remote_code is False
         calls.append((path, subset, split))
         return [
             {"question": "What is 2+3?", "category": "math", "other": 1},

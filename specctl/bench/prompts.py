@@ -129,7 +129,9 @@ def load_hub_rows(name: str) -> list[PromptRow]:
     try:
         import datasets
 
-        ds = datasets.load_dataset(entry.path, entry.subset, split=entry.split, data_files=entry.data_files)
+        ds = datasets.load_dataset(
+            entry.path, entry.subset, split=entry.split, data_files=entry.data_files, trust_remote_code=False
+        )
     except Exception as e:  # network, auth, missing dataset: all end the same way for the user
         first = first_line(e, 160)
         raise DataError(f"{offline_hint} ({type(e).__name__}: {first})") from None
@@ -149,7 +151,7 @@ def load_hub_dataset(
     try:
         import datasets
 
-        ds = datasets.load_dataset(name, subset, split=split)
+        ds = datasets.load_dataset(name, subset, split=split, trust_remote_code=False)  # no hub scripts
     except Exception as e:  # network, auth, unknown dataset, split or subset: one line for the user
         offline = "HF_HUB_OFFLINE is set and it is not in the local cache; " if _hub_offline() else ""
         raise DataError(

@@ -39,6 +39,7 @@ from specctl.bench.server import get_text, measure_at
 from specctl.bench.vllm import is_vllm_metrics, load_vllm_verifier, parse_spec_decode_metrics
 from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.recipe import BenchSection, VerifierSection
+from specctl.redact import KEY_ENV, check_key_destination, redact_text, redact_url
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def _get_json(url: str, api_key: str | None) -> Any:
 def choose_model(models: list[dict[str, Any]], verifier: str | None, base_url: str) -> dict[str, Any]:
     """The served model to bench: the only one, or the one --verifier names (id or root)."""
     if not models:
-        raise SpecctlError(f"{base_url}/v1/models lists no model; is the server still loading?")
+        raise SpecctlError(f"{redact_url(base_url)}/v1/models lists no model; is the server still loading?")
     if len(models) == 1:
         return models[0]
     if verifier is not None:
@@ -79,7 +80,9 @@ def choose_model(models: list[dict[str, Any]], verifier: str | None, base_url: s
             if verifier in (m.get("id"), m.get("root")):
                 return m
     ids = ", ".join(str(m.get("id")) for m in models)
-    raise UsageError(f"{base_url} serves several models ({ids}); pass --verifier with the one to bench")
+    raise UsageError(
+        f"{redact_url(base_url)} serves several models ({ids}); pass --verifier with the one to bench"
+    )
 
 
 def probe_server(base_url: str, verifier: str | None, api_key: str | None) -> ServerInfo:
@@ -87,8 +90,9 @@ def probe_server(base_url: str, verifier: str | None, api_key: str | None) -> Se
     try:
         listed = _get_json(base_url + "/v1/models", api_key)
     except (httpx.HTTPError, OSError, ValueError) as e:
+        why = redact_text(first_line(e, 160))
         raise SpecctlError(
-            f"--base-url {base_url}: no OpenAI-compatible server answers /v1/models ({first_line(e, 160)}); "
+            f"--base-url {redact_url(base_url)}: no OpenAI-compatible server answers /v1/models ({why}); "
             "start it first (e.g. python -m vllm.entrypoints.openai.api_server --model MODEL) or fix the URL"
         ) from None
     models = listed.get("data", []) if isinstance(listed, dict) else []
@@ -123,7 +127,8 @@ class RemoteBackend:
         on_done: Callable[[int], None] | None,
         warn: Callable[[str], None],
     ):
-        self.api_key = os.environ.get("OPENAI_API_KEY") or None
+        self.api_key = os.environ.get(KEY_ENV) or None
+        check_key_destination(base_url, self.api_key, "bench.base_url", settings.allow_key_over_http)
         asked = section.name_or_path if section is not None else None
         self.info = probe_server(base_url, asked, self.api_key)
         source = asked or self.info.root or self.info.model
@@ -131,7 +136,8 @@ class RemoteBackend:
         self.verifier = load_vllm_verifier(base.model_copy(update={"name_or_path": source}))
         if asked is not None and self.info.root and not same_verifier(asked, self.info.root):
             warn(
-                f"warning: {base_url} serves {self.info.root}; the prompts are tokenized with {asked}'s "
+                f"warning: {redact_url(base_url)} serves {self.info.root}; the prompts are tokenized with "
+                f"{asked}'s "
                 "tokenizer (pass --verifier to change it)"
             )
         self.verifier_name, self.tokenizer = source, self.verifier.tokenizer
@@ -150,7 +156,8 @@ class RemoteBackend:
 
     @property
     def server_info(self) -> dict[str, Any]:
-        return asdict(self.info)
+        """What report.json records about the server: its URL without credentials."""
+        return asdict(replace(self.info, base_url=redact_url(self.info.base_url)))
 
     def _prompt_format(self, groups: Groups) -> None:
         """Token-id prompts unless the server refuses them (HTTP 400/422): then the prompt text."""
@@ -176,14 +183,15 @@ class RemoteBackend:
             try:
                 self._prompt_format(groups)
             except RequestError as e:
-                raise SpecctlError(f"{self.info.base_url}: {e}") from None
+                raise SpecctlError(redact_text(f"{self.info.base_url}: {e}")) from None
         k = self.info.num_speculative_tokens
         measured = replace(method, num_speculative_tokens=k)
         try:
             url, vllm = self.info.base_url, self.info.vllm
             by_level = measure_at(url, self.request, groups, self.levels, k, self.on_done, vllm)
         except RequestError as e:
-            raise SpecctlError(f"{self.info.base_url}: {e}") from None
+            raise SpecctlError(redact_text(f"{self.info.base_url}: {e}")) from None
         except (httpx.HTTPError, OSError) as e:
-            raise SpecctlError(f"{self.info.base_url} stopped answering ({first_line(e)})") from None
+            url = self.info.base_url
+            raise SpecctlError(redact_text(f"{url} stopped answering ({first_line(e)})")) from None
         return [Point(level, MethodResult(measured, categories)) for level, categories in by_level.items()]

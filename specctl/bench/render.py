@@ -11,6 +11,7 @@ from typing import Any
 from specctl.bench.plan import PLAIN
 from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, point_setting, report_dict
 from specctl.durable import write_atomic
+from specctl.redact import redact_tree
 
 
 def k_cell(r: dict[str, Any]) -> str:
@@ -540,7 +541,7 @@ def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> di
     """Write report.json and outputs.jsonl (always) and report.md + acceptance.png, and sweep.png
     for a sweep (when `figures`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    d = report_dict(report)
+    d = redact_tree(report_dict(report))  # a server URL's credentials stay out of the files
     paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
     write_atomic(paths["json"], json.dumps(d, indent=2) + "\n", durable=False)
     write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)), durable=False)

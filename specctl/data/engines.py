@@ -44,6 +44,7 @@ from specctl.data.chat import end_of_turn_ids
 from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
 from specctl.errors import DataError
+from specctl.redact import KEY_ENV, check_key_destination, redact_text
 from specctl.vllm_support import vllm_support
 
 ENGINES = ("hf", "vllm", "server")
@@ -679,10 +680,20 @@ def _pick_model(answers: dict[str, dict[str, int | None]], model: str | None) ->
 
 @contextmanager
 def open_server_engine(
-    urls: Sequence[str], model: str | None, capacity: int, stop_ids: Sequence[int], say=None
+    urls: Sequence[str],
+    model: str | None,
+    capacity: int,
+    stop_ids: Sequence[int],
+    say=None,
+    allow_key_over_http: bool = False,
 ) -> Iterator[ServerEngine]:
     """Check which servers answer at `urls`, pick the served model, yield the engine over those that
-    do (a server that does not is left out with a note; none is an error)."""
+    do (a server that does not is left out with a note; none is an error). The API key and URL
+    credentials go to none of them over plain http to another host unless `allow_key_over_http`
+    (refused here, before any connection)."""
+    key = os.environ.get(KEY_ENV) or None
+    for url in urls:
+        check_key_destination(url, key, "data.server_url", allow_key_over_http)
     try:
         import httpx
         from openai import AsyncOpenAI
@@ -697,7 +708,7 @@ def open_server_engine(
     async def make_client(url: str):
         return AsyncOpenAI(
             base_url=api_base(url),
-            api_key=os.environ.get("OPENAI_API_KEY") or "EMPTY",
+            api_key=key or "EMPTY",
             timeout=SERVER_TIMEOUT_S,
             max_retries=3,
             http_client=httpx.AsyncClient(limits=limits, timeout=SERVER_TIMEOUT_S),
@@ -798,7 +809,11 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
     verifier's dtype as `specctl.devices.vllm_dtype` resolves it); server connects to data.server_url.
     The engine's `context` is how long a conversation may grow (its max model length).
     """
-    say = say or (lambda _text: None)
+    shown = say or (lambda _text: None)
+
+    def say(text: str) -> None:  # a job's log is a written file too: no credential of a server_url
+        shown(redact_text(text))
+
     choice = resolve_engine(cfg.engine, model, verifier)
     if choice.why is not None:
         say(f"data: data.engine auto: using hf ({choice.why})")
@@ -818,7 +833,7 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
     if choice.name == "server":
         stop_ids = stop_ids or checkpoint_stop_ids(tokenizer, _verifier_source(None, verifier)[0], revision)
         with open_server_engine(
-            cfg.server_urls, cfg.server_model, cfg.max_in_flight, stop_ids, say
+            cfg.server_urls, cfg.server_model, cfg.max_in_flight, stop_ids, say, cfg.allow_key_over_http
         ) as engine:
             engine.context = min(cfg.max_length, engine.context or cfg.max_length)
             say(f"data: sending requests to {engine.model!r} at {engine.urls}")

@@ -31,6 +31,7 @@ from typing import IO, Any
 from specctl.durable import fsync_dir
 from specctl.errors import DataError
 from specctl.recipe import config_diff
+from specctl.redact import redact_tree
 
 JOURNAL_VERSION = 1
 SYNC_EVERY_S = 1.0
@@ -67,6 +68,7 @@ class Journal:
     def open(cls, directory: Path, fingerprint: str, config: dict[str, Any]) -> tuple[Journal, str | None]:
         """The journal of `fingerprint` in `directory` (created if new), and a one-line message when
         conversations of another recipe are there and are not reused."""
+        config = redact_tree(config)  # written in the header: no credential of a source URL
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{fingerprint[:16]}.jsonl"
         records: dict[int, dict[str, Any]] = {}

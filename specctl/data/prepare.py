@@ -43,6 +43,7 @@ from specctl.durable import Owner, recover_dir, replace_dir
 from specctl.errors import DataError
 from specctl.progress import duration, note, progress_bar
 from specctl.recipe import DataSection, VerifierSection
+from specctl.redact import redact_tree
 
 FORMAT_VERSION = 1
 FILES = ("tokens.safetensors", "token_freq.safetensors", "conversations.jsonl")
@@ -660,6 +661,7 @@ def _write(out_dir: Path, samples, vocab_size: int, cfg, tokenizer, identity, fi
             "summary": {k: v for k, v in asdict(summary).items() if k not in RUN_FIELDS},
             "file_sizes": {name: (tmp / name).stat().st_size for name in FILES},
         }
+        manifest = redact_tree(manifest)  # credentials in data.server_url (or a source URL) masked
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
     # Flushed, then swapped in whole; a kill between the two renames is undone by the next run

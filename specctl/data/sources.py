@@ -168,7 +168,10 @@ def _load_with_datasets(source: str, path: Path | None, split: str, subset: str 
     try:
         if path is not None and path.is_file():
             return datasets.load_dataset(
-                DATASETS_SUFFIXES[path.suffix.lower()], data_files=str(path), split="train"
+                DATASETS_SUFFIXES[path.suffix.lower()],
+                data_files=str(path),
+                split="train",
+                trust_remote_code=False,  # never a dataset's own loading script (datasets < 3 ran them)
             )
         if path is not None and (
             (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
@@ -181,7 +184,8 @@ def _load_with_datasets(source: str, path: Path | None, split: str, subset: str 
                     )
                 ds = ds[split]
             return ds
-        return datasets.load_dataset(str(path) if path is not None else source, subset, split=split)
+        name = str(path) if path is not None else source
+        return datasets.load_dataset(name, subset, split=split, trust_remote_code=False)
     except DataError:
         raise
     except Exception as e:
