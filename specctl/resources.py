@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ def this_machine(path: Path | None = None) -> Cluster:
     )
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        memory = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        memory = min(torch.cuda.mem_get_info(i)[1] for i in range(count))  # (free, total) per GPU
         return Cluster("cuda", count, memory, nodes, disk)
     return Cluster("cpu", 1, host_memory(), 1, disk, tflops=1.0, mfu=0.5)
 
@@ -733,13 +733,14 @@ def check_stage(
     recipe: Any, stage: str, force: bool = False, say=None, path: Path | None = None
 ) -> StagePlan | None:
     """The stage's plan on this machine, said in one line on a GPU; PlanError when it does not fit (unless
-    `force`, which says the refusal as a warning and goes on). A verifier whose config cannot be
-    read here is said and skipped: the stage itself then says what is wrong with it."""
+    `force`, which says the refusal as a warning and goes on). A recipe that cannot be planned (a
+    verifier config not to be read here, settings the verifier refuses) is not checked: the stage
+    refuses it itself, in its own one line."""
     try:
-        plan = plan_recipe(recipe, this_machine(path), (stage,))
-    except UsageError as e:
-        if say is not None:
-            say(f"plan: not checked ({e})")
+        # memory only: the disk a stage fills is its own check (collect's store estimate, which names
+        # the layout and the fix), made where it knows what is already written
+        plan = plan_recipe(recipe, replace(this_machine(path), disk=None), (stage,))
+    except (SpecctlError, ValueError):  # a recipe the stage itself refuses, in its own one line
         return None
     s = plan.stages[0]
     if say is not None and s.capacity and plan.cluster.device == "cuda":  # a CPU run's figures are noise

@@ -661,6 +661,7 @@ def train(
     if resume_from is not None:
         check_resumable(resume_from, recipe)
     say = lambda text: note(text, enabled=progress and ctx.is_main)  # noqa: E731
+    preflight(recipe)  # the recipe's own errors first, each in its line
     check_stage(recipe, "train", force, say, recipe.run_dir)
     p = build_pieces(recipe, ctx, progress)
 
