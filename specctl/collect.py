@@ -187,7 +187,7 @@ def collect(
         seconds=time.perf_counter() - start,
         forward_seconds=time.perf_counter() - forward_start,
         bytes_per_token=bpt,
-        device=str(verifier.device),
+        device="-" if isinstance(verifier, VerifierFiles) else str(verifier.device),  # no weights loaded
     )
 
 

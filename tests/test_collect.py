@@ -214,6 +214,7 @@ def test_spread_verifier_loads_its_weights_after_the_data_stage(tmp_path, tiny_v
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (80 << 30, 80 << 30))  # the plan asks
     events, prepare = [], stage.prepare_data
 
     def data(*args, model=None, **kwargs):
