@@ -406,7 +406,7 @@ class Inputs:
 
     @property
     def tp(self) -> int:
-        return getattr(self.recipe.verifier, "tensor_parallel_size", 1)
+        return self.recipe.verifier.tensor_parallel_size
 
     @property
     def cuda(self) -> bool:
