@@ -535,9 +535,7 @@ def plan_collect(x: Inputs) -> StagePlan:
         _gpu_seconds(ft.flops * tokens / (ft.sequences * ft.length), x.cluster, x.cluster.world)
         if x.cuda
         else None,
-        [
-            f"{bpt:,} B/token on disk; a shard ({shard / GIB:.1f} GiB) is held in host memory until written"
-        ],
+        [f"{bpt:,} B/token on disk; a shard ({shard / GIB:.1f} GiB) is held in host memory until written"],
         f"raise verifier.tensor_parallel_size (now {tp}) or lower features.batch_tokens "
         f"(now {r.features.batch_tokens})",
     )
