@@ -296,22 +296,26 @@ class VerifierFiles:
 def read_verifier_files(section: VerifierSection) -> VerifierFiles:
     """Tokenizer + config in seconds, and the GPU group checked (`verifier_gpus`), so a recipe that
     cannot run fails before the data stage, as `load_verifier` would."""
-    from transformers import AutoConfig, AutoTokenizer
 
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
     device = resolve_device(section.device, section.tensor_parallel_size)
     num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     verifier_gpus(section.tensor_parallel_size, device, num_gpus, local_rank())
-    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        config = AutoConfig.from_pretrained(source, **kwargs)
-    except OSError as e:
-        raise VerifierError(
-            f"verifier {section.name_or_path!r} could not be loaded ({first_line(e, 160)})"
-        ) from None
+    tokenizer, config = read_tokenizer_and_config(section, source)
     local = source if Path(source).is_dir() else None
     return VerifierFiles(tokenizer, config, section.name_or_path, hub_id, local)
+
+
+def read_tokenizer_and_config(section: VerifierSection, source: str) -> tuple[Any, Any]:
+    """The verifier's tokenizer and config from `source` (what `locate_verifier` found): every reader
+    that needs no weights, with the same keyword arguments and the same one-line error."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    kwargs = _load_kwargs(section, source)
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs), AutoConfig.from_pretrained(source, **kwargs)
+    except OSError as e:
+        raise _load_error(section, e) from None
 
 
 def load_verifier(section: VerifierSection) -> Verifier:
@@ -398,18 +402,14 @@ def load_borrowed(section: VerifierSection) -> BorrowedVerifier:
     A checkpoint without safetensors files (.bin only) cannot be read by name: it is loaded whole,
     as before, with a note saying so (training still works; convert it to save the memory).
     """
-    from transformers import AutoConfig, AutoTokenizer
-
     source, hub_id = locate_verifier(section.name_or_path, section.revision)
     device = resolve_device(section.device)
     dtype = resolve_dtype(section.dtype, device)
-    kwargs = _load_kwargs(section, source)
     try:
         model_dir = Path(source) if _is_dir(source) else fetch_borrowed(source, section)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
-        config = AutoConfig.from_pretrained(str(model_dir), **kwargs)
     except OSError as e:
         raise _load_error(section, e) from None
+    tokenizer, config = read_tokenizer_and_config(section, str(model_dir))
     files = tensor_files(model_dir)
     if not files:
         note(

@@ -24,7 +24,7 @@ from typing import Any
 from specctl.bench.plan import PLAIN, Method, display_name, speculative_config
 from specctl.bench.report import Measurement
 from specctl.counters import SpecCounters
-from specctl.errors import SpecctlError, VerifierError, first_line
+from specctl.errors import SpecctlError, first_line
 from specctl.recipe import VerifierSection
 
 
@@ -69,20 +69,13 @@ def load_vllm_verifier(section: VerifierSection) -> VllmVerifier:
     """The verifier's tokenizer, stop ids and context limit; vLLM itself loads the weights."""
     from types import SimpleNamespace
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     from specctl.data.generate import stop_token_ids
-    from specctl.verifier import locate_verifier
+    from specctl.verifier import locate_verifier, read_tokenizer_and_config
 
     source, _ = locate_verifier(section.name_or_path, section.revision)
-    kwargs = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        config = AutoConfig.from_pretrained(source, **kwargs)
-    except OSError as e:
-        raise VerifierError(
-            f"verifier {section.name_or_path!r} could not be loaded ({first_line(e, 160)})"
-        ) from None
+    tokenizer, config = read_tokenizer_and_config(section, source)
     try:
         generation_config = GenerationConfig.from_pretrained(source, revision=section.revision)
     except OSError:
