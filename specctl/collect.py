@@ -125,8 +125,8 @@ def collect(
     run_dir = recipe.run_dir
     DATA_OWNER.check(run_dir / "data")  # a user's directory at either: refused before any work
     FEATURES_OWNER.check(run_dir / "features")
-    for stage in ("data", "collect"):  # the data stage's generation runs here too
-        check_stage(recipe, stage, force, lambda text: note(text, enabled=progress), run_dir)
+    # the data stage's generation runs here too
+    check_stage(recipe, ("data", "collect"), force, lambda text: note(text, enabled=progress), run_dir)
     if verifier is None:  # the vLLM engine's log beside the data stage's (one per shard worker)
         log = run_dir / "logs" / ("collect-vllm.log" if world == 1 else f"collect-vllm-{rank}.log")
         verifier = _load_verifier(recipe, log)

@@ -728,24 +728,25 @@ def plan_recipe(recipe: Any, cluster: Cluster, stages: tuple[str, ...] = tuple(S
 
 
 def check_stage(
-    recipe: Any, stage: str, force: bool = False, say=None, path: Path | None = None
-) -> StagePlan | None:
-    """The stage's plan on this machine, said in one line on a GPU; PlanError when it does not fit (unless
-    `force`, which says the refusal as a warning and goes on). A recipe that cannot be planned (a
-    verifier config not to be read here, settings the verifier refuses) is not checked: the stage
-    refuses it itself, in its own one line."""
+    recipe: Any, stages: str | tuple[str, ...], force: bool = False, say=None, path: Path | None = None
+) -> Plan | None:
+    """The plan of `stages` on this machine (one verifier read for all), each said in one line on a
+    GPU; PlanError when one does not fit (unless `force`, which says the refusal as a warning and
+    goes on). A recipe that cannot be planned (a verifier config not to be read here, settings the
+    verifier refuses) is not checked: the stage refuses it itself, in its own one line."""
+    stages = (stages,) if isinstance(stages, str) else stages
     try:
         # memory only: the disk a stage fills is its own check (collect's store estimate, which names
         # the layout and the fix), made where it knows what is already written
-        plan = plan_recipe(recipe, replace(this_machine(path), disk=None), (stage,))
+        plan = plan_recipe(recipe, replace(this_machine(path), disk=None), stages)
     except (SpecctlError, ValueError):  # a recipe the stage itself refuses, in its own one line
         return None
-    s = plan.stages[0]
-    if say is not None and s.capacity and plan.cluster.device == "cuda":  # a CPU run's figures are noise
-        say(f"plan: {stage} peak {gib(s.peak)} per {plan.cluster.device} device of {gib(s.capacity)}")
+    for s in plan.stages:
+        if say is not None and s.capacity and plan.cluster.device == "cuda":  # a CPU run's figures are noise
+            say(f"plan: {s.stage} peak {gib(s.peak)} per {plan.cluster.device} device of {gib(s.capacity)}")
     message = refusal(plan)
     if message is not None and not force:
         raise PlanError(message + " (or pass --force)")
     if message is not None and say is not None:
         say(f"warning (--force): {message}")
-    return s
+    return plan
