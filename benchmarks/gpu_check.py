@@ -59,29 +59,20 @@ MFU_FORMULA = (
     "(torch.utils.flop_counter over one forward+backward: every matmul and attention op as executed)."
 )
 
-# Llama-3.1-8B-Instruct's config.json: the verifier every *-llama.yaml recipe trains against.
-LLAMA_31_8B: dict[str, Any] = {
-    "name_or_path": "meta-llama/Llama-3.1-8B-Instruct",
-    "architectures": ("LlamaForCausalLM",),
-    "hidden_size": 4096,
-    "vocab_size": 128256,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 14336,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 131072,
-    "aux_layer_ids": (2, 16, 29),  # EAGLE-3's default (2, L//2, L-3)
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-}
+def llama_31_8b() -> dict[str, Any]:
+    """Llama-3.1-8B-Instruct's geometry, the verifier every *-llama.yaml recipe trains against: its
+    published config (specctl.model_configs) as a VerifierSpec's fields, with EAGLE-3's default aux
+    layers (2, L//2, L-3)."""
+    from specctl.model_configs import published_config
+    from specctl.verifier import default_aux_layer_ids, spec_from_config
+
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    config = published_config(name)
+    spec = spec_from_config(config, name, default_aux_layer_ids(config.num_hidden_layers), 0)
+    fields = asdict(spec)
+    fields.pop("mask_token_id")
+    return fields
+
 
 # The dry run's stand-in: same code paths, shapes small enough for 2 CPU cores.
 TINY_VERIFIER: dict[str, Any] = {
@@ -141,7 +132,7 @@ def gpu_plan(args: argparse.Namespace) -> Plan:
     return Plan(
         device=torch.device("cuda"),
         dtype=torch.bfloat16,
-        verifier=LLAMA_31_8B,
+        verifier=llama_31_8b(),
         seq_len=args.seq_len or 4096,  # the llama recipes' data.max_length
         min_seq_len=1024,
         batch_size=args.batch_size or 1,
