@@ -59,6 +59,7 @@ MFU_FORMULA = (
     "(torch.utils.flop_counter over one forward+backward: every matmul and attention op as executed)."
 )
 
+
 def llama_31_8b() -> dict[str, Any]:
     """Llama-3.1-8B-Instruct's geometry, the verifier every *-llama.yaml recipe trains against: its
     published config (specctl.model_configs) as a VerifierSpec's fields, with EAGLE-3's default aux

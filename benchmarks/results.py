@@ -118,6 +118,14 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
     return out
 
 
+def stages_until(todo: list[Stage], last: str) -> list[Stage]:
+    """The stages up to and including the one named `last` (a usage error names the choices)."""
+    names = [s.name for s in todo]
+    if last not in names:
+        raise SystemExit(f"results: --until {last!r}: no such stage; choose one of: {', '.join(names)}")
+    return todo[: names.index(last) + 1]
+
+
 def refuse_stale_training(run: Path, recipe: Recipe, algo: str) -> None:
     """Stop before anything runs when `algo`'s checkpoint was trained with other settings than the
     recipe gives it now (e.g. more steps): resuming would extend it on another schedule than a clean
@@ -653,6 +661,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE)
     parser.add_argument("--doc", type=Path, default=Path("docs/results.md"))
     parser.add_argument("--render-only", action="store_true", help="write the page from an existing run")
+    parser.add_argument(
+        "--until",
+        metavar="STAGE",
+        help="run the stages up to this one (e.g. export: train now, bench later on a quiet machine), "
+        "then stop without writing the page",
+    )
     args = parser.parse_args(argv)
     recipe_path = resolve_recipe_path(args.recipe)
     recipe = load_recipe(recipe_path)
@@ -660,7 +674,12 @@ def main(argv: list[str] | None = None) -> None:
         import importlib.util
 
         has_vllm = importlib.util.find_spec("vllm") is not None
-        run_stages(stages(args.recipe, recipe, has_vllm), recipe.run_dir / "results-stages.json")
+        todo = stages(args.recipe, recipe, has_vllm)
+        if args.until is not None:
+            todo = stages_until(todo, args.until)
+        run_stages(todo, recipe.run_dir / "results-stages.json")
+        if args.until is not None:
+            return
     args.doc.parent.mkdir(parents=True, exist_ok=True)
     args.doc.write_text(render(recipe_path, recipe, args.doc))
     print(f"wrote {args.doc}")

@@ -79,7 +79,7 @@ class GenerateSection(Section):
         default_factory=list,
         description="Text the first user turn of a conversation starts with, the verifier writing the "
         "rest; conversation i gets entry i mod n, `''` = unsteered. Sets the mix of the data toward what "
-        "will be served, e.g. `['', 'Write a Python function', 'Solve this math problem']` for a third each "
+        "will be served, e.g. `['', 'Show me a Python script that', 'Word problem:']` for a third each "
         "of chat, code and math (repeat an entry to weight it). Empty = every conversation unsteered.",
     )
     batch_size: int = Field(8, ge=1, description="User turns per generate batch (`data.engine: hf`).")

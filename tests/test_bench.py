@@ -31,6 +31,7 @@ from specctl.bench.plan import (
 )
 from specctl.bench.prompts import (
     BUILTIN,
+    BUILTIN_SPLITS,
     BenchPrompt,
     PromptRow,
     builtin_rows,
@@ -322,15 +323,25 @@ def test_check_requirements():
 # ---------------------------------------------------------------- prompts
 
 
-def test_builtin_set_has_three_categories():
-    rows = builtin_rows()
-    cats = [r.category for r in rows]
-    assert len(rows) == 36 and {c: cats.count(c) for c in set(cats)} == {"chat": 12, "code": 12, "math": 12}
-    assert all(r.messages[-1]["role"] == "user" for r in rows)
+def test_builtin_set_has_three_categories_in_two_disjoint_splits():
+    splits = {s: builtin_rows(s) for s in BUILTIN_SPLITS}
+    for rows in splits.values():
+        cats = [r.category for r in rows]
+        assert len(rows) == 18 and {c: cats.count(c) for c in set(cats)} == {"chat": 6, "code": 6, "math": 6}
+        assert all(r.messages[-1]["role"] == "user" for r in rows)
+    texts = {s: {r.messages[-1]["content"] for r in rows} for s, rows in splits.items()}
+    assert not texts["dev"] & texts["test"]  # no prompt is both chosen on and reported
+    assert builtin_rows() == splits["test"]  # a bench reports the test split unless told otherwise
+
+
+def test_builtin_split_refuses_an_unknown_split():
+    with pytest.raises(UsageError, match="--dataset-split 'train'.*dev, test"):
+        builtin_rows("train")
+    assert load_prompt_rows(BUILTIN, "dev")[1] == "builtin[dev]"
 
 
 def test_select_rows_spreads_categories_and_is_seeded():
-    rows = builtin_rows()
+    rows = builtin_rows("dev") + builtin_rows("test")
     picked = select_rows(rows, 8, seed=0)
     cats = [r.category for r in picked]
     assert len(picked) == 8 and sorted(cats.count(c) for c in ("chat", "code", "math")) == [2, 3, 3]
@@ -732,7 +743,7 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     d = json.loads((tmp_path / "runs" / "t" / "bench" / "report.json").read_text())
     assert d == report.to_dict() and d["complete"] is True
     assert [r["name"] for r in d["results"]] == ["no-spec", "eagle3", "dflash"] and d["baseline"] == "eagle3"
-    assert d["num_prompts"] == 5 and d["max_new_tokens"] == 12 and d["dataset"] == BUILTIN
+    assert d["num_prompts"] == 5 and d["max_new_tokens"] == 12 and d["dataset"] == f"{BUILTIN}[test]"
     plain, eagle, dflash = d["results"]
     steps = math.ceil(12 / 4)
     assert dflash["acceptance_length"] == 4.0 and dflash["per_position_acceptance"] == [1.0, 1.0, 1.0, 0.0]

@@ -27,6 +27,10 @@ from specctl.data.sources import normalize_messages, read_json_rows
 from specctl.errors import DataError, UsageError, first_line
 
 BUILTIN = "builtin"
+# The built-in prompts in two fixed halves (every other row of each category, 6 + 6): choose on the
+# first, report on the second. A bench reports `test` unless asked for `dev`.
+BUILTIN_SPLITS = ("dev", "test")
+BUILTIN_REPORT_SPLIT = "test"
 SPEED_BENCH = "speed-bench"
 # SPEED-Bench's prompts are assembled from their original sources by NeMo-Skills' prepare script
 # (as `vllm bench serve --dataset-name speed_bench` documents): a directory of <subset>.jsonl
@@ -236,9 +240,23 @@ def load_jsonl_rows(path: Path, column: str | None = None) -> list[PromptRow]:
     return out
 
 
-def builtin_rows() -> list[PromptRow]:
-    """The prompt set shipped with specctl: chat, code and math questions (12 each)."""
-    folder = resources.files("specctl.bench") / "prompts"
+def builtin_split(split: str | None) -> str:
+    """The built-in set's split a bench reads: `test` unless `dev` is asked for (a usage error else)."""
+    chosen = split or BUILTIN_REPORT_SPLIT
+    if chosen not in BUILTIN_SPLITS:
+        raise UsageError(
+            f"--dataset-split {chosen!r}: the built-in prompts have the splits {', '.join(BUILTIN_SPLITS)}; "
+            f"choose settings on {BUILTIN_SPLITS[0]}, report on {BUILTIN_SPLITS[1]}"
+        )
+    return chosen
+
+
+def builtin_rows(split: str | None = None) -> list[PromptRow]:
+    """One split of the prompt set shipped with specctl: chat, code and math questions (6 each).
+
+    The two splits never share a prompt: `dev` is what any setting is chosen on (K, thresholds,
+    recipe changes), `test` is only reported (`builtin_split`)."""
+    folder = resources.files("specctl.bench") / "prompts" / builtin_split(split)
     rows: list[PromptRow] = []
     for f in sorted(folder.iterdir(), key=lambda p: p.name):
         if f.name.endswith(".jsonl"):
@@ -260,7 +278,7 @@ def load_prompt_rows(
 ) -> tuple[list[PromptRow], str]:
     """All rows of a dataset name, file, directory or hub id, and a description for the report."""
     if dataset == BUILTIN:
-        return builtin_rows(), BUILTIN
+        return builtin_rows(split), f"{BUILTIN}[{builtin_split(split)}]"
     if dataset in HUB_PROMPT_SETS:
         return load_hub_rows(dataset), dataset
     if dataset == SPEED_BENCH:
