@@ -302,7 +302,11 @@ def bench(
     ] = None,
     drafter: Annotated[
         list[Path] | None,
-        typer.Option("--drafter", help="A speculators-format drafter directory (repeatable)."),
+        typer.Option(
+            "--drafter",
+            help="A speculators-format drafter directory (repeatable); DIR@K or DIR@K,T runs it at K "
+            "(and confidence threshold T) instead of its exported K.",
+        ),
     ] = None,
     baseline: Annotated[
         Path | None, typer.Option(help="An EAGLE-3 drafter directory: the reference of 'vs EAGLE-3'.")

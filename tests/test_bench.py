@@ -1221,6 +1221,28 @@ def test_speculative_token_limit_per_drafter(tmp_path):
     assert limit("eagle3", 5, ttt_steps=2) == (None, 5)
 
 
+def test_drafter_suffix_pins_k_and_threshold(tmp_path):
+    """`DIR@K[,T]` carries a setting chosen on dev prompts into a test run; bad ones fail in one line."""
+    dspark = _write_drafter(tmp_path / "ds", "dspark", 7, "v", (), block_size=8, sample_from_anchor=False)
+    dflash = _write_drafter(tmp_path / "df", "dflash", 3, "v", (), block_size=4, sample_from_anchor=False)
+    m = drafter_method(f"{dspark}@3,0.1")
+    assert (m.drafter, m.num_speculative_tokens, m.confidence_threshold) == (dspark, 3, 0.1)
+    assert drafter_method(f"{dflash}@2").num_speculative_tokens == 2
+    assert drafter_method(dflash).num_speculative_tokens == 3  # no suffix: the exported K
+    # a pinned threshold is measured as given: not expanded over the recipe's thresholds or a sweep
+    configs, _ = plan_thresholds([m], [0.05, 0.2], sweeping=True)
+    assert configs == [m] and plan_sweep([m], [1, 2])[0] == [m]
+    for bad, why in [
+        (f"{dflash}@9", "at most 3"),
+        (f"{dflash}@2,0.1", "no confidence head"),
+        (f"{dspark}@x", "DIR@K,T"),
+        (f"{dspark}@0", "K is 1 or more"),
+        (f"{tmp_path}/none@2", "no such directory"),
+    ]:
+        with pytest.raises(UsageError, match=why):
+            drafter_method(bad)
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [("1,4,16", [1, 4, 16]), (" 4, 1,4 ", [1, 4]), ("1-3,7", [1, 2, 3, 7]), ("5", [5])],

@@ -149,24 +149,54 @@ def backend_levels(backend: str, asked: list[int] | None, default: int) -> list[
     return [caps.fixed_level] if caps.fixed_level is not None else levels
 
 
-def drafter_method(path: Path) -> Method:
-    """A Method for a speculators-format directory (ours or a third party's)."""
+def drafter_setting(text: str | Path) -> tuple[Path, int | None, float | None]:
+    """`DIR`, `DIR@K` or `DIR@K,T`: a drafter directory and the K (and confidence threshold) to run it
+    at instead of its exported K -- how a setting chosen on dev prompts is carried to the test run
+    (benchmarks/results.py) without rewriting the export. A directory whose own name holds `@` is
+    taken as it is."""
+    where = str(text)
+    if Path(where).exists() or "@" not in where:
+        return Path(where), None, None
+    directory, setting = where.rsplit("@", 1)
+    k_text, _, t_text = setting.partition(",")
+    try:
+        k, t = int(k_text), float(t_text) if t_text else None
+    except ValueError:
+        raise UsageError(f"--drafter {where}: expected DIR, DIR@K or DIR@K,T (e.g. export@3,0.1)") from None
+    if k < 1 or (t is not None and not 0 < t < 1):
+        raise UsageError(f"--drafter {where}: K is 1 or more and T a probability in (0, 1)")
+    return Path(directory), k, t
+
+
+def drafter_method(path: str | Path) -> Method:
+    """A Method for a speculators-format directory (ours or a third party's), at the K (and
+    threshold) a `DIR@K[,T]` suffix pins (drafter_setting)."""
     from specctl.validate import read_config
 
-    if not Path(path).exists():
+    directory, k, threshold = drafter_setting(path)
+    if not directory.exists():
         raise UsageError(
-            f"--drafter {path}: no such directory; pass a speculators export (config.json + weights)"
+            f"--drafter {directory}: no such directory; pass a speculators export (config.json + weights)"
         )
-    spec, config = read_config(Path(path))
+    spec, config = read_config(directory)
     algo = config.speculators_model_type
-    return Method(
+    method = Method(
         algo,
         algo,
-        config.speculative_tokens,
-        Path(path),
+        config.speculative_tokens if k is None else k,
+        directory,
         config.verifier_name,
         drafter_config=spec.config_from_format(config),
+        confidence_threshold=threshold,
     )
+    limit = k_range(method)[0]
+    if k is not None and limit is not None and k > limit:
+        raise UsageError(
+            f"--drafter {path}: {algo} drafts at most {limit} tokens per step; pin a K in 1..{limit}"
+        )
+    if threshold is not None and not reports_confidence(method):
+        raise UsageError(f"--drafter {path}: {algo} has no confidence head; drop the threshold (`@{k}`)")
+    return method
 
 
 def _drafter_config(method: Method) -> DrafterConfig:
@@ -314,7 +344,7 @@ def plan_sweep(methods: Sequence[Method], sweep_k: bool | Sequence[int]) -> tupl
     configs: list[Method] = []
     skipped: list[str] = []
     for m in methods:
-        if m.algo == PLAIN or sweep_k is False:
+        if m.algo == PLAIN or sweep_k is False or m.confidence_threshold is not None:
             configs.append(m)
             continue
         limit, top = k_range(m)
@@ -360,6 +390,9 @@ def plan_thresholds(
     out: list[Method] = []
     unable: dict[str, None] = {}
     for m in configs:
+        if m.confidence_threshold is not None:  # pinned by `--drafter DIR@K,T`: measured as given
+            out.append(m)
+            continue
         if not reports_confidence(m):  # False without a drafter (plain)
             out.append(m)
             if m.algo != PLAIN:
