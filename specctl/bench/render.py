@@ -374,6 +374,9 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
     if d["errors"]:
         lines += ["", "## Errors", ""]
         lines += [f"- {e.splitlines()[0]}" for e in d["errors"]]
+    if d.get("warnings"):  # older reports have none
+        lines += ["", "## Warnings", ""]
+        lines += [f"- {w}" for w in d["warnings"]]
     if image:
         lines += ["", f"![acceptance per position and throughput]({image})"]
     return "\n".join(lines) + "\n"

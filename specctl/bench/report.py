@@ -138,6 +138,8 @@ class BenchReport:
     requirements: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # requirements that fell short, one line each
     errors: list[str] = field(default_factory=list)  # methods that could not be measured, one line each
+    # known defects of the serving vLLM that make a drafter draft otherwise (specctl.vllm_defects)
+    warnings: list[str] = field(default_factory=list)
     output_dir: Path | None = None
     # every (method, K, concurrency) a sweep measured, in order; None = not a sweep
     sweep: list[Point] | None = None
@@ -269,6 +271,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "requirements": list(report.requirements),
         "failures": list(report.failures),
         "errors": list(report.errors),
+        "warnings": list(report.warnings),
         "provenance": report.provenance,
     }
     if report.sweep is not None:

@@ -368,7 +368,8 @@ def execute(
     )
     rounds = prompt_rounds(group_prompts(prompts), engine.interleave, s.engine_rounds)
     report = new_report(plan, engine, len(prompts), dataset_desc, rounds)
-    for line in plan.skipped:
+    report.warnings = vllm_warnings(plan)
+    for line in [*plan.skipped, *report.warnings]:
         warn(f"warning: {line}")
     bar.reset(task, total=len(prompts) * len(plan.levels) * len(plan.configs))
     with bar:
@@ -379,6 +380,18 @@ def execute(
     report.failures = check_requirements(report_dict(report), plan.requirements)
     write_report(report, plan.out_dir)
     return report
+
+
+def vllm_warnings(plan: RunPlan) -> list[str]:
+    """One line per drafter a known defect of the vLLM this run starts touches (specctl.vllm_defects);
+    none for the embedded engine or a running server (--base-url: its vLLM is not this one)."""
+    if plan.backend not in ("vllm", "vllm-offline"):
+        return []
+    from specctl.vllm_defects import installed_vllm, k_norm_warning
+
+    version, cpu = installed_vllm()
+    drafters = dict.fromkeys(m.drafter for m in plan.methods if m.drafter is not None)
+    return [line for d in drafters if (line := k_norm_warning(d, version, cpu)) is not None]
 
 
 def measure_all(

