@@ -172,7 +172,7 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(collected, tmp_path)
 
 @fault(
     stage="train",
-    fault="`--restart` over a longer earlier run (step-10 ... step-60 and its metrics)",
+    fault="`--restart` with 12 steps over an earlier 30-step run (its step-25, step-30 and metrics)",
     result="the earlier checkpoints and metrics are removed first: only the new run's step dirs and "
     "metrics steps remain",
 )
@@ -255,8 +255,8 @@ with run_lock(Path(sys.argv[1]), "train dflash"):
 @fault(
     stage="train",
     fault="two `train` processes of one drafter on one run directory at once",
-    result="the second exits 1 with one line naming the holder (host, pid, command); the first "
-    "trains on, untouched; another drafter of the same run trains at the same time",
+    result="the second exits 1 with one line naming the holder (pid, host, since when, command) and "
+    "writes nothing; another drafter of the same run trains meanwhile",
 )
 def test_a_second_train_of_the_same_drafter_exits_naming_the_holder(collected, tmp_path):
     recipe = fresh_copy(collected, tmp_path)
@@ -281,7 +281,7 @@ def test_a_second_train_of_the_same_drafter_exits_naming_the_holder(collected, t
 @fault(
     stage="train",
     fault="a run lock left by a killed process (kill -9) of this host",
-    result="the next run takes it over, saying so in one line, and trains",
+    result="the next process takes it over, saying so in one line, and releases it when done",
 )
 def test_a_stale_lock_of_a_dead_local_process_is_taken_over(tmp_path):
     target = tmp_path / "drafters" / "dflash"
