@@ -72,8 +72,7 @@ DEMO_SWEEP_K ?= 1,2,3
 demo: install
 	$(PY) -m specctl collect-hidden-states $(DEMO_RECIPE)
 	for algo in dflash eagle3; do \
-	  resume=; test -e $(DEMO_RUN)/drafters/$$algo/checkpoints/latest && resume=--resume; \
-	  $(PY) -m specctl train $(DEMO_RECIPE) --algo $$algo $$resume || exit 1; \
+	  $(PY) -m specctl train $(DEMO_RECIPE) --algo $$algo || exit 1; \
 	done
 	$(PY) -m specctl export $(DEMO_RUN)
 	$(PY) -m specctl bench $(DEMO_RECIPE) --sweep-k $(DEMO_SWEEP_K) --baseline $(DEMO_RUN)/drafters/eagle3/export

@@ -14,7 +14,7 @@ Layout of `<drafters>/<algo>/checkpoints/`:
 A checkpoint is written to a hidden temporary directory and renamed into place only when every
 file is on disk, then `latest` is replaced (temp file + rename): a crash mid-write leaves the
 previous checkpoint in charge, and a half-written directory is never picked up; a full disk ends
-the save with one line naming the file and the checkpoint `--resume` continues from. State dicts go
+the save with one line naming the file and the checkpoint a rerun continues from. State dicts go
 through `torch.distributed.checkpoint.state_dict`, so the same code saves a plain module, DDP or
 FSDP2 (gathered to rank 0) and loads into any of them (rank 0 reads, then broadcasts).
 
@@ -162,7 +162,7 @@ class DamagedCheckpoint(CheckpointError):
         self.file, self.reason = file, reason
         super().__init__(
             f"{file}: {reason}; delete {file.parent}: the checkpoint before it then counts as the "
-            "latest (train --resume skips it by itself)"
+            "latest (a rerun of train skips it by itself)"
         )
 
 
@@ -225,6 +225,46 @@ def training_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
     return recipe.train.for_algo(algo).model_dump(mode="json", exclude=set(BOOKKEEPING))
 
 
+def resume_line(checkpoint: Path, recipe: Recipe, explicit: bool) -> str:
+    """The one line train says when it continues from `checkpoint` under `recipe`.
+
+    A plain rerun (a requeued job) continues only when the training settings are the ones the
+    checkpoint was saved with: otherwise SpecctlError naming those that differ, since continuing
+    would train on another schedule than either run describes. `explicit` (`--resume`) continues
+    with the new settings, and the line names them (a longer run: the schedule follows the new
+    max_steps, `optim.scheduler_at`)."""
+    from specctl.recipe import config_diff
+
+    algo, step = recipe.drafter.algo, step_of(checkpoint)
+    before = {"train": training_settings(saved_recipe(checkpoint), algo)}
+    now = {"train": training_settings(recipe, algo)}
+    where = f"{checkpoint}: resuming at step {step} of {recipe.train.max_steps}"
+    if before == now:
+        return f"{where} (same training settings; --restart starts over)"
+    if explicit:
+        return f"{where} with changed training settings ({config_diff(before, now)})"
+    raise SpecctlError(
+        f"{checkpoint.parent.parent}: trained to step {step} with other training settings "
+        f"({config_diff(before, now)}); pass --resume to continue with the new ones, or --restart to "
+        "start over"
+    )
+
+
+def remove_checkpoints(root: Path) -> None:
+    """Delete the checkpoints train wrote under `root` (`train --restart`): `latest` first, then
+    every step-N directory and the leftovers of interrupted writes. A step-N train cannot prove it
+    wrote (`OWNER`) is left: train refuses to start beside one (`check_checkpoint_dirs`)."""
+    if not root.is_dir():
+        return
+    (root / LATEST).unlink(missing_ok=True)
+    recover_dirs(root)
+    for tmp in root.glob(f".{LATEST}.tmp-*"):
+        tmp.unlink(missing_ok=True)
+    for path in root.glob("step-*"):
+        if step_of(path) is not None and OWNER.owns(path):
+            shutil.rmtree(path)
+
+
 def check_resumable(checkpoint: Path, recipe: Recipe) -> None:
     """Refuse to resume a checkpoint as a different drafter. Shapes alone do not catch it: a DFlash
     block of 8 and one of 4 have the same weights, so the run would go on training (and export) a
@@ -237,8 +277,7 @@ def check_resumable(checkpoint: Path, recipe: Recipe) -> None:
         raise SpecctlError(
             f"{checkpoint}: trained as another {algo} drafter than the recipe describes "
             f"({config_diff(before, now)}); resume with the recipe it was trained with "
-            f"(`specctl train {checkpoint / RECIPE_FILE} --resume`), or move {checkpoint.parent} "
-            "away and train without --resume"
+            f"(`specctl train {checkpoint / RECIPE_FILE} --resume`), or train with --restart to start over"
         )
 
 
@@ -370,7 +409,7 @@ def pick_resume_checkpoint(root: Path, say: Callable[[str], None]) -> Path | Non
         skipped.append(f"{path.name} ({problem})")
     if skipped:
         raise CheckpointError(
-            f"{root}: no checkpoint verifies ({'; '.join(skipped)}); train without --resume to start over"
+            f"{root}: no checkpoint verifies ({'; '.join(skipped)}); train with --restart to start over"
         )
     return None
 
@@ -433,7 +472,7 @@ def save_checkpoint(
     """Gather the full state on rank 0 (a collective: every rank calls this) and write step-N/.
 
     A full disk (or file size limit) raises CheckpointError naming the file and the checkpoint
-    a rerun with --resume continues from; the temporary directory is removed, the previous
+    a rerun continues from; the temporary directory is removed, the previous
     checkpoints are untouched.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -496,10 +535,10 @@ def _write_checkpoint(
         if not disk_full(e):
             raise
         previous = latest_checkpoint(root)
-        resume = f"it continues from {previous.name}" if previous else "none was saved yet: rerun without it"
+        resume = f"it continues from {previous.name}" if previous else "none was saved yet: it starts over"
         raise CheckpointError(
-            f"{writing}: disk full, checkpoint {path.name} not saved; free space and rerun with "
-            f"--resume ({resume})"
+            f"{writing}: disk full, checkpoint {path.name} not saved; free space and rerun the same "
+            f"command ({resume})"
         ) from None
 
 

@@ -134,13 +134,25 @@ def train(
         typer.Option(help="A registered algorithm, e.g. dflash (default: the recipe's drafter.algo)."),
     ] = None,
     set_: SetOpt = None,
-    resume: Annotated[bool, Flag("--resume", help="Continue from the latest checkpoint.")] = False,
+    resume: Annotated[
+        bool,
+        Flag(
+            "--resume",
+            help="Continue from the latest checkpoint even with changed training settings (a rerun of "
+            "the same command continues by itself).",
+        ),
+    ] = False,
+    restart: Annotated[
+        bool, Flag("--restart", help="Start over: first remove this drafter's checkpoints and metrics.")
+    ] = False,
     force: Annotated[
         bool, Flag("--force", help="Start even if `specctl plan` says the step will not fit this machine.")
     ] = False,
 ) -> None:
     """Train a drafter on the recipe's feature store (or online, with train.mode=online).
 
+    Rerunning the same command (a requeued job) continues from the latest checkpoint; with other
+    training settings it refuses, naming them (--resume continues anyway, --restart starts over).
     Under torchrun every rank trains its share of each batch (DDP); rank 0 writes checkpoints.
 
     Example: specctl train recipes/quickstart.yaml --algo dflash --set train.max_steps=200
@@ -151,7 +163,7 @@ def train(
     overrides = list(set_ or [])
     if algo is not None:
         overrides.append(f"drafter.algo={algo}")
-    s = run_training(load_recipe(recipe, overrides), resume=resume, force=force)
+    s = run_training(load_recipe(recipe, overrides), resume=resume, force=force, restart=restart)
     if s is None:  # non-zero ranks under torchrun print nothing
         return
     acc = s.val_acc_per_position
@@ -516,10 +528,22 @@ def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _interrupted() -> None:
+def _rerun_hint(error: BaseException | None) -> str:
+    """What rerunning does, as the interrupted stage said it (a KeyboardInterrupt with a message,
+    anywhere in the chain Typer wraps it in: train names the checkpoint it continues from)."""
+    while error is not None:
+        if isinstance(error, KeyboardInterrupt) and error.args:
+            return str(error.args[0])
+        error = error.__cause__ or error.__context__
+    return "rerun the same command to resume"
+
+
+def _interrupted(error: BaseException | None = None) -> None:
     """One line and exit 130 for Ctrl-C and SIGTERM alike (docs/troubleshooting.md's table)."""
     name = signal.Signals(_SIGNALS[0] if _SIGNALS else signal.SIGINT).name
-    err.print(f"[red]error:[/red] interrupted ({name}); rerun the same command to resume", highlight=False)
+    err.print(
+        f"[red]error:[/red] interrupted ({name}); {_rerun_hint(error)}", highlight=False, soft_wrap=True
+    )
     sys.exit(130)
 
 
@@ -562,11 +586,11 @@ def _run(debug: bool) -> None:
             soft_wrap=True,
         )
         sys.exit(1)
-    except KeyboardInterrupt:
-        _interrupted()
+    except KeyboardInterrupt as e:
+        _interrupted(e)
     except SystemExit as e:
         if e.code == 130 and _SIGNALS:  # Typer turns KeyboardInterrupt into a silent exit 130
-            _interrupted()
+            _interrupted(e)
         raise
 
 

@@ -29,6 +29,7 @@ from specctl.errors import SpecctlError, first_line
 from specctl.format import SpeculatorsConfig
 from specctl.hub import human_bytes
 from specctl.recipe import VerifierSection
+from specctl.runlock import run_lock
 from specctl.validate import (
     CONFIG_FILE,
     SHAREABLE,
@@ -188,8 +189,9 @@ def convert_export(
                 shutil.copy2(f, tmp / f.name)
         validate_export(tmp)
 
-    _replace_dir(target, write)
-    written = validate_export(target, check_values=False)
+    with run_lock(target, "export"):
+        _replace_dir(target, write)
+        written = validate_export(target, check_values=False)
     floating = sorted({_dtype_name(d) for _, d in written.headers.values() if d.is_floating_point})
     size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
     check = check_result(written, check_vllm)
@@ -317,9 +319,10 @@ def export_drafter(
     module, recipe, meta = drafter_from_checkpoint(checkpoint)
     name = _dtype_name(export_dtype(dtype or recipe.export.dtype))
     output = Path(output) if output is not None else default_output(checkpoint)
-    save_drafter(module, output, name)  # validated (values included) before it was swapped in
-    check = check_result(validate_export(output, check_values=False), check_vllm)
-    size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
+    with run_lock(output, "export"):  # a second export of it exits naming this one
+        save_drafter(module, output, name)  # validated (values included) before it was swapped in
+        check = check_result(validate_export(output, check_values=False), check_vllm)
+        size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
     return ExportResult(meta["algo"], checkpoint, meta.get("step"), output, name, size, check)
 
 

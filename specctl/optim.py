@@ -269,13 +269,26 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection) -> lr
     return lr_scheduler.SequentialLR(optimizer, [ramp, decay], [warmup])
 
 
-def restore_scheduler(scheduler: lr_scheduler.LRScheduler, state: dict[str, Any]) -> None:
-    """Load a checkpoint's scheduler state. A checkpoint from before torch's schedulers (a LambdaLR
-    state: no `_schedulers`) holds only the step count: the schedule is replayed up to it."""
-    if isinstance(scheduler, lr_scheduler.SequentialLR) and "_schedulers" not in state:
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
-            warnings.simplefilter("ignore", UserWarning)
-            for _ in range(int(state["last_epoch"])):
-                scheduler.step()
-        return
-    scheduler.load_state_dict(state)
+def scheduler_at(
+    optimizer: torch.optim.Optimizer, train: TrainSection, step: int
+) -> lr_scheduler.LRScheduler:
+    """`train`'s schedule after `step` optimizer steps, on an optimizer whose state a checkpoint
+    restored: what a resumed run continues with.
+
+    The schedule is rebuilt from the recipe and replayed, not loaded from the checkpoint: a
+    scheduler's state holds its length (CosineAnnealingLR's T_max), so a run resumed with more
+    steps would run the old, finished curve on into its next period (the LR climbing back up).
+    Replayed, step s gets `lr_at(s, ..., train.max_steps)`: the schedule of the new length, as if
+    the run had been planned that long from the start (docs/training.md). With the same settings
+    the replay repeats the uninterrupted run's arithmetic: the same LR to the bit. Every group
+    restarts at `train.lr` (build_scheduler), whatever LR the restored optimizer state carries.
+    """
+    for group in optimizer.param_groups:
+        group.pop("initial_lr", None)
+        group["lr"] = train.lr
+    scheduler = build_scheduler(optimizer, train)
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(step):
+            scheduler.step()
+    return scheduler

@@ -33,8 +33,11 @@ from specctl.batching import length_buckets
 from specctl.checkpoint import (
     check_checkpoint_dirs,
     check_resumable,
+    latest_checkpoint,
     load_checkpoint,
+    remove_checkpoints,
     resume_checkpoint,
+    resume_line,
     save_checkpoint,
 )
 from specctl.curves import plot_curves, read_curve
@@ -44,12 +47,13 @@ from specctl.drafters import DRAFTERS
 from specctl.drafters.api import VerifierSpec, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import write_atomic
-from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError
+from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError, UsageError
 from specctl.features import STORED_KEYS, FeatureStore, Layout, all_finite, decode_features, open_features
-from specctl.optim import build_optimizer, build_scheduler, restore_scheduler, vocab_sizes
+from specctl.optim import build_optimizer, build_scheduler, scheduler_at, vocab_sizes
 from specctl.progress import note
 from specctl.recipe import Recipe, dump_recipe
 from specctl.resources import check_stage
+from specctl.runlock import RunLocked, run_lock
 from specctl.tracking import Tracker, check_tracker, open_tracker
 from specctl.train_input import StepSampler, collate, data_workers, micro_batch_at, micro_batches, pieces
 from specctl.verifier import (
@@ -446,18 +450,22 @@ def live_view(enabled: bool, total: int, start: int) -> Iterator[Callable[..., N
 
 # ---------------------------------------------------------------- the loop
 
+RESTARTING = ".restarting"  # in drafters/<algo>/ while `--restart` removes the earlier run
+
 
 def run_training(
-    recipe: Recipe, resume: bool = False, progress: bool = True, force: bool = False
+    recipe: Recipe, resume: bool = False, progress: bool = True, force: bool = False, restart: bool = False
 ) -> TrainSummary | None:
     """Train `recipe.drafter.algo` as the recipe says (`train.per_algo` included); under torchrun,
-    on every rank. `force` starts even when the plan says the step will not fit this machine.
+    on every rank. A rerun continues the drafter's checkpoints (`starting_point`: `resume` also
+    with changed training settings, `restart` starts over). `force` starts even when the plan says
+    the step will not fit this machine.
 
     Returns the summary on rank 0 and None on the other ranks (which write and print nothing).
     """
     ctx = distributed.setup(recipe.verifier.device)
     try:
-        return train(recipe.for_training(), ctx, resume, progress, force)
+        return train(recipe.for_training(), ctx, resume, progress, force, restart)
     finally:
         distributed.teardown(ctx)
 
@@ -635,43 +643,124 @@ def check_step(s: StepFigures, step: int, first: bool) -> None:
         )
 
 
-def restore(p: Pieces, checkpoint: Path | None, ctx: DistContext) -> tuple[int, int, int | None, Skips]:
+def restore(
+    p: Pieces, checkpoint: Path | None, ctx: DistContext, cfg: Any
+) -> tuple[int, int, int | None, Skips]:
     """Where the loop starts: (optimizer steps done, micro-batches consumed (global, across ranks),
     training tokens seen (all ranks; the x axis of the learning curve), skipped steps); from
-    `checkpoint` (verified by `resume_checkpoint`), its weights, optimizer and schedule loaded."""
+    `checkpoint` (verified by `resume_checkpoint`), its weights and optimizer loaded, the schedule
+    of `cfg` (the train section) replayed up to its step (`scheduler_at`)."""
     if checkpoint is None:
         return 0, 0, 0, Skips()
     state = load_checkpoint(checkpoint, p.model, p.optimizer, ctx, verified=True)
-    restore_scheduler(p.scheduler, state["scheduler"])
+    p.scheduler = scheduler_at(p.optimizer, cfg, state["step"])
     # tokens_seen None: a checkpoint from before the count was kept
     return state["step"], state["cursor"], state.get("tokens_seen"), Skips.from_state(state)
 
 
+def start_over(out_dir: Path, say: Callable[[str], None]) -> None:
+    """`train --restart`: remove what the drafter's earlier run left (checkpoints, metrics.jsonl,
+    the learning curve) before anything new is written, so nothing of it survives into the new
+    run: no stale step-N beside the new ones, no old metrics lines among the new. The marker
+    makes it all or nothing: a removal cut short is finished by the next train, whatever its flags
+    (otherwise a half-removed run would be resumed)."""
+    marker = out_dir / RESTARTING
+    if marker.exists():
+        say(f"{out_dir}: finishing an interrupted --restart (removing the earlier run)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(marker, "")
+    remove_checkpoints(out_dir / "checkpoints")
+    for name in ("metrics.jsonl", "learning-curve.png"):
+        (out_dir / name).unlink(missing_ok=True)
+    marker.unlink()
+    say(f"{out_dir}: the earlier run's checkpoints and metrics removed; training from step 0")
+
+
+def starting_point(
+    recipe: Recipe, ctx: DistContext, out_dir: Path, resume: bool, restart: bool, say: Callable[[str], None]
+) -> Path | None:
+    """The checkpoint this run continues from (None: from step 0), decided before any work.
+
+    Rerunning the same command continues (a requeued job): from the newest checkpoint that
+    verifies, when the training settings are the ones it was saved with (`resume_line` refuses
+    otherwise). `resume` (--resume) also continues with changed settings and needs a checkpoint;
+    `restart` (--restart) removes the earlier run first (`start_over`)."""
+    if resume and restart:
+        raise UsageError("train: --resume and --restart contradict each other; pass one of them")
+    ckpt_root = out_dir / "checkpoints"
+    check_checkpoint_dirs(ckpt_root)
+    if restart or (out_dir / RESTARTING).exists():
+        if ctx.is_main:
+            start_over(out_dir, say)
+        distributed.barrier(ctx)
+        return None
+    found = resume_checkpoint(ckpt_root, ctx)  # the newest that verifies
+    if found is None:
+        if resume:
+            raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
+        return None
+    check_resumable(found, recipe)
+    say(resume_line(found, recipe, explicit=resume))
+    return found
+
+
+@contextlib.contextmanager
+def drafter_lock(out_dir: Path, ctx: DistContext) -> Iterator[None]:
+    """The run lock of this drafter's training (`specctl.runlock`), held by rank 0; every rank
+    stops with its one line when another process holds it."""
+    with contextlib.ExitStack() as stack:
+        error = None
+        if ctx.is_main:
+            try:
+                stack.enter_context(run_lock(out_dir, f"train {out_dir.name}"))
+            except RunLocked as e:
+                error = str(e)
+        error = distributed.broadcast_object(error, ctx)
+        if error is not None:
+            raise RunLocked(error)
+        yield
+
+
 def train(
-    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool = False
+    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool = False, restart: bool = False
 ) -> TrainSummary | None:
-    """The loop, on this process's rank of `ctx` (see run_training)."""
+    """The loop, on this process's rank of `ctx` (see run_training), under the drafter's run lock."""
+    out_dir = recipe.run_dir / "drafters" / recipe.drafter.algo
+    preflight(recipe)  # the recipe's own errors first, each in its line, before anything is written
+    with drafter_lock(out_dir, ctx):
+        try:
+            return train_locked(recipe, ctx, resume, progress, force, restart)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM (the CLI turns it into this): what a rerun does
+            raise KeyboardInterrupt(interrupted_line(out_dir / "checkpoints")) from None
+
+
+def interrupted_line(ckpt_root: Path) -> str:
+    """What rerunning the interrupted command does, read from the checkpoints on disk."""
+    last = latest_checkpoint(ckpt_root) if ckpt_root.is_dir() else None
+    if last is None:
+        return f"no checkpoint saved yet: rerunning the same command starts {ckpt_root.parent} over"
+    return f"rerunning the same command continues from {last}"
+
+
+def train_locked(
+    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool, restart: bool
+) -> TrainSummary | None:
     cfg, algo = recipe.train, recipe.drafter.algo
     out_dir = recipe.run_dir / "drafters" / algo
     ckpt_root = out_dir / "checkpoints"
-    check_checkpoint_dirs(ckpt_root)
-    resume_from = resume_checkpoint(ckpt_root, ctx) if resume else None  # the newest that verifies
-    if resume and resume_from is None:
-        raise SpecctlError(f"{ckpt_root}: no checkpoint to resume from; train without --resume first")
-    if resume_from is not None:
-        check_resumable(resume_from, recipe)
     say = lambda text: note(text, enabled=progress and ctx.is_main)  # noqa: E731
-    preflight(recipe)  # the recipe's own errors first, each in its line
+    resume_from = starting_point(recipe, ctx, out_dir, resume, restart, say)
     check_stage(recipe, "train", force, say, recipe.run_dir)
     p = build_pieces(recipe, ctx, progress)
 
-    step, cursor, seen, skips = restore(p, resume_from, ctx)
+    step, cursor, seen, skips = restore(p, resume_from, ctx, cfg)
     start, checkpoint = step, resume_from
     tracker = None
     if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
         config = recipe.model_dump(mode="json")
         tracker = open_tracker(cfg.report_to, out_dir, recipe.name, algo, config, first_step=step + 1)
-    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker).open(step if resume else None)
+    kept = step if resume_from is not None else None  # metrics lines of the run continued
+    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker).open(kept)
     saved, keep = (dump_recipe(recipe), p.meta), cfg.keep_checkpoints  # what each checkpoint records
     tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
 

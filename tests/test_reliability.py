@@ -637,8 +637,8 @@ def test_kill_9_during_train_then_resume_matches_uninterrupted(monkeypatch, capf
     fault="disk full (RLIMIT_FSIZE lowered on the running `specctl train` once its first checkpoint "
     "is saved) while a later checkpoint's optimizer.pt is written",
     result="exit 1, one line `step-N/optimizer.pt: disk full, checkpoint step-N not saved; free space "
-    "and rerun with --resume (it continues from step-M)`; step-M intact, no temporary dir; the "
-    "rerun matches an uninterrupted run",
+    "and rerun the same command (it continues from step-M)`; step-M intact, no temporary dir; the "
+    "rerun of the same command matches an uninterrupted run",
 )
 def test_disk_full_during_train_keeps_the_previous_checkpoint(monkeypatch, capfd, tmp_path, fault_run):
     """A disk filling up hours into a run: the user needs to know what failed and that nothing
@@ -662,7 +662,7 @@ def test_disk_full_during_train_keeps_the_previous_checkpoint(monkeypatch, capfd
     line = err.strip().splitlines()[-1]
     failed = re.fullmatch(
         rf"error: {re.escape(str(root))}/step-(\d+)/optimizer\.pt: disk full, checkpoint step-\1 not "
-        r"saved; free space and rerun with --resume \(it continues from step-(\d+)\)",
+        r"saved; free space and rerun the same command \(it continues from step-(\d+)\)",
         line,
     )
     assert failed, line
@@ -672,7 +672,7 @@ def test_disk_full_during_train_keeps_the_previous_checkpoint(monkeypatch, capfd
     assert not (root / f"step-{step}").exists()
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
 
-    code, _, err = run_main(monkeypatch, capfd, "train", str(recipe), "--resume")
+    code, _, err = run_main(monkeypatch, capfd, "train", str(recipe))  # the same command again
     assert code == 0, err
     assert_same_as_reference(fault_run, root)
 

@@ -54,7 +54,7 @@ from specctl.optim import (
     muon_lr_ratio,
     newton_schulz_fp32,
     param_groups,
-    restore_scheduler,
+    scheduler_at,
 )
 from specctl.recipe import Recipe, TrainSection, config_diff, load_recipe, recipe_from_dict
 from specctl.train import Source, run_training, split_indices, tau_hat
@@ -110,35 +110,30 @@ def test_torch_scheduler_runs_the_closed_form(schedule, warmup, max_steps):
     assert _scheduled_lrs(cfg) == pytest.approx(expected, rel=1e-9)
 
 
-def test_scheduler_resumes_from_its_state_and_from_an_old_lambda_state():
+def test_scheduler_at_replays_the_schedule_of_the_recipe_it_resumes_with():
+    """A resumed run's schedule (`scheduler_at`): with the same settings, the uninterrupted run's LRs
+    to the bit, whatever LR the restored optimizer carries; with a new max_steps, the new length's
+    closed form from the resumed step on (never the old curve run on into its next period)."""
     cfg = TrainSection(lr=1e-3, warmup_steps=5, max_steps=40)
-    expected = [lr_at(s, cfg.lr, 5, 40, "cosine", cfg.min_lr_ratio) for s in range(40)]
+    straight = _scheduled_lrs(cfg)
 
-    def resumed(state):
+    def resumed(train: TrainSection, at: int) -> list[float]:
         opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-        sched = build_scheduler(opt, cfg)
-        restore_scheduler(sched, state)
-        opt.param_groups[0]["lr"] = sched.get_last_lr()[0]  # the optimizer state restores it in train
+        opt.param_groups[0]["lr"] = 0.123  # what a restored optimizer state carries: ignored
+        opt.param_groups[0]["initial_lr"] = 0.5
+        sched = scheduler_at(opt, train, at)
         lrs = []
-        for _ in range(17, 40):
+        for _ in range(at, train.max_steps):
             lrs.append(opt.param_groups[0]["lr"])
             opt.step()
             sched.step()
         return lrs
 
-    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr)
-    sched = build_scheduler(opt, cfg)
-    old = torch.optim.lr_scheduler.LambdaLR(
-        torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=cfg.lr),
-        lambda s: lr_at(s, 1.0, 5, 40, "cosine", cfg.min_lr_ratio),
-    )
-    for _ in range(17):
-        opt.step()
-        sched.step()
-        old.optimizer.step()
-        old.step()
-    assert resumed(sched.state_dict()) == pytest.approx(expected[17:], rel=1e-9)
-    assert resumed(old.state_dict()) == pytest.approx(expected[17:], rel=1e-9)  # pre-torch-scheduler runs
+    assert resumed(cfg, 17) == straight[17:]  # bitwise: the same arithmetic, replayed
+    longer = cfg.model_copy(update={"max_steps": 60})
+    expected = [lr_at(s, cfg.lr, 5, 60, "cosine", cfg.min_lr_ratio) for s in range(17, 60)]
+    assert resumed(longer, 17) == pytest.approx(expected, rel=1e-9)
+    assert all(a >= b for a, b in itertools.pairwise(resumed(longer, 17)))  # no climb back up
 
 
 # ---------------------------------------------------------------- Muon
@@ -820,7 +815,7 @@ def test_resume_refuses_a_checkpoint_of_another_drafter(tmp_path, offline):
     with pytest.raises(
         SpecctlError,
         match=r"step-3: trained as another dflash drafter .*"
-        r"drafter\.dflash\.block_size: 4 -> 3.*recipe\.yaml --resume.*without --resume",
+        r"drafter\.dflash\.block_size: 4 -> 3.*recipe\.yaml --resume.*with --restart to start over",
     ):
         run_training(block3, resume=True, progress=False)
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
@@ -899,7 +894,7 @@ def test_resume_with_no_checkpoint_that_verifies_is_one_line(tmp_path, offline, 
     with pytest.raises(
         CheckpointError,
         match=rf"^{re.escape(str(root))}: no checkpoint verifies \(step-6 \(optimizer\.pt: checksum mismatch "
-        r"\(corrupted\)\); step-3 \(meta\.json: checksum mismatch \(corrupted\)\)\); train without --resume",
+        r"\(corrupted\)\); step-3 \(meta\.json: checksum mismatch \(corrupted\)\)\); train with --restart",
     ) as e:
         run_training(recipe, resume=True, progress=False)
     assert "\n" not in str(e.value) and read_metrics(recipe) == metrics

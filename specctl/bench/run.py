@@ -60,6 +60,7 @@ from specctl.bench.report import (
 )
 from specctl.errors import SpecctlError, UsageError
 from specctl.recipe import BenchSection, Recipe, VerifierSection, dump_recipe, load_recipe
+from specctl.runlock import run_lock
 
 
 class BenchInterrupted(SpecctlError):
@@ -324,7 +325,8 @@ def run_bench(
     plan = plan_run(
         recipe, overrides, concurrency, drafters, baseline, ngram, sweep_k, requires, verifier, output, warn
     )
-    return execute(plan, vllm_args, progress, say, warn, generate_fn, load_drafter_fn)
+    with run_lock(plan.out_dir, "bench"):  # a second bench into the same output exits naming this one
+        return execute(plan, vllm_args, progress, say, warn, generate_fn, load_drafter_fn)
 
 
 def execute(

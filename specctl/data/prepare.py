@@ -15,7 +15,6 @@ leaves the previous complete directory as it was.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from specctl.errors import DataError
 from specctl.progress import duration, note, progress_bar
 from specctl.recipe import DataSection, VerifierSection
 from specctl.redact import redact_tree
+from specctl.runlock import run_lock
 
 FORMAT_VERSION = 1
 FILES = ("tokens.safetensors", "token_freq.safetensors", "conversations.jsonl")
@@ -278,26 +278,6 @@ def _summary_from_manifest(manifest: dict[str, Any]) -> DataSummary:
 # ---------------------------------------------------------------- the stage
 
 
-@contextlib.contextmanager
-def _exclusive(out_dir: Path):
-    """Hold an exclusive lock next to out_dir: concurrent collect workers (`--shard I/N`, torchrun
-    ranks) build the data once; the others wait, then find it complete and reuse it."""
-    import fcntl
-
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    path = out_dir.parent / f".lock-{out_dir.name}"
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            # Removed while held, so nothing is left beside the data. A waiter that opened the old
-            # file may then run beside a newcomer; both re-check the manifest first, and a rebuild
-            # writes to a private temp dir swapped in atomically, so at worst work is repeated.
-            path.unlink(missing_ok=True)
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 # (conversations the data will hold, tokens they are expected to hold) -> None; raises to refuse
 OnPlan = Callable[[int, int], None]
 # The generation estimate comes once this many conversations are done, and at least as many as
@@ -327,7 +307,9 @@ def prepare_data(
     so generation runs once.
     """
     out_dir = Path(out_dir)
-    with _exclusive(out_dir):
+    # concurrent collect workers (`--shard I/N`, torchrun ranks) build the data once: the others
+    # wait for the lock, then find it complete and reuse it
+    with run_lock(out_dir, "data stage", lambda text: note(text, enabled=progress), wait=True):
         return _prepare_data(
             cfg, tokenizer, out_dir, _Generation(model, verifier, out_dir, progress, on_plan)
         )
