@@ -37,6 +37,7 @@ import torch
 
 from specctl.claims import Claim, ShardClaims
 from specctl.data import DATA_OWNER, load_samples, prepare_data
+from specctl.data.prepare import read_manifest
 from specctl.durable import recover_dirs
 from specctl.errors import UsageError
 from specctl.estimate import StoreEstimate, check_store_fits, human_count
@@ -52,8 +53,10 @@ from specctl.features import (
     shard_done,
     write_shard,
 )
+from specctl.origin import FeatureOrigin
 from specctl.progress import duration, note, progress_bar
 from specctl.recipe import Recipe
+from specctl.recipe_origin import feature_origin
 from specctl.resources import check_stage
 from specctl.verifier import (
     VerifierBackend,
@@ -155,7 +158,8 @@ def collect(
     )
     samples = load_samples(run_dir / "data")
     lengths = [s["input_ids"].numel() for s in samples]
-    plan = _store_plan(verifier, aux_ids, layout, samples, lengths, recipe.features.shard_tokens)
+    origin = feature_origin(recipe, verifier, aux_ids, layout, read_manifest(run_dir / "data")["fingerprint"])
+    plan = _store_plan(verifier, aux_ids, layout, samples, origin, recipe.features.shard_tokens)
     claims = ShardClaims(path, recipe.features.claim_lease_s)
     init_store(path, plan, claims.writer_alive)
     claims.recover()
@@ -213,8 +217,9 @@ def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend | Verifier
 
 
 def _store_plan(
-    verifier, aux_ids, layout: Layout, samples, lengths: list[int], shard_tokens: int
+    verifier, aux_ids, layout: Layout, samples, origin: FeatureOrigin, shard_tokens: int
 ) -> StorePlan:
+    lengths = [s["input_ids"].numel() for s in samples]
     return StorePlan(
         verifier=verifier.hub_id or verifier.name_or_path,
         verifier_config_hash=config_hash(verifier.config),
@@ -229,6 +234,7 @@ def _store_plan(
         target=layout.target,
         topk=layout.topk,
         target_stats=layout.target_stats,
+        origin=origin,
     )
 
 

@@ -28,6 +28,7 @@ from specctl.durable import Owner, disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError, first_line
 from specctl.format import SpeculatorsConfig
 from specctl.hub import human_bytes
+from specctl.origin import FeatureOrigin, origin_of_meta, write_origin
 from specctl.recipe import VerifierSection
 from specctl.runlock import run_lock
 from specctl.validate import (
@@ -116,8 +117,11 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
         raise SpecctlError(f"{output}: disk full writing the export, {kept}; free space and rerun") from None
 
 
-def save_drafter(drafter: nn.Module, output: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write `drafter` as a speculators directory (config.json + model.safetensors), atomically.
+def save_drafter(
+    drafter: nn.Module, output: str | Path, dtype: str = "bfloat16", origin: FeatureOrigin | None = None
+) -> Path:
+    """Write `drafter` as a speculators directory (config.json + model.safetensors, and origin.json
+    when the features it was trained on recorded where they came from), atomically.
 
     Floating tensors are cast to `dtype`; integer and bool tables (d2t, t2d) keep theirs. The
     written directory is validated before it replaces anything at `output`.
@@ -137,6 +141,8 @@ def save_drafter(drafter: nn.Module, output: str | Path, dtype: str = "bfloat16"
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(text)
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if origin is not None:
+            write_origin(tmp, origin)
         try:
             validate_export(tmp)
         except SpecctlError as e:  # export_state()/export_config() disagree with the format
@@ -319,8 +325,9 @@ def export_drafter(
     module, recipe, meta = drafter_from_checkpoint(checkpoint)
     name = _dtype_name(export_dtype(dtype or recipe.export.dtype))
     output = Path(output) if output is not None else default_output(checkpoint)
+    origin = origin_of_meta(meta, checkpoint / "meta.json")
     with run_lock(output, "export"):  # a second export of it exits naming this one
-        save_drafter(module, output, name)  # validated (values included) before it was swapped in
+        save_drafter(module, output, name, origin)  # validated (values included) before it was swapped in
         check = check_result(validate_export(output, check_values=False), check_vllm)
         size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
     return ExportResult(meta["algo"], checkpoint, meta.get("step"), output, name, size, check)

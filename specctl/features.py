@@ -34,6 +34,7 @@ from safetensors.torch import save as safetensors_save
 from specctl.drafters.targets import verifier_topk
 from specctl.durable import ForeignAlive, Owner, create_once, recover_dirs, sha256_file, write_atomic
 from specctl.errors import FeatureStoreError
+from specctl.origin import FeatureOrigin, check_origin
 
 FORMAT_VERSION = 1
 # plan.json is written first, when collect creates the store (manifest.json last): a non-empty
@@ -261,10 +262,13 @@ class StorePlan:
     target: str = "hidden"
     topk: int = 0
     target_stats: bool = False  # older stores: no argmax / logsumexp beside the hidden state
+    origin: FeatureOrigin | None = None  # what it was computed from (stores before origins: None)
 
     def __post_init__(self) -> None:
         if self.aux_dtype is None:
             self.aux_dtype = self.dtype
+        if self.origin is not None and not isinstance(self.origin, FeatureOrigin):  # read from JSON
+            self.origin = FeatureOrigin.from_json(self.origin)
 
     @property
     def layout(self) -> Layout:
@@ -316,9 +320,9 @@ def init_store(path: Path, plan: StorePlan, foreign_alive: ForeignAlive = None) 
     recover_dirs(path, foreign_alive)
     plan_file = path / "plan.json"
     if plan_file.is_file():
-        old = asdict(StorePlan(**json.loads(plan_file.read_text())))  # an older plan: its defaults filled in
-        new = asdict(plan)
-        diffs = [k for k in new if old.get(k) != new[k]]
+        old_plan = StorePlan(**json.loads(plan_file.read_text()))  # an older plan: its defaults filled in
+        old, new = asdict(old_plan), asdict(plan)
+        diffs = [k for k in new if k != "origin" and old.get(k) != new[k]]
         if diffs:
             k = diffs[0]
             shown = lambda v: v if not isinstance(v, list) or len(v) < 8 else f"[{len(v)} items]"
@@ -326,6 +330,8 @@ def init_store(path: Path, plan: StorePlan, foreign_alive: ForeignAlive = None) 
                 f"{path}: this store was collected with a different {k} ({shown(old.get(k))} vs "
                 f"{shown(new[k])}); use another run name or delete {path} to start over"
             )
+        if old_plan.origin is not None and plan.origin is not None:  # a store begun before origins: none
+            check_origin(path, old_plan.origin, plan.origin)
         return
     write_atomic(plan_file, json.dumps(asdict(plan), indent=1).encode())
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from specctl.errors import SpecctlError, UsageError, first_line
+from specctl.origin import read_origin
 from specctl.validate import ExportDir, validate_export
 
 CARD_FILE = "README.md"
@@ -91,6 +92,9 @@ def training_facts(export: ExportDir) -> dict[str, Any]:
     val = _last_record(algo_dir / "metrics.jsonl", "tau_hat")
     if val is not None:
         facts["tau_hat"] = (val["tau_hat"], val.get("step"))
+    origin = read_origin(export.path)
+    if origin is not None:
+        facts["origin"] = origin
     for report in sorted(algo_dir.parent.parent.glob("bench*/report.json")):
         try:
             d = json.loads(report.read_text())
@@ -141,6 +145,8 @@ def model_card(export: ExportDir, repo: str) -> str:
     if "data" in facts:
         shown = ", ".join(f"{k} {v}" for k, v in facts["data"].items() if v is not None)
         lines.append(f"| training data | {shown} |")
+    if "origin" in facts:
+        lines.append(f"| features collected from | {facts['origin'].short()} (origin.json) |")
     if facts.get("steps"):
         lines.append(f"| training steps | {facts['steps']} |")
     if "tau_hat" in facts:

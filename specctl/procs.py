@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from specctl.errors import SpecctlError, first_line
 from specctl.watchdog import group_members, kill_group, start_time
 
 HOST = "127.0.0.1"
@@ -36,6 +37,10 @@ CPU_KVCACHE_GIB = 2
 TAIL_LINES = 25
 INTERRUPT_GRACE_S = 5.0  # SIGTERM -> SIGKILL after Ctrl-C / SIGTERM (see watchdog.GRACE_S)
 WATCHDOG = Path(__file__).with_name("watchdog.py")
+# how often specctl checks, while a group runs, that its watchdog is alive: a watchdog killed (by a
+# user's kill, the OOM killer) is replaced within this, so a SIGKILL of specctl seconds later still
+# has the group stopped
+MONITOR_POLL_S = 1.0
 # Where a group's children put their IPC sockets. vLLM opens its ZMQ sockets as files under
 # VLLM_RPC_BASE_PATH (default: the temp dir) and unlinks them in its graceful shutdown, which a
 # group killed at once never runs: each engine left 4 socket files in /tmp (59 from one `make test`,
@@ -271,25 +276,49 @@ class _Spawner:
         return future.result()
 
 
+def spawn_watchdog() -> subprocess.Popen:
+    """Start a watchdog (specctl/watchdog.py watch) for this process, its stdin a pipe we write."""
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", str(WATCHDOG), "watch", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _how_it_ended(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
 class _Watchdog:
     """specctl's side of the watchdog (specctl/watchdog.py): started with the first group, told of
-    every group, closed once no group is left (so no helper process outlives the work)."""
+    every group, closed once no group is left (so no helper process outlives the work).
+
+    It must not fail open, so a group is never left running without one: a watchdog that cannot
+    be started stops the group it was to guard (`process_group`), and while groups run a monitor
+    thread polls it every MONITOR_POLL_S; one found dead (killed, OOM) is replaced and told every
+    group, and if no replacement starts, the groups are stopped and `failure` says why."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._groups: dict[int, str] = {}  # pgid -> "LEADER_START [DIR]" as the watchdog reads it
+        self._monitor: threading.Thread | None = None
+        self.failure: SpecctlError | None = None  # why the groups were stopped (no watchdog)
+        self.stopped: set[int] = set()  # the groups stopped for it
+
+    def _respawn(self) -> None:
+        """A new watchdog, told of every recorded group (caller holds the lock)."""
+        self._proc = spawn_watchdog()
+        recorded = "".join(f"watch {g} {s}\n" for g, s in self._groups.items())
+        if recorded:
+            self._proc.stdin.write(recorded.encode())
+            self._proc.stdin.flush()
 
     def _send(self, line: str) -> None:
         for attempt in range(2):
             if self._proc is None or self._proc.poll() is not None:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", str(WATCHDOG), "watch", str(os.getpid())],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-                line = "".join(f"watch {g} {s}\n" for g, s in self._groups.items()) + line
+                self._respawn()
             try:
                 self._proc.stdin.write(line.encode())
                 self._proc.stdin.flush()
@@ -305,6 +334,49 @@ class _Watchdog:
             # recorded after the send: a watchdog started by it is told of the others, then this one
             self._send(f"watch {pgid} {entry}\n")
             self._groups[pgid] = entry
+            if self._monitor is None or not self._monitor.is_alive():  # none yet, or a forked copy
+                self._monitor = threading.Thread(
+                    target=self._poll, name="specctl-watchdog-monitor", daemon=True
+                )
+                self._monitor.start()
+
+    def _poll(self) -> None:
+        """The monitor thread: every MONITOR_POLL_S, while groups are recorded, check the watchdog."""
+        while True:
+            time.sleep(MONITOR_POLL_S)
+            with self._lock:
+                if not self._groups:
+                    self._monitor = None
+                    return
+                if self._proc is not None and self._proc.poll() is None:
+                    continue
+                self._replace()
+
+    def _replace(self) -> None:
+        """The watchdog is gone while groups run (caller holds the lock): start another, or stop
+        the groups (no group runs unguarded) and record why."""
+        dead = self._proc
+        how = "gone" if dead is None else f"pid {dead.pid}, {_how_it_ended(dead.returncode)}"
+        try:
+            self._respawn()
+        except OSError as e:
+            groups, self._groups, self._proc = dict(self._groups), {}, None
+            for pgid in groups:
+                kill_group(pgid)
+            self.stopped |= set(groups)
+            self.failure = SpecctlError(
+                f"specctl's watchdog died ({how}) and another could not be started ({first_line(e, 120)}); "
+                f"stopped the {len(groups)} process group(s) it guarded rather than leave them unguarded; "
+                "check the process limit (ulimit -u) and memory, then rerun"
+            )
+            print(f"specctl: {self.failure}", file=sys.stderr, flush=True)
+            return
+        print(
+            f"specctl: the watchdog died ({how}); started another (pid {self._proc.pid}) guarding "
+            f"{len(self._groups)} process group(s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def forget(self, pgid: int) -> None:
         with self._lock:
@@ -347,6 +419,23 @@ def _start(
     )
 
 
+def _guard(proc: subprocess.Popen, command: Sequence[str], group_dir: Path | None) -> None:
+    """Tell the watchdog of a group just started; if it cannot be told (no watchdog could be
+    started: a process limit, no memory), stop the group now and say so, rather than leave a
+    child that outlives a SIGKILL of specctl."""
+    try:
+        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0, group_dir)
+    except Exception as e:
+        stop_process_group(proc)
+        if group_dir is not None:
+            shutil.rmtree(group_dir, ignore_errors=True)
+        raise SpecctlError(
+            f"could not start specctl's watchdog ({first_line(e, 120)}), so {Path(command[0]).name} "
+            f"(pid {proc.pid}) was stopped rather than left unguarded; check the process limit "
+            "(ulimit -u) and memory, then rerun"
+        ) from None
+
+
 @contextmanager
 def process_group(
     command: Sequence[str],
@@ -380,7 +469,7 @@ def process_group(
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "wb") as log:
                 proc = _start(command, log, env, pass_fds)
-        _WATCHDOG.watch(proc.pid, start_time(proc.pid) or 0, group_dir)
+        _guard(proc, command, group_dir)
     interrupted = False
     try:
         held.redeliver()
@@ -393,6 +482,9 @@ def process_group(
         _WATCHDOG.forget(proc.pid)
         if group_dir is not None:  # the group is gone: nothing listens on its sockets any more
             shutil.rmtree(group_dir, ignore_errors=True)
+        if proc.pid in _WATCHDOG.stopped and _WATCHDOG.failure is not None:
+            _WATCHDOG.stopped.discard(proc.pid)
+            raise _WATCHDOG.failure  # why the group stopped, rather than what its caller saw of it
         if late and not interrupted:
             held.received = late
             held.redeliver()

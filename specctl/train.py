@@ -50,8 +50,10 @@ from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError, UsageError
 from specctl.features import STORED_KEYS, FeatureStore, Layout, all_finite, decode_features, open_features
 from specctl.optim import build_optimizer, build_scheduler, scheduler_at, vocab_sizes
+from specctl.origin import FeatureOrigin
 from specctl.progress import note
 from specctl.recipe import Recipe, dump_recipe
+from specctl.recipe_origin import check_store_origin
 from specctl.resources import check_stage
 from specctl.runlock import RunLocked, run_lock
 from specctl.tracking import Tracker, check_tracker, open_tracker
@@ -138,6 +140,7 @@ class Source:
     spec: VerifierSpec
     weights: VerifierWeights
     features_path: Path | None = None
+    origin: FeatureOrigin | None = None  # the feature store's (offline; checkpoints carry it)
 
     def batch(self, indices: list[int], device: torch.device, max_tokens: int) -> dict[str, torch.Tensor]:
         return self.on_device(collate([self.sample(i) for i in indices], max_tokens), device)
@@ -175,8 +178,10 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     if isinstance(verifier, BorrowedVerifier):
         path = recipe.run_dir / "features"
         store = open_store(path, spec, config_hash(verifier.config), Layout.from_section(recipe.features))
+        origin = check_store_origin(path, store, recipe, verifier)  # refuses another verifier's or data's
         verify_store(store, ctx)
-        return Source(list(store.lengths), FiniteSamples(store, path), identity, spec, verifier.weights, path)
+        samples = FiniteSamples(store, path)
+        return Source(list(store.lengths), samples, identity, spec, verifier.weights, path, origin)
     return online_source(recipe, ctx, verifier, spec, progress)
 
 
@@ -509,6 +514,7 @@ def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
         "parallelism": cfg.parallelism,
         "verifier": asdict(source.spec),
         "features": str(source.features_path) if source.features_path else None,
+        "features_origin": source.origin.to_json() if source.origin else None,
         "compute_dtype": str(dtype).removeprefix("torch."),
     }
     return Pieces(

@@ -387,6 +387,7 @@ class BorrowedVerifier:
     name_or_path: str  # as the user gave it
     hub_id: str | None
     weights: VerifierWeights  # on the recipe's device, in the verifier dtype
+    local_path: str | None = None  # the directory its files were read from (their origin: origin.py)
 
     @property
     def num_layers(self) -> int:
@@ -418,10 +419,12 @@ def load_borrowed(section: VerifierSection) -> BorrowedVerifier:
         )
         full = load_verifier(section)
         weights = verifier_weights(full)
-        return BorrowedVerifier(full.tokenizer, full.config, section.name_or_path, hub_id, weights)
+        return BorrowedVerifier(
+            full.tokenizer, full.config, section.name_or_path, hub_id, weights, str(model_dir)
+        )
     hint = "pass a complete HF checkpoint directory of a causal LM"
     weights = read_head(model_dir, config, device, dtype, hint, files=files)
-    return BorrowedVerifier(tokenizer, config, section.name_or_path, hub_id, weights)
+    return BorrowedVerifier(tokenizer, config, section.name_or_path, hub_id, weights, str(model_dir))
 
 
 # what a causal LM's config and tokenizer are saved as (small files); *.safetensors come separately

@@ -22,6 +22,7 @@ import pytest
 from proctree import ProcessTree
 from reliability_matrix import fault
 
+from specctl.procs import MONITOR_POLL_S
 from specctl.watchdog import GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,3 +254,116 @@ def test_socket_directories_stay_short_enough_for_vllms_sockets(monkeypatch, tmp
             made.rmdir()
     finally:
         shutil.rmtree(short)
+
+
+SLEEPER = "import time; time.sleep(600)"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+@fault(
+    stage="bench",
+    fault="the watchdog cannot be started (fork/exec fails: process limit, no memory)",
+    result="the child just started is stopped (no process of its group alive) and SpecctlError says "
+    "why on one line",
+)
+def test_a_watchdog_that_cannot_start_stops_the_child(tmp_path, monkeypatch):
+    from specctl import procs
+    from specctl.errors import SpecctlError
+    from specctl.watchdog import group_members
+
+    assert procs._WATCHDOG._proc is None  # no group of another test holds one: this start spawns it
+    started: list[subprocess.Popen] = []
+    real_start = procs._start
+
+    def start(*args, **kwargs):
+        started.append(real_start(*args, **kwargs))
+        return started[-1]
+
+    def no_watchdog() -> subprocess.Popen:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(procs, "_start", start)
+    monkeypatch.setattr(procs, "spawn_watchdog", no_watchdog)
+    with (
+        pytest.raises(SpecctlError, match="could not start specctl's watchdog") as failed,
+        procs.process_group([sys.executable, "-c", SLEEPER], tmp_path / "log"),
+    ):
+        pytest.fail("the block ran without a watchdog")
+    assert "\n" not in str(failed.value) and "Resource temporarily unavailable" in str(failed.value)
+    (proc,) = started
+    assert proc.poll() is not None and not group_members(proc.pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, PR_SET_PDEATHSIG")
+@fault(
+    stage="bench",
+    fault="the watchdog killed (kill -9) while a group runs, then specctl killed (kill -9) seconds later",
+    result="specctl notices within a second, starts another watchdog told of the group (one line on "
+    "stderr), and that one stops the group: nothing alive, the /dev/shm segment gone",
+)
+def test_a_killed_watchdog_is_replaced_and_the_group_still_stopped(tmp_path, temp_dir):
+    log, err = tmp_path / "group.log", tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STAND_IN, GROUP, str(log)], env=_stand_in_env(temp_dir), stderr=stderr
+        )
+    tree = ProcessTree(proc.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while "up" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "the stand-in did not start its group"
+            tree.scan()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        tree.scan()
+        segment = log.read_text().split()[1]
+        (first,) = [pid for pid, cmd in tree.commands.items() if "watchdog.py watch" in cmd]
+        os.kill(first, signal.SIGKILL)
+        killed = time.monotonic()
+        while "started another" not in err.read_text() and time.monotonic() < killed + 10:
+            time.sleep(0.05)
+        assert time.monotonic() - killed < MONITOR_POLL_S + 2.0  # noticed at the next poll
+        said = err.read_text().strip().splitlines()
+        assert len(said) == 1 and "the watchdog died" in said[0] and "signal 9" in said[0], said
+        tree.scan()
+        second = [p for p, cmd in tree.commands.items() if "watchdog.py watch" in cmd and p != first]
+        assert len(second) == 1 and second[0] in tree.living(), tree.alive()
+        time.sleep(0.2)  # the new watchdog reads the group it was told of
+        proc.send_signal(signal.SIGKILL)
+        seconds = tree.wait_gone(15.0)
+        assert not tree.living(), tree.alive()
+        assert GRACE_S <= seconds < 15.0  # the leader ignores SIGTERM: only a watchdog kills it
+        assert not Path("/dev/shm", segment).exists()
+    finally:
+        _cleanup(proc, tree)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+@fault(
+    stage="bench",
+    fault="the watchdog dies while a group runs and no other can be started",
+    result="the group is stopped at the next poll (fail closed), one line on stderr, and the block "
+    "ends in SpecctlError naming the watchdog",
+)
+def test_a_dead_watchdog_that_cannot_be_replaced_stops_the_group(tmp_path, monkeypatch, capfd):
+    from specctl import procs
+    from specctl.errors import SpecctlError
+    from specctl.watchdog import group_members
+
+    def no_watchdog() -> subprocess.Popen:
+        raise OSError(12, "Cannot allocate memory")
+
+    with (
+        pytest.raises(SpecctlError, match="watchdog died") as failed,
+        procs.process_group([sys.executable, "-c", SLEEPER], tmp_path / "log") as child,
+    ):
+        monkeypatch.setattr(procs, "spawn_watchdog", no_watchdog)
+        os.kill(procs._WATCHDOG._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 3 * procs.MONITOR_POLL_S + 5
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() is not None and not group_members(child.pid)
+    assert "Cannot allocate memory" in str(failed.value) and "\n" not in str(failed.value)
+    said = [line for line in capfd.readouterr().err.splitlines() if "watchdog" in line]
+    assert len(said) == 1 and "stopped the 1 process group(s)" in said[0], said
+    assert not procs._WATCHDOG.stopped and procs._WATCHDOG._proc is None

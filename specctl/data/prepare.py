@@ -108,7 +108,7 @@ ENGINE_FIELDS = ("engine", "server_url", "server_model", "max_in_flight", "vllm_
 # ---------------------------------------------------------------- fingerprint
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str:
     """What decides tokenization: the full tokenizer definition and the chat template (not its path)."""
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -168,7 +168,7 @@ def data_fingerprint(cfg: DataSection, tokenizer) -> str:
         "format": FORMAT_VERSION,
         "config": _relevant_config(cfg),
         "source": _source_fingerprint(cfg.source),
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
@@ -199,7 +199,7 @@ def generation_fingerprint(cfg: DataSection, tokenizer, identity: str) -> tuple[
     """
     config: dict[str, Any] = {
         "verifier": identity,
-        "chat template and tokenizer": _tokenizer_fingerprint(tokenizer),
+        "chat template and tokenizer": tokenizer_fingerprint(tokenizer),
         "data.source": _source_fingerprint(cfg.source),
         "data.seed": cfg.seed,
         "data.max_length": cfg.max_length,
