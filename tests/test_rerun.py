@@ -96,9 +96,10 @@ def fresh_copy(collected, dest: Path) -> Path:
     tmp, _ = collected
     shutil.copytree(tmp / "runs", dest / "runs")
     shutil.copy(tmp / "r.yaml", dest / "r.yaml")
-    shutil.copy(tmp / "chats.jsonl", dest / "chats.jsonl")
     recipe = yaml.safe_load((dest / "r.yaml").read_text())
-    recipe["output_dir"], recipe["data"]["source"] = str(dest / "runs"), str(dest / "chats.jsonl")
+    # the data source stays the collected one's: the features record which data they came from
+    # (specctl.origin), and a copy of the source elsewhere is, by its path, other data
+    recipe["output_dir"] = str(dest / "runs")
     (dest / "r.yaml").write_text(yaml.safe_dump(recipe))
     return dest / "r.yaml"
 
