@@ -701,7 +701,8 @@ def fake_generate(
 @pytest.fixture
 def fake_engine():
     fake_generate.calls = []
-    return {"generate_fn": fake_generate, "load_drafter_fn": fake_load_drafter, "progress": False}
+    # one round: these tests count a single pass (a short run's default is 3, see test_repeat_*)
+    return {"generate_fn": fake_generate, "load_drafter_fn": fake_load_drafter, "progress": False, "repeats": 1}
 
 
 def _recipe(tmp_path, verifier, **bench):
@@ -1056,7 +1057,10 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
     assert plain["output_tokens"] == dflash["output_tokens"] > 0
     # token for token: greedy speculation reproduces plain decoding on every prompt
     assert dflash["outputs_match_plain"] == 1.0 and dflash["outputs_compared"] == 3
-    assert sum(len(ids) for ids in report.results[1].total.outputs.values()) == dflash["output_tokens"]
+    # a short run's default: 3 rounds, every prompt decoded in each
+    assert report.repeats == 3 and dflash["rounds"] == 3 and len(dflash["units"]["prompt"]) == 9
+    ids = sum(len(ids) for ids in report.results[1].total.outputs.values())
+    assert 3 * ids == dflash["output_tokens"]
     assert dflash["num_drafts"] > 0 and dflash["num_speculative_tokens"] == 3
     assert dflash["num_draft_tokens"] <= 3 * dflash["num_drafts"]
     assert len(dflash["per_position_acceptance"]) == 3
@@ -1102,6 +1106,9 @@ def _sweep_report() -> BenchReport:
     return r
 
 
+NO_INTERVALS = dict.fromkeys(("output_tokens_per_s", "speedup", "ratio_vs_baseline", "acceptance_length"))
+
+
 def test_sweep_report_points_and_recommendations(tmp_path):
     r = _sweep_report()
     assert [(x.method.name, x.method.num_speculative_tokens) for x in r.results] == [
@@ -1127,6 +1134,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                 "draft_tokens_per_accepted": pytest.approx(30 / 18),
                 "output_tokens_per_s": pytest.approx(36.0),
                 "speedup": pytest.approx(36 / 16),
+                "intervals": NO_INTERVALS,  # built by hand: no units to resample
                 "speculative_config": {
                     "method": "dflash",
                     "model": str(Path("/d").resolve()),
@@ -1140,6 +1148,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                 "draft_tokens_per_accepted": pytest.approx(20 / 14),
                 "output_tokens_per_s": pytest.approx(70.0),
                 "speedup": pytest.approx(70 / 80),
+                "intervals": NO_INTERVALS,  # built by hand: no units to resample
                 "speculative_config": {
                     "method": "dflash",
                     "model": str(Path("/d").resolve()),

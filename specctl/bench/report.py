@@ -23,9 +23,37 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from specctl.bench.intervals import (
+    Estimate,
+    acceptance_length,
+    paired_ratio,
+    tokens_per_s,
+    tokens_per_s_point,
+)
 from specctl.bench.plan import PLAIN, Method, speculative_config
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, UsageError
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One timed cell of a run: a prompt decoded in one round (the embedded engine), or where a
+    backend only times prompts together (vLLM gets a category's prompts at once, its counters are
+    server-wide) that group in one pass, named by its first prompt index. The cells that
+    specctl.bench.intervals resamples; report.json keeps them all (`units`)."""
+
+    prompt: int  # the prompt index (a group's first)
+    round: int  # the repetition (bench.repeats) it was decoded in
+    num_prompts: int
+    output_tokens: int
+    wall_s: float
+    num_drafts: int
+    num_accepted_tokens: int
+
+
+UNIT_FIELDS = tuple(Unit.__dataclass_fields__)
 
 
 @dataclass
@@ -51,6 +79,7 @@ class Measurement:
     tpot_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     counted: bool = True  # False: nothing counted acceptance (a server without vLLM's /metrics)
+    units: list[Unit] = field(default_factory=list)  # every (prompt, round) cell timed, in order
 
     def __add__(self, other: Measurement) -> Measurement:
         return Measurement(
@@ -65,6 +94,7 @@ class Measurement:
             self.tpot_s + other.tpot_s,
             self.itl_s + other.itl_s,
             self.counted and other.counted,
+            self.units + other.units,
         )
 
     @property
@@ -181,8 +211,85 @@ def latency_dict(m: Measurement) -> dict[str, float | None]:
     return out
 
 
-def measurement_dict(m: Measurement, plain: Measurement | None, base: Measurement | None) -> dict[str, Any]:
-    """One measurement's figures; acceptance is None where nothing counted it."""
+INTERVAL_FIGURES = ("output_tokens_per_s", "speedup", "ratio_vs_baseline", "acceptance_length")
+
+
+def unit_grids(sides: Sequence[Sequence[Unit]], fields: Sequence[str]) -> list[list[np.ndarray]] | None:
+    """The (prompt, round) cells every side has, as one [P, R] array per field per side (None when
+    they share none). Only rounds holding every shared prompt are kept, so a partial last round
+    (an interrupted run) does not shrink the prompts of the finished ones."""
+    cells = [{(u.prompt, u.round): u for u in side} for side in sides]
+    common = set.intersection(*(set(c) for c in cells))
+    prompts = sorted({p for p, _ in common})
+    rounds = sorted(r for r in {r for _, r in common} if all((p, r) in common for p in prompts))
+    if not rounds:  # no round finished every prompt: the prompts each round of them has
+        rounds = sorted({r for _, r in common})
+        prompts = [p for p in prompts if all((p, r) in common for r in rounds)]
+    if not prompts or not rounds:
+        return None
+    return [
+        [np.array([[getattr(c[p, r], f) for r in rounds] for p in prompts], dtype=float) for f in fields]
+        for c in cells
+    ]
+
+
+def median_rate(m: Measurement) -> float:
+    """Output tokens/s as the report states it: the median over rounds where the measurement has
+    units, else the pooled rate. What a sweep's best K is chosen by, so the pick and the
+    figures it is shown with agree."""
+    own = unit_grids([m.units], ("output_tokens", "wall_s"))
+    return m.output_tokens_per_s if own is None else tokens_per_s_point(*own[0])
+
+
+def estimates(
+    m: Measurement, plain: Measurement | None, base: Measurement | None, seed: int = 0
+) -> dict[str, Estimate | None]:
+    """Each figure of INTERVAL_FIGURES as the median over rounds with its 95% interval, from the
+    measurement's units (speedups paired with the reference's same cells); None where there are
+    no units to resample (a measurement built by hand) or no reference."""
+    out: dict[str, Estimate | None] = dict.fromkeys(INTERVAL_FIGURES)
+    own = unit_grids([m.units], ("output_tokens", "wall_s", "num_accepted_tokens", "num_drafts"))
+    if own is None:
+        return out
+    tokens, wall, accepted, drafts = own[0]
+    out["output_tokens_per_s"] = tokens_per_s(tokens, wall, seed)
+    out["acceptance_length"] = acceptance_length(accepted, drafts, seed) if m.counted else None
+    for name, ref in (("speedup", plain), ("ratio_vs_baseline", base)):
+        pair = unit_grids([m.units, ref.units], ("output_tokens", "wall_s")) if ref is not None else None
+        if pair is not None:
+            out[name] = paired_ratio(*pair[0], *pair[1], seed=seed)
+    return out
+
+
+def units_dict(units: Sequence[Unit]) -> dict[str, list[Any]]:
+    """report.json's `units`: one list per Unit field (columns, so thousands of cells stay small)."""
+    return {
+        f: [round(getattr(u, f), 6) if f == "wall_s" else getattr(u, f) for u in units] for f in UNIT_FIELDS
+    }
+
+
+def measurement_dict(
+    m: Measurement, plain: Measurement | None, base: Measurement | None, seed: int = 0
+) -> dict[str, Any]:
+    """One measurement's figures; acceptance is None where nothing counted it. Where the
+    measurement has units, tok/s, speedup, the ratio to the baseline and tau are the median over
+    rounds (with one round: the ratio of sums, as before) and `intervals` holds their 95% ones."""
+    found = estimates(m, plain, base, seed)
+    figures = measurement_figures(m, plain, base)
+    for name, e in found.items():
+        if e is not None:
+            figures[name] = e.value
+    return {
+        **figures,
+        "rounds": len({u.round for u in m.units}),
+        "intervals": {name: None if e is None else [e.low, e.high] for name, e in found.items()},
+    }
+
+
+def measurement_figures(
+    m: Measurement, plain: Measurement | None, base: Measurement | None
+) -> dict[str, Any]:
+    """The figures of the sums (every round pooled): what a measurement without units reports."""
     tps, c = m.output_tokens_per_s, m.counters
     tau = m.acceptance_length if m.counted else None
     base_tau = (base.acceptance_length if base.counted else None) if base else None
@@ -236,9 +343,12 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         same, compared = outputs_match(total.outputs, plain_outputs)
         entry: dict[str, Any] = {
             **_method_dict(r.method),
-            **measurement_dict(total, plain.total if plain else None, base.total if base else None),
+            **measurement_dict(
+                total, plain.total if plain else None, base.total if base else None, report.seed
+            ),
             "outputs_match_plain": same / compared if compared else None,
             "outputs_compared": compared,
+            "units": units_dict(total.units),
         }
         if categories:
             entry["categories"] = {
@@ -246,6 +356,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
                     m,
                     plain.categories.get(c) if plain else None,
                     base.categories.get(c) if base else None,
+                    report.seed,
                 )
                 for c, m in sorted(r.categories.items())
             }
@@ -324,7 +435,7 @@ def best_results(points: Sequence[Point], concurrency: int) -> list[MethodResult
             by_name.setdefault(p.result.method.name, []).append(p.result)
     best = []
     for results in by_name.values():
-        chosen = recommend((_setting(r.method), r.total.output_tokens_per_s) for r in results)
+        chosen = recommend((_setting(r.method), median_rate(r.total)) for r in results)
         best.append(next(r for r in results if _setting(r.method) == chosen))
     return best
 
@@ -353,6 +464,7 @@ def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dic
             "draft_tokens_per_accepted": best.get("draft_tokens_per_accepted"),
             "output_tokens_per_s": best["output_tokens_per_s"],
             "speedup": best["speedup"],
+            "intervals": best.get("intervals"),
             "speculative_config": spec,
         }
     return out
@@ -367,7 +479,7 @@ def sweep_dict(report: BenchReport) -> dict[str, Any]:
         total, ref = p.result.total, plain.get(p.concurrency)
         ref_outputs = ref.outputs if ref is not None and report.temperature == 0 else {}
         same, compared = outputs_match(total.outputs, ref_outputs)
-        figures = measurement_dict(total, ref, None)
+        figures = measurement_dict(total, ref, None, report.seed)
         points.append(
             {
                 **_method_dict(p.result.method),
@@ -375,6 +487,7 @@ def sweep_dict(report: BenchReport) -> dict[str, Any]:
                 **{k: v for k, v in figures.items() if "baseline" not in k},
                 "outputs_match_plain": same / compared if compared else None,
                 "outputs_compared": compared,
+                "units": units_dict(total.units),
             }
         )
     return {
