@@ -702,7 +702,12 @@ def fake_generate(
 def fake_engine():
     fake_generate.calls = []
     # one round: these tests count a single pass (a short run's default is 3, see test_repeat_*)
-    return {"generate_fn": fake_generate, "load_drafter_fn": fake_load_drafter, "progress": False, "repeats": 1}
+    return {
+        "generate_fn": fake_generate,
+        "load_drafter_fn": fake_load_drafter,
+        "progress": False,
+        "repeats": 1,
+    }
 
 
 def _recipe(tmp_path, verifier, **bench):

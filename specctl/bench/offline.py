@@ -102,9 +102,16 @@ def offline_measurements(result: dict[str, Any], num_speculative_tokens: int) ->
             m = to_measurement(
                 delta, p["num_prompts"], p["output_tokens"], p["wall_s"], num_speculative_tokens, outputs
             )
-            first = min(outputs, default=0)
             m.units = [
-                Unit(first, round_, p["num_prompts"], p["output_tokens"], p["wall_s"], drafts, accepted)
+                Unit(
+                    p["first_prompt"],
+                    round_,
+                    p["num_prompts"],
+                    p["output_tokens"],
+                    p["wall_s"],
+                    drafts,
+                    accepted,
+                )
             ]
             total = total + m
         out[category] = total
@@ -183,6 +190,7 @@ def _one_pass(
     delta = counters() - before
     d = delta.counters
     return {
+        "first_prompt": prompts[0][0],  # names the pass's Unit
         "num_prompts": len(prompts),
         "output_tokens": sum(len(ids) for ids in outs),
         "wall_s": wall,
