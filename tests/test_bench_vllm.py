@@ -1157,7 +1157,7 @@ def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny
     units = r["units"]
     assert d["repeats"] == 2 and r["rounds"] == 2 and sorted(set(units["round"])) == [0, 1]
     assert sum(units["output_tokens"]) == 72 and all(
-        a == 2 * n for a, n in zip(units["num_accepted_tokens"], units["num_drafts"])
+        a == 2 * n for a, n in zip(units["num_accepted_tokens"], units["num_drafts"], strict=True)
     )
     assert r["intervals"]["acceptance_length"] == [3.0, 3.0] and r["intervals"]["speedup"] is None
     ids = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]

@@ -4,10 +4,13 @@ A bench run decodes every prompt in R rounds (bench.repeats); each (prompt, roun
 output tokens, wall seconds and acceptance counters. A figure is computed per round as a ratio of
 sums over the prompts (tokens / seconds; for a speedup, the method's rate over plain decoding's
 on the same cells), and reported as the median over rounds. Its interval comes from a bootstrap
-over prompts x rounds: prompts and rounds are redrawn with replacement, the SAME draw for the
-method and its reference (paired), so a slow spell or a long prompt that hit both cancels in
-their ratio instead of widening it. Why a bootstrap: the cells are neither normal nor
-independent of the prompt, and ratios of sums have no simple closed-form interval.
+over the (prompt, round) cells: in each round the prompts' cells are redrawn with replacement,
+the SAME draw for the method and its reference (paired), so a long prompt or a slow spell that
+hit both cancels in their ratio instead of widening it. Why a bootstrap: the cells are neither
+normal nor independent of the prompt, and ratios of sums have no simple closed-form interval.
+Why not also redraw the rounds: with 2-3 rounds that adds no information and, measured on
+synthetic data (tests/test_intervals.py), made the "95%" interval cover 99.5-100% of the time;
+cells redrawn per round covered 93-99%.
 
 Pure numpy; nothing here knows a report (specctl.bench.report builds the [P, R] grids).
 """
@@ -38,11 +41,10 @@ class Estimate:
         return self.low <= other.high and other.low <= self.high
 
 
-def draws(seed: int, prompts: int, rounds: int, resamples: int = RESAMPLES) -> tuple[np.ndarray, np.ndarray]:
-    """The bootstrap's redraws: prompt indices [B, P] and round indices [B, R], with replacement.
-    Seeded, so a report re-renders to the same intervals."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, prompts, (resamples, prompts)), rng.integers(0, rounds, (resamples, rounds))
+def draws(seed: int, prompts: int, rounds: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """The bootstrap's redraws: for each resample and round, P prompt indices drawn with
+    replacement, [B, P, R]. Seeded, so a report re-renders to the same intervals."""
+    return np.random.default_rng(seed).integers(0, prompts, (resamples, prompts, rounds))
 
 
 def point(parts: Sequence[np.ndarray], figure: Figure) -> float:
@@ -53,6 +55,7 @@ def point(parts: Sequence[np.ndarray], figure: Figure) -> float:
 
 
 def tokens_per_s_point(tokens: np.ndarray, wall: np.ndarray) -> float:
+    """tokens_per_s's value alone, [P, R] each."""
     return point((tokens, wall), _rate)
 
 
@@ -69,7 +72,7 @@ def estimate(
 ) -> Estimate:
     """The median over rounds of `figure` of the per-round sums of `parts` (each [P, R]: prompts x
     rounds, every cell present), and its percentile interval from `resamples` paired redraws of
-    prompts and rounds (`draws`)."""
+    each round's cells (`draws`)."""
     grids = [np.asarray(p, dtype=float) for p in parts]
     shape = grids[0].shape
     if len(shape) != 2 or 0 in shape or any(g.shape != shape for g in grids):
@@ -78,9 +81,9 @@ def estimate(
         )
     value = point(grids, figure)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ip, ir = draws(seed, *shape, resamples)
-        # [B, P, R] -> sums over the redrawn prompts [B, R] -> the redrawn rounds' columns [B, R]
-        sums = [np.take_along_axis(g[ip].sum(1), ir, axis=1) for g in grids]
+        index = draws(seed, *shape, resamples)  # [B, P, R]
+        column = np.arange(shape[1])[None, None, :]  # [1, 1, R]: each round redraws its own cells
+        sums = [g[index, column].sum(1) for g in grids]  # [B, P, R] -> [B, R]
         stats = np.median(figure(*sums), axis=1)  # [B]
     tail = (1 - level) / 2
     low, high = np.nanquantile(stats, [tail, 1 - tail]) if np.isfinite(stats).any() else (np.nan, np.nan)
