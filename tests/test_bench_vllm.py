@@ -208,7 +208,7 @@ def test_offline_repeats_keep_every_pass_as_a_round(tmp_path, monkeypatch):
     assert [u.prompt for u in m["chat"].units] == [1, 1, 1] and m["chat"].wall_s == 7.0
     assert m["code"].output_tokens == 27 and m["code"].num_prompts == 9  # every pass counted
     d = {"repeats": 3, "backend": "vllm-offline"}
-    assert passes(d) == ", 3 rounds over the prompts (in each engine)" and passes({"backend": "x"}) == ""
+    assert passes(d) == ", 3 rounds over the prompts, in each engine" and passes({"backend": "x"}) == ""
 
 
 def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tiny_verifier_dir, monkeypatch):

@@ -42,7 +42,7 @@ def with_interval(r: dict[str, Any], name: str, digits: int = 2, suffix: str = "
     e = estimate_of(r, name)
     if e is None:
         return fmt(r.get(name), digits, suffix)
-    return f"{fmt(e.value, digits, suffix)} [{fmt(e.low, digits)}-{fmt(e.high, digits, suffix)}]"
+    return f"{fmt(e.value, digits, suffix)} [{fmt(e.low, digits)}-{fmt(e.high, digits)}]"
 
 
 def ranking_lines(d: dict[str, Any]) -> list[str]:
@@ -362,7 +362,7 @@ def passes(d: dict[str, Any]) -> str:
     out = ""
     if n > 1:
         how = "methods interleaved round by round" if d["backend"] == "embedded" else "in each engine"
-        out = f", {n} rounds over the prompts ({how})"
+        out = f", {n} rounds over the prompts, {how}"
     if r > 1:
         out += f", {r} engine rounds per configuration (order reversed every other round)"
     return out
@@ -378,8 +378,9 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
         f"max_new_tokens {d['max_new_tokens']}",
         "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
-        "- each figure: the median over rounds [95% interval, paired bootstrap over prompts x rounds]; "
-        "a ranking below is written only where two intervals do not overlap, else the methods tie",
+        "- each figure: the median over rounds [95% interval: bootstrap over the (prompt, round) cells, "
+        "paired with the reference for ratios]; a ranking below is written only where two intervals "
+        "do not overlap, else the methods tie",
         '- "= plain": prompts whose greedy output ids equal no-spec\'s exactly (ids in outputs.jsonl)',
     ]
     provenance = provenance_line(d)
