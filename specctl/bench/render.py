@@ -601,9 +601,11 @@ def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
 
 def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
     """Write report.json and outputs.jsonl (always) and report.md + acceptance.png, and sweep.png
-    for a sweep (when `figures`)."""
+    for a sweep (when `figures`: the intervals are bootstrapped then too, else left null)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    d = redact_tree(report_dict(report))  # a server URL's credentials stay out of the files
+    d = redact_tree(
+        report_dict(report, intervals=figures)
+    )  # a server URL's credentials stay out of the files
     paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
     write_atomic(paths["json"], json.dumps(d, indent=2) + "\n", durable=False)
     write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)), durable=False)
