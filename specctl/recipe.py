@@ -414,10 +414,11 @@ class BenchSection(Section):
         None,
         ge=1,
         description="Rounds over all prompts (`bench --repeat R`). Each figure is the median over "
-        "rounds with a 95% interval from a paired bootstrap over prompts x rounds. The embedded "
-        "backend interleaves methods round by round, the order rotated each round; vllm, "
-        "vllm-offline and a --base-url server repeat inside each configuration's engine (its passes "
-        "not interleaved with other methods'; --engine-rounds interleaves engines). Unset: 3 when "
+        "rounds with a 95% interval from a bootstrap over the (prompt, round) cells, paired for "
+        "speedups. The embedded backend interleaves methods round by round, the order rotated "
+        "each round; vllm, vllm-offline and a --base-url server repeat inside each configuration's "
+        "engine (its passes not interleaved with other methods'; --engine-rounds interleaves "
+        "engines). Unset: 3 when "
         "one round decodes at most 4096 tokens (prompts x max_new_tokens x configurations x "
         "concurrency levels), else 1. On a shared CPU a slow spell moved one pass by 20-40%.",
     )
