@@ -6,6 +6,9 @@ is 1.0), per-position acceptance = accepted_at_position / drafts, and speedup = 
 tokens/s over the plain-decoding run of the same report. Each method's generated token ids
 are kept per prompt, so a greedy run also shows whether speculation reproduced plain
 decoding token for token (outputs_match_plain), the losslessness check speedups rest on.
+Each timed (prompt, round) cell is kept (`Unit`, report.json's `units`); tok/s, speedup, the
+ratio to the baseline and tau are the median over rounds with a 95% interval from them
+(specctl.bench.intervals).
 
 A sweep (`--sweep-k`, or several concurrency levels) measures every drafter at several K and
 concurrency levels and recommends, per drafter and level, the K with the highest output

@@ -6,10 +6,12 @@ Every configuration sees the same token ids, the same per-prompt seeds and the s
 through one backend (specctl.bench.backends: the embedded engine, a vLLM server, vLLM offline).
 
 On the embedded backend the methods take turns prompt by prompt (prompt_rounds), so a slow spell
-of the machine falls on all of them alike; a vLLM backend measures one method on every prompt,
-then the next (an engine start per method). The report is rewritten after every measurement, so
-an interrupted run (Ctrl-C, SIGTERM) leaves what it finished in report.json, marked incomplete:
-every method on the same prompts.
+of the machine falls on all of them alike, and every prompt is decoded in bench.repeats rounds,
+the order rotated each round (repeat_rounds, round_order); a vLLM backend measures one method on
+every prompt, repeating its passes in that engine, then the next (an engine start per method).
+Each figure is then the median over rounds with a 95% interval (specctl.bench.intervals). The
+report is rewritten after every measurement, so an interrupted run (Ctrl-C, SIGTERM) leaves what
+it finished in report.json, marked incomplete: every method on the same prompts.
 """
 
 from __future__ import annotations
