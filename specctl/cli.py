@@ -270,7 +270,12 @@ ThresholdOpt = Annotated[
 ]
 RepeatsOpt = Annotated[
     int | None,
-    typer.Option(help="vllm-offline: passes per configuration; each category reports its median pass."),
+    typer.Option(
+        "--repeat",
+        "--repeats",
+        help="Rounds over all prompts (bench.repeats; default 3 for a short run, else 1): each figure "
+        "the median over rounds with a 95% interval.",
+    ),
 ]
 EngineRoundsOpt = Annotated[
     int | None,

@@ -410,12 +410,17 @@ class BenchSection(Section):
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     concurrency: int = Field(1, ge=1, description="Concurrent requests (vLLM backend).")
-    repeats: int = Field(
-        1,
+    repeats: int | None = Field(
+        None,
         ge=1,
-        description="vllm-offline: decode each configuration's prompts this many times in its engine "
-        "and keep, per category, the pass at the median output tokens/s. On a shared CPU a slow "
-        "spell of a few seconds moved one pass by 20-40%; the median of 3 is robust to one.",
+        description="Rounds over all prompts (`bench --repeat R`). Each figure is the median over "
+        "rounds with a 95% interval from a bootstrap over the (prompt, round) cells, paired for "
+        "speedups. The embedded backend interleaves methods round by round, the order rotated "
+        "each round; vllm, vllm-offline and a --base-url server repeat inside each configuration's "
+        "engine (its passes not interleaved with other methods'; --engine-rounds interleaves "
+        "engines). Unset: 3 when "
+        "one round decodes at most 4096 tokens (prompts x max_new_tokens x configurations x "
+        "concurrency levels), else 1. On a shared CPU a slow spell moved one pass by 20-40%.",
     )
     engine_rounds: int = Field(
         1,

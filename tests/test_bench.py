@@ -712,7 +712,13 @@ def fake_generate(
 @pytest.fixture
 def fake_engine():
     fake_generate.calls = []
-    return {"generate_fn": fake_generate, "load_drafter_fn": fake_load_drafter, "progress": False}
+    # one round: these tests count a single pass (a short run's default is 3, see test_repeat_*)
+    return {
+        "generate_fn": fake_generate,
+        "load_drafter_fn": fake_load_drafter,
+        "progress": False,
+        "repeats": 1,
+    }
 
 
 def _recipe(tmp_path, verifier, **bench):
@@ -1025,6 +1031,91 @@ def test_a_slow_spell_falls_on_every_method_alike(tmp_path, tiny_verifier_dir, f
     )
 
 
+def test_repeat_interleaves_methods_round_by_round(tmp_path, tiny_verifier_dir, fake_engine):
+    """--repeat 2 on the embedded backend: every method decodes every prompt in each round, the
+    methods taking turns prompt by prompt, their order rotated by one each round; the report keeps
+    each (prompt, round) cell and gives each figure with its interval, the ranking following it."""
+    d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
+    e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
+    report = run_bench(
+        drafters=[e, d],
+        output=tmp_path / "o",
+        num_prompts=2,
+        max_new_tokens=8,
+        requires=["dflash.speedup>=3.3"],
+        **{**fake_engine, "repeats": 2},
+    )
+    names = {None: "no-spec", ACCEPT["eagle3"]: "eagle3", ACCEPT["dflash"]: "dflash"}
+    measured = [(names[getattr(c[0], "accept", None)], c[3]) for c in fake_generate.calls if c[2] == 8]
+    first, rotated = ["no-spec", "eagle3", "dflash"], ["eagle3", "dflash", "no-spec"]
+    assert measured == [
+        *[(m, 0) for m in first],  # round 0, prompt 0 (seed 0 + index)
+        *[(m, 1) for m in first],  # round 0, prompt 1
+        *[(m, 0) for m in rotated],  # round 1: the order rotated
+        *[(m, 1) for m in rotated],
+    ]
+    d = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert d["repeats"] == 2 and report.ok
+    for r in d["results"]:
+        cells = sorted(zip(r["units"]["prompt"], r["units"]["round"], strict=True))
+        assert r["rounds"] == 2 and cells == [(0, 0), (0, 1), (1, 0), (1, 1)] and r["num_prompts"] == 4
+    plain, eagle, dflash = d["results"]
+    # the fake engine's walls repeat exactly, so every interval is a point: 8 tokens in 2 steps
+    assert dflash["speedup"] == pytest.approx((8 / (2 * DRAFT_COST)) / (8 / (8 * TOKEN_COST)))
+    assert dflash["intervals"]["speedup"] == pytest.approx([dflash["speedup"]] * 2)
+    assert plain["intervals"]["speedup"] == [1.0, 1.0] and eagle["intervals"]["acceptance_length"] == [
+        2.0,
+        2.0,
+    ]
+    md = (tmp_path / "o" / "report.md").read_text()
+    assert "| 3.33x [3.33-3.33] |" in md and "2 rounds over the prompts, methods interleaved" in md
+    assert (
+        "- dflash is faster than no-spec (speedup over no-spec 3.33x [3.33-3.33] vs 1.00x [1.00-1.00])" in md
+    )
+    assert "- dflash is faster than eagle3" in md and "- eagle3 is faster than no-spec" in md
+
+
+def test_recommendations_follow_the_speedup_interval():
+    """A recommended K slower than no-spec only when its speedup's interval lies below 1; one that
+    holds 1 ties (the point figure alone would have said "slower" at 0.97x)."""
+    from specctl.bench.render import recommendation_lines
+
+    def line(speedup, interval):
+        rec = {"num_speculative_tokens": 2, "output_tokens_per_s": 10.0, "acceptance_length": 2.0}
+        rec |= {"speedup": speedup, "intervals": {"speedup": interval}, "speculative_config": None}
+        return recommendation_lines({"sweep": {"recommended": {"dflash": {"1": rec}}}})[0][0]
+
+    assert line(0.97, [0.9, 1.05]).endswith("tau 2.00; dflash and no-spec tie)")
+    assert "0.97x [0.90-1.05] no-spec" in line(0.97, [0.9, 1.05])
+    assert line(0.85, [0.8, 0.9]).endswith("; no-spec is faster than dflash, serve without speculation)")
+    assert line(1.3, [1.2, 1.4]).endswith("tau 2.00)")
+    assert line(0.85, None).endswith("; slower than no-spec, serve without speculation)")  # an older report
+
+
+def test_cli_repeat_and_its_alias(monkeypatch, tmp_path):
+    """--repeat R, and --repeats as before (benchmarks/results.py and the Makefile pass it)."""
+    from typer.testing import CliRunner
+
+    import specctl.bench.run
+    from specctl.cli import app
+
+    seen = {}
+
+    def fake_run_bench(recipe, **kw):
+        seen.update(kw)
+        r = _sweep_report()
+        r.output_dir = tmp_path
+        return r
+
+    monkeypatch.setattr(specctl.bench.run, "run_bench", fake_run_bench)
+    for flag, value in (("--repeat", 2), ("--repeats", 3)):
+        result = CliRunner().invoke(app, ["bench", "--drafter", "x", flag, str(value)])
+        assert result.exit_code == 0, result.output
+        assert seen["repeats"] == value
+    CliRunner().invoke(app, ["bench", "--drafter", "x"])
+    assert seen["repeats"] is None  # decided from the plan
+
+
 def test_plan_methods_baseline_dedup(tmp_path):
     e = _write_drafter(tmp_path / "e", "eagle3", 3, "v")
     d = _write_drafter(tmp_path / "d", "dflash", 4, "v")
@@ -1067,7 +1158,10 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
     assert plain["output_tokens"] == dflash["output_tokens"] > 0
     # token for token: greedy speculation reproduces plain decoding on every prompt
     assert dflash["outputs_match_plain"] == 1.0 and dflash["outputs_compared"] == 3
-    assert sum(len(ids) for ids in report.results[1].total.outputs.values()) == dflash["output_tokens"]
+    # a short run's default: 3 rounds, every prompt decoded in each
+    assert report.repeats == 3 and dflash["rounds"] == 3 and len(dflash["units"]["prompt"]) == 9
+    ids = sum(len(ids) for ids in report.results[1].total.outputs.values())
+    assert 3 * ids == dflash["output_tokens"]
     assert dflash["num_drafts"] > 0 and dflash["num_speculative_tokens"] == 3
     assert dflash["num_draft_tokens"] <= 3 * dflash["num_drafts"]
     assert len(dflash["per_position_acceptance"]) == 3
@@ -1113,6 +1207,9 @@ def _sweep_report() -> BenchReport:
     return r
 
 
+NO_INTERVALS = dict.fromkeys(("output_tokens_per_s", "speedup", "ratio_vs_baseline", "acceptance_length"))
+
+
 def test_sweep_report_points_and_recommendations(tmp_path):
     r = _sweep_report()
     assert [(x.method.name, x.method.num_speculative_tokens) for x in r.results] == [
@@ -1138,6 +1235,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                 "draft_tokens_per_accepted": pytest.approx(30 / 18),
                 "output_tokens_per_s": pytest.approx(36.0),
                 "speedup": pytest.approx(36 / 16),
+                "intervals": NO_INTERVALS,  # built by hand: no units to resample
                 "speculative_config": {
                     "method": "dflash",
                     "model": str(Path("/d").resolve()),
@@ -1151,6 +1249,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                 "draft_tokens_per_accepted": pytest.approx(20 / 14),
                 "output_tokens_per_s": pytest.approx(70.0),
                 "speedup": pytest.approx(70 / 80),
+                "intervals": NO_INTERVALS,  # built by hand: no units to resample
                 "speculative_config": {
                     "method": "dflash",
                     "model": str(Path("/d").resolve()),

@@ -155,11 +155,11 @@ def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_
     from specctl.bench import offline
     from specctl.bench.vllm import VllmVerifier
 
+    code = {"num_prompts": 2, "output_tokens": 5, "wall_s": 1.0, "counters": [0, 0, 0, [], 5]}
+    chat = {"num_prompts": 1, "output_tokens": 1, "wall_s": 1.0, "counters": [0, 0, 0, [], 1]}
     result = {
-        "code": {"num_prompts": 2, "output_tokens": 5, "wall_s": 1.0, "counters": [0, 0, 0, [], 5]}
-        | {"outputs": {"0": [7, 7, 2], "2": [7, 2]}},
-        "chat": {"num_prompts": 1, "output_tokens": 1, "wall_s": 1.0, "counters": [0, 0, 0, [], 1]}
-        | {"outputs": {"1": [2]}},
+        "code": {"passes": [code | {"first_prompt": 0, "outputs": {"0": [7, 7, 2], "2": [7, 2]}}]},
+        "chat": {"passes": [chat | {"first_prompt": 1, "outputs": {"1": [2]}}]},
     }
     monkeypatch.setattr(offline, "measure_offline", lambda *a, **k: offline_measurements(result, 0))
     done = []
@@ -170,16 +170,17 @@ def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_
     assert sorted(done) == [1, 2, 3] and point.concurrency == 2
 
 
-def test_offline_repeats_keep_each_categorys_median_pass_whole(tmp_path, monkeypatch):
-    """Three passes per category: the kept one is the median by tokens/s, with its own counters and
-    ids (not another pass's), and every pass's rate is listed beside it."""
+def test_offline_repeats_keep_every_pass_as_a_round(tmp_path, monkeypatch):
+    """Three passes in one engine, pass after pass over the categories: each kept whole, with
+    its own wall time, counter delta and ids, and read back as one Unit per (category, pass):
+    the category's first prompt, the pass its round."""
     from types import SimpleNamespace
 
     from specctl.bench import offline
     from specctl.bench.render import passes
 
-    # per pass: start, end; the warm-up takes no clock reading
-    clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0, 30.0, 31.0, 40.0, 44.0, 50.0, 52.0])
+    # per pass and category (code, chat): start, end; the warm-up takes no clock reading
+    clock = iter([0.0, 1.0, 10.0, 11.0, 20.0, 23.0, 30.0, 34.0, 40.0, 42.0, 50.0, 52.0])
     monkeypatch.setattr(offline, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
     calls = iter(range(100))
     snapshots = iter(
@@ -187,19 +188,27 @@ def test_offline_repeats_keep_each_categorys_median_pass_whole(tmp_path, monkeyp
     )
 
     def generate(prompts, max_tokens):
-        n = next(calls)  # pass n writes token n, so each pass's ids tell it apart
+        n = next(calls)  # call n writes token n, so each pass's ids tell it apart
         return [[n] * 3 for _ in prompts]
 
     setup = _setup(tmp_path, max_new_tokens=3, repeats=3)
     job = json.loads(json.dumps(offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)))
-    result = run_offline_job(job, generate, lambda: next(snapshots))
-    code = result["code"]  # 3 prompts x 3 tokens = 9 per pass: walls 1, 3, 2 -> rates 9, 3, 4.5
-    assert code["pass_tokens_per_s"] == [9.0, 3.0, 4.5]
-    assert code["wall_s"] == 2.0 and code["outputs"]["0"] == [3, 3, 3]  # the third pass (calls 1-3)
-    assert code["counters"] == [10, 30, 5, [5], 12]  # its own counter delta
-    chat = result["chat"]  # 2 prompts: walls 1, 4, 2 -> the 2 s pass
-    assert chat["wall_s"] == 2.0 and chat["outputs"]["1"] == [6, 6, 6]
-    assert passes({"repeats": 3}) == ", each category the median of 3 passes" and passes({}) == ""
+    result = json.loads(json.dumps(run_offline_job(job, generate, lambda: next(snapshots))))
+    code, chat = result["code"]["passes"], result["chat"]["passes"]
+    assert [p["wall_s"] for p in code] == [1.0, 3.0, 2.0] and [p["wall_s"] for p in chat] == [1.0, 4.0, 2.0]
+    assert [p["outputs"]["0"][0] for p in code] == [1, 3, 5]  # calls 1, 3, 5: code first in each pass
+    assert [p["outputs"]["1"][0] for p in chat] == [2, 4, 6]
+    assert code[1]["counters"] == [10, 30, 5, [5], 12]  # its own delta
+    m = offline_measurements(result, 3)
+    assert [(u.prompt, u.round, u.num_prompts, u.output_tokens, u.wall_s) for u in m["code"].units] == [
+        (0, 0, 3, 9, 1.0),
+        (0, 1, 3, 9, 3.0),
+        (0, 2, 3, 9, 2.0),
+    ]
+    assert [u.prompt for u in m["chat"].units] == [1, 1, 1] and m["chat"].wall_s == 7.0
+    assert m["code"].output_tokens == 27 and m["code"].num_prompts == 9  # every pass counted
+    d = {"repeats": 3, "backend": "vllm-offline"}
+    assert passes(d) == ", 3 rounds over the prompts, in each engine" and passes({"backend": "x"}) == ""
 
 
 def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tiny_verifier_dir, monkeypatch):
@@ -264,26 +273,36 @@ def test_engine_rounds_need_an_engine_to_restart():
         bench_settings(None, backend="vllm-offline", engine_rounds=0)
 
 
-def test_repeats_are_offline_only(tmp_path):
-    from specctl.bench.plan import bench_settings
+def test_every_backend_repeats(tmp_path):
+    """--repeat R is one setting every backend reads: the embedded engine in rounds, the engine
+    backends inside each engine; unset, the run's length decides (default_repeats)."""
+    from specctl.bench.plan import AUTO_REPEAT_TOKENS, AUTO_REPEATS, bench_settings, default_repeats
     from specctl.errors import UsageError
 
-    with pytest.raises(UsageError, match="--repeats 3: only --backend vllm-offline repeats its passes"):
-        bench_settings(None, backend="embedded", repeats=3)
-    assert bench_settings(None, backend="vllm-offline", repeats=3)[0].repeats == 3
+    for backend in ("embedded", "vllm", "vllm-offline"):
+        assert bench_settings(None, backend=backend, repeats=3)[0].repeats == 3
+    assert bench_settings(None, base_url="http://127.0.0.1:9", repeats=2)[0].repeats == 2
+    assert bench_settings(None)[0].repeats is None  # decided from the plan
     with pytest.raises(UsageError, match="--repeats 0"):
         bench_settings(None, backend="vllm-offline", repeats=0)
+    # brute force over the rule: prompts x tokens x configurations x levels against the bound
+    for prompts, tokens, configs, levels in [
+        (16, 128, 2, 1),
+        (16, 128, 3, 1),
+        (4, 32, 6, 3),
+        (1, 4097, 1, 1),
+    ]:
+        short = prompts * tokens * configs * levels <= AUTO_REPEAT_TOKENS
+        assert default_repeats(prompts, tokens, configs, levels) == (AUTO_REPEATS if short else 1)
 
 
 def test_backend_capabilities_are_one_table():
-    """--concurrency levels and --repeats are checked against the same rows: each backend has one,
+    """--concurrency levels and --engine-rounds are checked against the same rows: each backend has one,
     and the usage errors name the backends that can do what was asked."""
-    from specctl.bench.plan import BACKENDS, CAPS, REMOTE, backend_levels, bench_settings
+    from specctl.bench.plan import BACKENDS, CAPS, REMOTE, backend_levels
     from specctl.errors import UsageError
 
     assert set(CAPS) == {*BACKENDS, REMOTE}
-    with pytest.raises(UsageError, match="only --backend vllm-offline repeats its passes; drop --repeats"):
-        bench_settings(None, backend="vllm", repeats=2)
     assert backend_levels("vllm", [1, 4, 16], 1) == [1, 4, 16]
     assert backend_levels(REMOTE, None, 8) == [8]
     assert backend_levels("vllm-offline", [4], 1) == [4]
@@ -320,9 +339,10 @@ def test_offline_worker_result_round_trip(tmp_path):
     c = code.counters
     assert (c.num_drafts, c.num_draft_tokens, c.accepted_per_position) == (2, 6, [1, 1, 1])
     assert out["chat"].outputs == {1: [21, 2], 3: [23] * 3 + [2]}
-    # a result written before ids were recorded still reads, without outputs
-    del result["chat"]["outputs"]
-    assert offline_measurements(result, 3)["chat"].outputs == {}
+    # a pass without ids still reads, without outputs, its Unit named by its first prompt
+    del result["chat"]["passes"][0]["outputs"]
+    chat = offline_measurements(result, 3)["chat"]
+    assert chat.outputs == {} and [u.prompt for u in chat.units] == [1]
 
 
 # ---------------------------------------------------------------- a fake vLLM server
@@ -629,6 +649,7 @@ def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
         output=out,
         progress=False,
         ready_timeout_s=30.0,
+        repeats=1,  # one pass per server: the counts below are one pass's
     )
     assert report.ok, report.errors
     assert servers == [("no-spec", (1, 2), 1), ("dflash-k1", (1, 2), 1), ("dflash-k3", (1, 2), 1)]
@@ -1072,6 +1093,7 @@ def test_base_url_on_a_plain_openai_server_reports_latency_not_acceptance(
             concurrency=[1, 2],
             output=out,
             progress=False,
+            repeats=1,  # one pass: the counts below are one pass's
         )
         assert _health(url) == 200 and proc.poll() is None  # nothing was stopped
     assert report.ok, report.errors
@@ -1120,6 +1142,7 @@ def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny
             progress=False,
             concurrency=2,
             requires=["server.acceptance_length>=3", "server.median_ttft_ms>=0"],
+            repeats=2,
         )
     assert report.ok, (report.errors, report.failures)
     d = json.loads((out / "report.json").read_text())
@@ -1127,7 +1150,16 @@ def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny
     assert d["verifier"] == str(tiny_verifier_dir) and d["provenance"]["server"]["vllm_version"] == "0.0.fake"
     assert r["num_speculative_tokens"] == 3 and r["acceptance_length"] == 3.0
     assert r["per_position_acceptance"] == [1.0, 1.0, 0.0]
-    assert r["output_tokens"] == 3 * 12 == r["server_generation_tokens"] and r["median_ttft_ms"] is not None
+    # two passes over the 3 prompts: each (category, pass) one unit, its counters its own delta
+    assert (
+        r["output_tokens"] == 2 * 3 * 12 == r["server_generation_tokens"] and r["median_ttft_ms"] is not None
+    )
+    units = r["units"]
+    assert d["repeats"] == 2 and r["rounds"] == 2 and sorted(set(units["round"])) == [0, 1]
+    assert sum(units["output_tokens"]) == 72 and all(
+        a == 2 * n for a, n in zip(units["num_accepted_tokens"], units["num_drafts"], strict=True)
+    )
+    assert r["intervals"]["acceptance_length"] == [3.0, 3.0] and r["intervals"]["speedup"] is None
     ids = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     sent = [json.loads(line) for line in requests.read_text().splitlines()]
     measured = [b for b in sent if b["max_tokens"] == 12]
@@ -1147,6 +1179,7 @@ def test_base_url_shared_with_another_client_is_an_error(tmp_path, fake_server, 
             max_new_tokens=6,
             output=tmp_path / "o",
             progress=False,
+            repeats=1,  # one pass: 12 tokens received, 22 generated
         )
     assert not report.ok
     assert "another client is using it" in report.errors[0] and "generated 22 tokens" in report.errors[0]

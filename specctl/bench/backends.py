@@ -90,7 +90,7 @@ def open_backend(
         stop_token_ids=verifier.stop_token_ids,
         log_dir=log_dir,
         ready_timeout_s=settings.ready_timeout_s,
-        repeats=settings.repeats,
+        repeats=settings.repeats or 1,
         extra_args=(
             *(["--dtype", dtype] if dtype else []),
             *(["--revision", section.revision] if section.revision else []),

@@ -14,7 +14,7 @@ import torch
 
 from specctl.bench.plan import Groups, Method
 from specctl.bench.prompts import BenchPrompt
-from specctl.bench.report import Measurement, MethodResult, Point
+from specctl.bench.report import Measurement, MethodResult, Point, Unit
 from specctl.counters import SpecCounters
 from specctl.kernels import apply_kernel
 from specctl.recipe import BenchSection, VerifierSection
@@ -22,7 +22,8 @@ from specctl.recipe import BenchSection, VerifierSection
 
 class EmbeddedBackend:
     """measure(method, prompts): each prompt decoded alone, engine-timed (prefill + decode); the
-    generated ids are kept (the report compares them with plain decoding's)."""
+    generated ids are kept (the report compares them with plain decoding's), and each prompt is one
+    Unit (round 0: the run says which repetition it was)."""
 
     name = "embedded"
     levels = (1,)
@@ -108,7 +109,9 @@ class EmbeddedBackend:
                     c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_position)
                 )
                 # the ids include the EOS when it stopped the answer, as output_tokens counts it
-                m = m + Measurement(1, len(r.tokens), r.wall_s, counters, {index: [int(t) for t in r.tokens]})
+                unit = Unit(index, 0, 1, len(r.tokens), r.wall_s, c.num_drafts, c.num_accepted_tokens)
+                ids = {index: [int(t) for t in r.tokens]}
+                m = m + Measurement(1, len(r.tokens), r.wall_s, counters, ids, units=[unit])
                 if self.on_done:
                     self.on_done(len(r.tokens))
             categories[category] = m

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specctl.bench.plan import Groups, Method, max_model_len
-from specctl.bench.report import Measurement, MethodResult, Point
+from specctl.bench.report import Measurement, MethodResult, Point, Unit
 from specctl.bench.vllm import (
     MetricsSnapshot,
     VllmError,
@@ -88,15 +88,33 @@ def measure_offline(
 
 
 def offline_measurements(result: dict[str, Any], num_speculative_tokens: int) -> dict[str, Measurement]:
-    """The worker's result JSON (see run_offline_job) as measurements per category."""
+    """The worker's result JSON (see run_offline_job) as measurements per category: every pass
+    summed, each pass one Unit (the category's prompts timed together: vLLM's offline generate
+    returns no per-request wall time, and its counters are engine-wide), named by the category's
+    first prompt index, its round the pass."""
     out = {}
     for category, r in result.items():
-        drafts, draft_tokens, accepted, per_pos, generated = r["counters"]
-        delta = MetricsSnapshot(SpecCounters(drafts, draft_tokens, accepted, list(per_pos)), generated)
-        outputs = {int(i): [int(t) for t in ids] for i, ids in r.get("outputs", {}).items()}
-        out[category] = to_measurement(
-            delta, r["num_prompts"], r["output_tokens"], r["wall_s"], num_speculative_tokens, outputs
-        )
+        total = Measurement()
+        for round_, p in enumerate(r["passes"]):
+            drafts, draft_tokens, accepted, per_pos, generated = p["counters"]
+            delta = MetricsSnapshot(SpecCounters(drafts, draft_tokens, accepted, list(per_pos)), generated)
+            outputs = {int(i): [int(t) for t in ids] for i, ids in p.get("outputs", {}).items()}
+            m = to_measurement(
+                delta, p["num_prompts"], p["output_tokens"], p["wall_s"], num_speculative_tokens, outputs
+            )
+            m.units = [
+                Unit(
+                    p["first_prompt"],
+                    round_,
+                    p["num_prompts"],
+                    p["output_tokens"],
+                    p["wall_s"],
+                    drafts,
+                    accepted,
+                )
+            ]
+            total = total + m
+        out[category] = total
     return out
 
 
@@ -119,7 +137,6 @@ class OfflineBackend:
         self.tokenizer, self.verifier, self.setup = verifier.tokenizer, verifier, setup
         self.levels, self.max_k, self.sweeping, self.say = (setup.concurrency,), max_k, sweeping, say
         self.on_done = on_done  # once per prompt, with its tokens, when its configuration is done
-        self.repeats = setup.repeats  # passes per configuration (the report says how it measured)
         self.started: Counter[Method] = Counter()  # engines started per configuration (log names)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
@@ -145,22 +162,17 @@ def run_offline_job(
     job: dict[str, Any], generate: OfflineGenerate, counters: Callable[[], MetricsSnapshot]
 ) -> dict[str, Any]:
     """The worker's measuring loop, apart from vLLM so tests can drive it with fakes: a warm-up,
-    then per category `repeats` passes over its prompts, of which the one at the median output
-    tokens/s is kept whole (its counter delta, wall time and each prompt's generated ids; JSON
-    keys are strings: the prompt index) and every pass's tokens/s listed beside it. The ids are
-    vLLM's token_ids, stop token included, so their lengths add up to output_tokens as on the
+    then `repeats` passes over every category's prompts (pass after pass, so a slow spell hits one
+    pass of every category rather than every pass of one), each kept whole: its counter delta,
+    wall time and each prompt's generated ids (JSON keys are strings: the prompt index). The ids
+    are vLLM's token_ids, stop token included, so their lengths add up to output_tokens as on the
     server."""
     first = next(p for g in job["groups"].values() for p in g)
     generate([(first[0], first[1])], 4)  # warm-up, not measured
-    result: dict[str, Any] = {}
-    for category, prompts in job["groups"].items():
-        passes = [
-            _one_pass(prompts, job["max_new_tokens"], generate, counters) for _ in range(job["repeats"])
-        ]
-        rates = [p["output_tokens"] / p["wall_s"] if p["wall_s"] > 0 else 0.0 for p in passes]
-        # the middle pass by rate (of an even count, the slower middle one: no flattering)
-        median = sorted(range(len(passes)), key=lambda k: rates[k])[(len(passes) - 1) // 2]
-        result[category] = passes[median] | {"pass_tokens_per_s": rates}
+    result: dict[str, Any] = {category: {"passes": []} for category in job["groups"]}
+    for _ in range(job["repeats"]):
+        for category, prompts in job["groups"].items():
+            result[category]["passes"].append(_one_pass(prompts, job["max_new_tokens"], generate, counters))
     return result
 
 
@@ -178,6 +190,7 @@ def _one_pass(
     delta = counters() - before
     d = delta.counters
     return {
+        "first_prompt": prompts[0][0],  # names the pass's Unit
         "num_prompts": len(prompts),
         "output_tokens": sum(len(ids) for ids in outs),
         "wall_s": wall,

@@ -42,33 +42,30 @@ Groups = dict[str, list[tuple[int, BenchPrompt]]]  # category -> (prompt index, 
 @dataclass(frozen=True)
 class BackendCaps:
     """What a backend measures beyond one pass at one concurrency level. The --concurrency and
-    --repeats checks both read `CAPS`, so what a backend can do is written once, here."""
+    --engine-rounds checks both read `CAPS`, so what a backend can do is written once, here. Every
+    backend repeats (bench.repeats): the embedded one round by round, methods taking turns; the
+    engine ones in each configuration's engine (`repeat_rounds`)."""
 
     levels: bool  # several concurrency levels in one run (a server takes any load)
-    repeats: bool  # N passes per configuration in one engine, the median kept
     engine_rounds: bool  # the prompts split into rounds, an engine per configuration per round
     why_one_level: str = ""  # why it measures a single level (the usage error says it)
-    why_no_repeats: str = ""  # what it does instead of repeating (the usage error says it)
     fixed_level: int | None = None  # the one level it always measures at, whatever was asked
 
 
 CAPS = {
     "embedded": BackendCaps(
         levels=False,
-        repeats=False,
         engine_rounds=False,
         why_one_level="decodes one request at a time",
-        why_no_repeats="the embedded backend takes turns prompt by prompt instead",
         fixed_level=1,
     ),
-    "vllm": BackendCaps(levels=True, repeats=False, engine_rounds=True),
+    "vllm": BackendCaps(levels=True, engine_rounds=True),
     "vllm-offline": BackendCaps(
         levels=False,
-        repeats=True,
         engine_rounds=True,
         why_one_level="starts one engine per configuration, at one level",
     ),
-    REMOTE: BackendCaps(levels=True, repeats=False, engine_rounds=False),
+    REMOTE: BackendCaps(levels=True, engine_rounds=False),
 }
 
 
@@ -123,14 +120,20 @@ def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSectio
             f"--engine-rounds {given['engine_rounds']}: the {backend} backend {how}; "
             f"drop --engine-rounds or use {able}"
         )
-    if given.get("repeats", 1) > 1 and not CAPS[backend].repeats:
-        able = ", ".join(name for name, caps in CAPS.items() if caps.repeats)
-        why = f" ({CAPS[backend].why_no_repeats})" if CAPS[backend].why_no_repeats else ""
-        raise UsageError(
-            f"--repeats {given['repeats']}: only --backend {able} repeats its passes{why}; "
-            f"drop --repeats or use {able}"
-        )
     return settings, backend
+
+
+AUTO_REPEATS = 3  # rounds when bench.repeats is unset and the run is short (`default_repeats`)
+AUTO_REPEAT_TOKENS = 4096  # "short": at most this many tokens decoded per round, all configurations
+
+
+def default_repeats(num_prompts: int, max_new_tokens: int, configs: int, levels: int = 1) -> int:
+    """Rounds for a run that leaves bench.repeats unset: AUTO_REPEATS when one round decodes at
+    most AUTO_REPEAT_TOKENS tokens (prompts x max_new_tokens x configurations x concurrency
+    levels), else 1. Three rounds give a median and an interval that sees machine drift; a run
+    past the bound (a K sweep, long answers) would triple a wait that already takes minutes."""
+    tokens = num_prompts * max_new_tokens * configs * levels
+    return AUTO_REPEATS if tokens <= AUTO_REPEAT_TOKENS else 1
 
 
 def backend_levels(backend: str, asked: list[int] | None, default: int) -> list[int]:
@@ -524,11 +527,29 @@ def prompt_rounds(groups: Groups, interleave: bool, engine_rounds: int = 1) -> l
     return rounds
 
 
-def round_order(configs: Sequence[Method], round_index: int, interleave: bool) -> list[Method]:
+def repeat_rounds(rounds: Sequence[Groups], repeats: int, interleave: bool) -> list[tuple[int, Groups]]:
+    """(repetition, prompts) in the order they are measured. Interleaved (the embedded engine):
+    every prompt round once per repetition, repetition after repetition, so each method decodes
+    every prompt `repeats` times and the methods take turns throughout. An engine backend repeats
+    inside each configuration's engine (one start, `repeats` passes: bench.repeats reaches it
+    through the settings), so its rounds are measured once, as repetition 0: the passes of
+    different methods are then not interleaved (--engine-rounds interleaves engines)."""
+    if not interleave:
+        return [(0, chunk) for chunk in rounds]
+    return [(r, chunk) for r in range(repeats) for chunk in rounds]
+
+
+def round_order(
+    configs: Sequence[Method], round_index: int, interleave: bool, repetition: int = 0
+) -> list[Method]:
     """The order the configurations take in a round: engine rounds alternate it (A B C, then
     C B A), so no configuration always runs first or last, when a machine tends to be warmer
-    or busier; interleaved rounds (one prompt each) keep it, plain decoding first."""
-    return list(configs) if interleave or round_index % 2 == 0 else list(reversed(configs))
+    or busier; interleaved rounds (one prompt each) keep it within a repetition, rotated by one
+    each repetition (A B C, then B C A, then C A B), so each method runs first on some pass."""
+    if interleave:
+        shift = repetition % len(configs) if configs else 0
+        return list(configs[shift:]) + list(configs[:shift])
+    return list(configs) if round_index % 2 == 0 else list(reversed(configs))
 
 
 def reported_rounds(rounds_done: Sequence[int]) -> int:

@@ -143,6 +143,7 @@ class RemoteBackend:
         self.verifier_name, self.tokenizer = source, self.verifier.tokenizer
         self.levels, self.on_done, self.warn = tuple(levels), on_done, warn
         self.format_checked = False
+        self.passes = settings.repeats or 1  # bench.repeats: passes over the prompts at each level
         self.request = RequestSettings(
             model=self.info.model,
             max_new_tokens=settings.max_new_tokens,
@@ -188,7 +189,7 @@ class RemoteBackend:
         measured = replace(method, num_speculative_tokens=k)
         try:
             url, vllm = self.info.base_url, self.info.vllm
-            by_level = measure_at(url, self.request, groups, self.levels, k, self.on_done, vllm)
+            by_level = measure_at(url, self.request, groups, self.levels, k, self.on_done, vllm, self.passes)
         except RequestError as e:
             raise SpecctlError(redact_text(f"{self.info.base_url}: {e}")) from None
         except (httpx.HTTPError, OSError) as e:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from specctl.bench.intervals import Estimate, compare, rank
 from specctl.bench.plan import PLAIN
 from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, point_setting, report_dict
 from specctl.durable import write_atomic
@@ -27,6 +28,44 @@ def rates(values: list[float]) -> str:
     return " ".join(f"{a:.2f}" for a in values) or "-"
 
 
+def estimate_of(r: dict[str, Any], name: str) -> Estimate | None:
+    """A report entry's figure with its interval (None: not measured, or no interval: a report
+    from before intervals, or a measurement without units)."""
+    interval = (r.get("intervals") or {}).get(name)
+    if r.get(name) is None or interval is None:
+        return None
+    return Estimate(r[name], interval[0], interval[1])
+
+
+def with_interval(r: dict[str, Any], name: str, digits: int = 2, suffix: str = "") -> str:
+    """A figure and its 95% interval as one cell: "1.36x [1.30-1.41]"; the figure alone without one."""
+    e = estimate_of(r, name)
+    if e is None:
+        return fmt(r.get(name), digits, suffix)
+    return f"{fmt(e.value, digits, suffix)} [{fmt(e.low, digits)}-{fmt(e.high, digits)}]"
+
+
+def ranking_lines(d: dict[str, Any]) -> list[str]:
+    """One sentence per drafter against no-spec and against the baseline, written by
+    intervals.rank from the speedups' intervals: an order only where they do not overlap."""
+    by_name = {r["name"]: r for r in d["results"]}
+    plain = next((r for r in d["results"] if r["algo"] == PLAIN), None)
+    base = by_name.get(d["baseline"]) if d["baseline"] else None
+    lines = []
+    for r in d["results"]:
+        mine = estimate_of(r, "speedup")
+        if r["algo"] == PLAIN or mine is None:
+            continue
+        for ref in (plain, base):
+            theirs = estimate_of(ref, "speedup") if ref is not None and ref is not r else None
+            if theirs is not None:
+                a, b = with_interval(r, "speedup", 2, "x"), with_interval(ref, "speedup", 2, "x")
+                lines.append(
+                    f"{rank(r['name'], mine, ref['name'], theirs)} (speedup over no-spec {a} vs {b})"
+                )
+    return lines
+
+
 def _rows(d: dict[str, Any]) -> list[list[str]]:
     base_algo = next((r["algo"] for r in d["results"] if r["name"] == d["baseline"]), None)
     rows = []
@@ -36,11 +75,11 @@ def _rows(d: dict[str, Any]) -> list[list[str]]:
             [
                 r["name"],
                 k_cell(r),
-                fmt(r["acceptance_length"]),
+                with_interval(r, "acceptance_length") if spec else fmt(r["acceptance_length"]),
                 rates(r["per_position_acceptance"]) if spec else "-",
-                fmt(r["output_tokens_per_s"], 1),
-                fmt(r["speedup"], 2, "x"),
-                fmt(r["ratio_vs_baseline"], 2, "x") if base_algo else "-",
+                with_interval(r, "output_tokens_per_s", 1),
+                with_interval(r, "speedup", 2, "x") if spec else fmt(r["speedup"], 2, "x"),
+                with_interval(r, "ratio_vs_baseline", 2, "x") if base_algo else "-",
                 fmt(r["acceptance_ratio_vs_baseline"], 2, "x") if base_algo else "-",
                 _match(r),
             ]
@@ -79,11 +118,12 @@ def _title(d: dict[str, Any]) -> str:
 
 
 def rich_table(report: BenchReport | dict[str, Any]):
-    """The summary table the CLI prints."""
+    """The summary table the CLI prints; under it, the ranking sentences (`ranking_lines`)."""
     from rich.table import Table
 
     d = report if isinstance(report, dict) else report_dict(report)
-    table = Table(title=_title(d), title_justify="left", caption=_sweep_caption(d), caption_justify="left")
+    caption = "\n".join(line for line in [_sweep_caption(d), *ranking_lines(d)] if line) or None
+    table = Table(title=_title(d), title_justify="left", caption=caption, caption_justify="left")
     for i, h in enumerate(_headers(d)):
         table.add_column(h, justify="left" if i in (0, 3) else "right", style="bold" if i == 0 else None)
     for row in _rows(d):
@@ -149,18 +189,31 @@ def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
     lines = []
     for name, levels in d["sweep"]["recommended"].items():
         for level, r in levels.items():
-            slower = r["speedup"] is not None and r["speedup"] < 1
-            note = "; slower than no-spec, serve without speculation" if slower else ""
             t = r.get("confidence_threshold")
             cut = "" if t is None else f", confidence threshold {t:g}"
             text = (
                 f"concurrency {level}, {name}: K={r['num_speculative_tokens']}{cut} "
-                f"({fmt(r['output_tokens_per_s'], 1)} tok/s, {fmt(r['speedup'], 2, 'x')} no-spec, "
-                f"tau {fmt(r['acceptance_length'])}{note})"
+                f"({fmt(r['output_tokens_per_s'], 1)} tok/s, {with_interval(r, 'speedup', 2, 'x')} no-spec, "
+                f"tau {fmt(r['acceptance_length'])}{_against_plain(name, r)})"
             )
             spec = r["speculative_config"]
             lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
     return lines
+
+
+def _against_plain(name: str, r: dict[str, Any]) -> str:
+    """The recommendation's note on plain decoding: slower only when the speedup's interval lies
+    below 1 (intervals.rank), a tie when it holds 1; without an interval, the point figure."""
+    e = estimate_of(r, "speedup")
+    if e is None:
+        slower = r["speedup"] is not None and r["speedup"] < 1
+        return "; slower than no-spec, serve without speculation" if slower else ""
+    plain = Estimate(1.0, 1.0, 1.0)
+    order = compare(e, plain)
+    if order > 0:
+        return ""
+    serve = ", serve without speculation" if order < 0 else ""
+    return f"; {rank(name, e, 'no-spec', plain)}{serve}"
 
 
 def shows_sweep(d: dict[str, Any]) -> bool:
@@ -306,7 +359,10 @@ def provenance_line(d: dict[str, Any]) -> str | None:
 def passes(d: dict[str, Any]) -> str:
     """How a report's throughput was taken, when more than one pass or engine per configuration."""
     n, r = d.get("repeats", 1), d.get("engine_rounds", 1)
-    out = f", each category the median of {n} passes" if n > 1 else ""
+    out = ""
+    if n > 1:
+        how = "methods interleaved round by round" if d["backend"] == "embedded" else "in each engine"
+        out = f", {n} rounds over the prompts, {how}"
     if r > 1:
         out += f", {r} engine rounds per configuration (order reversed every other round)"
     return out
@@ -322,6 +378,9 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
         f"max_new_tokens {d['max_new_tokens']}",
         "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
+        "- each figure: the median over rounds [95% interval: bootstrap over the (prompt, round) cells, "
+        "paired with the reference for ratios]; a ranking below is written only where two intervals "
+        "do not overlap, else the methods tie",
         '- "= plain": prompts whose greedy output ids equal no-spec\'s exactly (ids in outputs.jsonl)',
     ]
     provenance = provenance_line(d)
@@ -329,6 +388,9 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         lines.append(f"- provenance: {provenance}")
     lines += [""]
     lines += _md_table(_headers(d), _rows(d))
+    ranking = ranking_lines(d)
+    if ranking:
+        lines += ["", *[f"- {line}" for line in ranking]]
     if has_latency(d):
         lines += ["", "## Latency", "", LATENCY_NOTE, ""]
         lines += _md_table(LATENCY_HEADERS, latency_rows(d))
@@ -542,9 +604,11 @@ def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
 
 def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
     """Write report.json and outputs.jsonl (always) and report.md + acceptance.png, and sweep.png
-    for a sweep (when `figures`)."""
+    for a sweep (when `figures`: the intervals are bootstrapped then too, else left null)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    d = redact_tree(report_dict(report))  # a server URL's credentials stay out of the files
+    d = redact_tree(
+        report_dict(report, intervals=figures)
+    )  # a server URL's credentials stay out of the files
     paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
     write_atomic(paths["json"], json.dumps(d, indent=2) + "\n", durable=False)
     write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)), durable=False)

@@ -6,6 +6,9 @@ is 1.0), per-position acceptance = accepted_at_position / drafts, and speedup = 
 tokens/s over the plain-decoding run of the same report. Each method's generated token ids
 are kept per prompt, so a greedy run also shows whether speculation reproduced plain
 decoding token for token (outputs_match_plain), the losslessness check speedups rest on.
+Each timed (prompt, round) cell is kept (`Unit`, report.json's `units`); tok/s, speedup, the
+ratio to the baseline and tau are the median over rounds with a 95% interval from them
+(specctl.bench.intervals).
 
 A sweep (`--sweep-k`, or several concurrency levels) measures every drafter at several K and
 concurrency levels and recommends, per drafter and level, the K with the highest output
@@ -23,9 +26,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from specctl.bench.intervals import (
+    RESAMPLES,
+    Estimate,
+    acceptance_length,
+    paired_ratio,
+    tokens_per_s,
+    tokens_per_s_point,
+)
 from specctl.bench.plan import PLAIN, Method, speculative_config
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, UsageError
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One timed cell of a run: a prompt decoded in one round (the embedded engine), or where a
+    backend only times prompts together (vLLM gets a category's prompts at once, its counters are
+    server-wide) that group in one pass, named by its first prompt index. The cells that
+    specctl.bench.intervals resamples; report.json keeps them all (`units`)."""
+
+    prompt: int  # the prompt index (a group's first)
+    round: int  # the repetition (bench.repeats) it was decoded in
+    num_prompts: int
+    output_tokens: int
+    wall_s: float
+    num_drafts: int
+    num_accepted_tokens: int
+
+
+UNIT_FIELDS = tuple(Unit.__dataclass_fields__)
 
 
 @dataclass
@@ -51,6 +83,7 @@ class Measurement:
     tpot_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     counted: bool = True  # False: nothing counted acceptance (a server without vLLM's /metrics)
+    units: list[Unit] = field(default_factory=list)  # every (prompt, round) cell timed, in order
 
     def __add__(self, other: Measurement) -> Measurement:
         return Measurement(
@@ -65,6 +98,7 @@ class Measurement:
             self.tpot_s + other.tpot_s,
             self.itl_s + other.itl_s,
             self.counted and other.counted,
+            self.units + other.units,
         )
 
     @property
@@ -183,8 +217,97 @@ def latency_dict(m: Measurement) -> dict[str, float | None]:
     return out
 
 
-def measurement_dict(m: Measurement, plain: Measurement | None, base: Measurement | None) -> dict[str, Any]:
-    """One measurement's figures; acceptance is None where nothing counted it."""
+INTERVAL_FIGURES = ("output_tokens_per_s", "speedup", "ratio_vs_baseline", "acceptance_length")
+
+
+def unit_grids(sides: Sequence[Sequence[Unit]], fields: Sequence[str]) -> list[list[np.ndarray]] | None:
+    """The (prompt, round) cells every side has, as one [P, R] array per field per side (None when
+    they share none). Only rounds holding every shared prompt are kept, so a partial last round
+    (an interrupted run) does not shrink the prompts of the finished ones."""
+    cells = [{(u.prompt, u.round): u for u in side} for side in sides]
+    common = set.intersection(*(set(c) for c in cells))
+    prompts = sorted({p for p, _ in common})
+    rounds = sorted(r for r in {r for _, r in common} if all((p, r) in common for p in prompts))
+    if not rounds:  # no round finished every prompt: the prompts each round of them has
+        rounds = sorted({r for _, r in common})
+        prompts = [p for p in prompts if all((p, r) in common for r in rounds)]
+    if not prompts or not rounds:
+        return None
+    return [
+        [np.array([[getattr(c[p, r], f) for r in rounds] for p in prompts], dtype=float) for f in fields]
+        for c in cells
+    ]
+
+
+def median_rate(m: Measurement) -> float:
+    """Output tokens/s as the report states it: the median over rounds where the measurement has
+    units, else the pooled rate. What a sweep's best K is chosen by, so the pick and the
+    figures it is shown with agree."""
+    own = unit_grids([m.units], ("output_tokens", "wall_s"))
+    return m.output_tokens_per_s if own is None else tokens_per_s_point(*own[0])
+
+
+def estimates(
+    m: Measurement,
+    plain: Measurement | None,
+    base: Measurement | None,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> dict[str, Estimate | None]:
+    """Each figure of INTERVAL_FIGURES as the median over rounds with its 95% interval, from the
+    measurement's units (speedups paired with the reference's same cells); None where there are
+    no units to resample (a measurement built by hand) or no reference."""
+    out: dict[str, Estimate | None] = dict.fromkeys(INTERVAL_FIGURES)
+    own = unit_grids([m.units], ("output_tokens", "wall_s", "num_accepted_tokens", "num_drafts"))
+    if own is None:
+        return out
+    tokens, wall, accepted, drafts = own[0]
+    out["output_tokens_per_s"] = tokens_per_s(tokens, wall, seed, resamples)
+    out["acceptance_length"] = acceptance_length(accepted, drafts, seed, resamples) if m.counted else None
+    for name, ref in (("speedup", plain), ("ratio_vs_baseline", base)):
+        pair = unit_grids([m.units, ref.units], ("output_tokens", "wall_s")) if ref is not None else None
+        if pair is not None:
+            out[name] = paired_ratio(*pair[0], *pair[1], seed=seed, resamples=resamples)
+    return out
+
+
+def units_dict(units: Sequence[Unit]) -> dict[str, list[Any]]:
+    """report.json's `units`: one list per Unit field (columns, so thousands of cells stay small)."""
+    return {
+        f: [round(getattr(u, f), 6) if f == "wall_s" else getattr(u, f) for u in units] for f in UNIT_FIELDS
+    }
+
+
+def measurement_dict(
+    m: Measurement,
+    plain: Measurement | None,
+    base: Measurement | None,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> dict[str, Any]:
+    """One measurement's figures; acceptance is None where nothing counted it. Where the
+    measurement has units, tok/s, speedup, the ratio to the baseline and tau are the median over
+    rounds (with one round: the ratio of sums, as before) and `intervals` holds their 95% ones
+    (None with `resamples` 0: a report rewritten mid-run skips the bootstrap)."""
+    found = estimates(m, plain, base, seed, resamples)
+    figures = measurement_figures(m, plain, base)
+    for name, e in found.items():
+        if e is not None:
+            figures[name] = e.value
+    return {
+        **figures,
+        "rounds": len({u.round for u in m.units}),
+        "intervals": {
+            name: [e.low, e.high] if e is not None and math.isfinite(e.low) else None
+            for name, e in found.items()
+        },
+    }
+
+
+def measurement_figures(
+    m: Measurement, plain: Measurement | None, base: Measurement | None
+) -> dict[str, Any]:
+    """The figures of the sums (every round pooled): what a measurement without units reports."""
     tps, c = m.output_tokens_per_s, m.counters
     tau = m.acceptance_length if m.counted else None
     base_tau = (base.acceptance_length if base.counted else None) if base else None
@@ -221,13 +344,17 @@ def outputs_match(outputs: dict[int, list[int]], plain: dict[int, list[int]]) ->
     return sum(outputs[i] == plain[i] for i in shared), len(shared)
 
 
-def report_dict(report: BenchReport) -> dict[str, Any]:
+def report_dict(report: BenchReport, intervals: bool = True) -> dict[str, Any]:
     """report.json: settings, then one entry per method (speedups vs the no-spec entry).
 
     outputs_match_plain is the fraction of prompts decoded exactly as plain decoding did; only
     greedy runs (temperature 0) are comparable, sampling draws differ by design, so it is None
     there and wherever no ids were recorded. outputs_compared says out of how many prompts.
+    `intervals` False skips the bootstrap (the point figures stay): the rewrite after every
+    measurement of a run, where 64 intervals of a 12-prompt, 3-round, 4-method report would
+    add ~0.2 s to each of its 144 decodes.
     """
+    resamples = RESAMPLES if intervals else 0
     plain = next((r for r in report.results if r.method.algo == PLAIN), None)
     base = next((r for r in report.results if r.method.name == report.baseline), None)
     categories = sorted({c for r in report.results for c in r.categories if c})
@@ -238,9 +365,12 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         same, compared = outputs_match(total.outputs, plain_outputs)
         entry: dict[str, Any] = {
             **_method_dict(r.method),
-            **measurement_dict(total, plain.total if plain else None, base.total if base else None),
+            **measurement_dict(
+                total, plain.total if plain else None, base.total if base else None, report.seed, resamples
+            ),
             "outputs_match_plain": same / compared if compared else None,
             "outputs_compared": compared,
+            "units": units_dict(total.units),
         }
         if categories:
             entry["categories"] = {
@@ -248,6 +378,8 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
                     m,
                     plain.categories.get(c) if plain else None,
                     base.categories.get(c) if base else None,
+                    report.seed,
+                    resamples,
                 )
                 for c, m in sorted(r.categories.items())
             }
@@ -275,7 +407,7 @@ def report_dict(report: BenchReport) -> dict[str, Any]:
         "provenance": report.provenance,
     }
     if report.sweep is not None:
-        out["sweep"] = sweep_dict(report)
+        out["sweep"] = sweep_dict(report, resamples)
     return out
 
 
@@ -327,7 +459,7 @@ def best_results(points: Sequence[Point], concurrency: int) -> list[MethodResult
             by_name.setdefault(p.result.method.name, []).append(p.result)
     best = []
     for results in by_name.values():
-        chosen = recommend((_setting(r.method), r.total.output_tokens_per_s) for r in results)
+        chosen = recommend((_setting(r.method), median_rate(r.total)) for r in results)
         best.append(next(r for r in results if _setting(r.method) == chosen))
     return best
 
@@ -356,12 +488,13 @@ def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dic
             "draft_tokens_per_accepted": best.get("draft_tokens_per_accepted"),
             "output_tokens_per_s": best["output_tokens_per_s"],
             "speedup": best["speedup"],
+            "intervals": best.get("intervals"),
             "speculative_config": spec,
         }
     return out
 
 
-def sweep_dict(report: BenchReport) -> dict[str, Any]:
+def sweep_dict(report: BenchReport, resamples: int = RESAMPLES) -> dict[str, Any]:
     """report.json's `sweep`: every measured point, with its speedup and output comparison
     against no-spec at the same concurrency (batching changes both), and the recommendations."""
     plain = {p.concurrency: p.result.total for p in report.sweep or [] if p.result.method.algo == PLAIN}
@@ -370,7 +503,7 @@ def sweep_dict(report: BenchReport) -> dict[str, Any]:
         total, ref = p.result.total, plain.get(p.concurrency)
         ref_outputs = ref.outputs if ref is not None and report.temperature == 0 else {}
         same, compared = outputs_match(total.outputs, ref_outputs)
-        figures = measurement_dict(total, ref, None)
+        figures = measurement_dict(total, ref, None, report.seed, resamples)
         points.append(
             {
                 **_method_dict(p.result.method),
@@ -378,6 +511,7 @@ def sweep_dict(report: BenchReport) -> dict[str, Any]:
                 **{k: v for k, v in figures.items() if "baseline" not in k},
                 "outputs_match_plain": same / compared if compared else None,
                 "outputs_compared": compared,
+                "units": units_dict(total.units),
             }
         )
     return {

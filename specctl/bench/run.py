@@ -6,10 +6,12 @@ Every configuration sees the same token ids, the same per-prompt seeds and the s
 through one backend (specctl.bench.backends: the embedded engine, a vLLM server, vLLM offline).
 
 On the embedded backend the methods take turns prompt by prompt (prompt_rounds), so a slow spell
-of the machine falls on all of them alike; a vLLM backend measures one method on every prompt,
-then the next (an engine start per method). The report is rewritten after every measurement, so
-an interrupted run (Ctrl-C, SIGTERM) leaves what it finished in report.json, marked incomplete:
-every method on the same prompts.
+of the machine falls on all of them alike, and every prompt is decoded in bench.repeats rounds,
+the order rotated each round (repeat_rounds, round_order); a vLLM backend measures one method on
+every prompt, repeating its passes in that engine, then the next (an engine start per method).
+Each figure is then the median over rounds with a 95% interval (specctl.bench.intervals). The
+report is rewritten after every measurement, so an interrupted run (Ctrl-C, SIGTERM) leaves what
+it finished in report.json, marked incomplete: every method on the same prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from specctl.bench.plan import (
     bench_settings,
     check_drafters,
     choose_verifier,
+    default_repeats,
     display_name,
     exported_drafters,
     group_prompts,
@@ -41,6 +45,7 @@ from specctl.bench.plan import (
     plan_sweep,
     plan_thresholds,
     prompt_rounds,
+    repeat_rounds,
     reported_rounds,
     round_order,
     speculative_config,
@@ -128,6 +133,9 @@ def plan_run(
     thresholds = settings.confidence_thresholds
     sweeping = sweep_k is not False or len(levels) > 1 or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
+    if settings.repeats is None:  # the one place the default is decided: every backend reads settings
+        repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), len(levels))
+        settings = settings.model_copy(update={"repeats": repeats})
     skipped += unable  # warned and reported with the K a drafter cannot draft
     cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
     if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
@@ -224,7 +232,7 @@ def new_report(
         max_new_tokens=s.max_new_tokens,
         seed=s.seed,
         concurrency=plan.levels[0],
-        repeats=getattr(engine, "repeats", 1),  # what the backend does, not what was asked
+        repeats=s.repeats or 1,
         engine_rounds=1 if engine.interleave else len(rounds),  # engines per configuration
         baseline=plan.baseline,
         requirements=[r.text for r in plan.requirements],
@@ -373,7 +381,8 @@ def execute(
     report.warnings = vllm_warnings(plan)
     for line in [*plan.skipped, *report.warnings]:
         warn(f"warning: {line}")
-    bar.reset(task, total=len(prompts) * len(plan.levels) * len(plan.configs))
+    passes = report.repeats if engine.interleave else 1  # an engine's own passes are not counted
+    bar.reset(task, total=len(prompts) * len(plan.levels) * len(plan.configs) * passes)
     with bar:
         measure_all(engine, plan, rounds, report, lambda name: bar.update(task, description=name), say)
     report.complete = not report.errors
@@ -404,34 +413,56 @@ def measure_all(
     show: Callable[[str], None],
     say: Callable[..., None],
 ) -> None:
-    """Every configuration on every round of prompts (`prompt_rounds`), in each round's order
-    (`round_order`), the report rewritten after each measurement; Ctrl-C / SIGTERM writes the
-    partial report and raises BenchInterrupted."""
+    """Every configuration on every round of prompts (`prompt_rounds`), each repeated
+    (`repeat_rounds`), in each round's order (`round_order`), the report rewritten after each
+    measurement; Ctrl-C / SIGTERM writes the partial report and raises BenchInterrupted."""
     measured: dict[Method, list[list[Point]]] = {c: [] for c in plan.configs}  # rounds measured so far
     errors: list[str] = []
+    schedule = repeat_rounds(rounds, plan.settings.repeats or 1, engine.interleave)
     with sigterm_as_interrupt():
         try:
-            for r, chunk in enumerate(rounds):
-                for config in [c for c in round_order(plan.configs, r, engine.interleave) if c in measured]:
+            for r, (repetition, chunk) in enumerate(schedule):
+                order = round_order(plan.configs, r, engine.interleave, repetition)
+                for config in [c for c in order if c in measured]:
                     name = display_name(config, plan.sweeping)
                     show(name)
                     points = measure_one(engine, config, name, chunk, errors, say)
                     if points is None:
                         del measured[config]
                         continue
-                    measured[config].append(points)
-                    fill_report(report, plan, measured, rounds, errors)
+                    measured[config].append(in_round(points, repetition))
+                    fill_report(report, plan, measured, schedule, errors)
                     write_report(report, plan.out_dir, figures=False)
         except KeyboardInterrupt:
             report.complete = False
-            configs, prompts = fill_report(report, plan, measured, rounds, errors)
+            configs, prompts = fill_report(report, plan, measured, schedule, errors)
             paths = write_report(report, plan.out_dir)
             what = "configurations" if plan.sweeping else "methods"
             raise BenchInterrupted(
                 f"interrupted; partial report ({configs} of {len(plan.configs)} {what}, {prompts} of "
                 f"{report.num_prompts} prompts) in {paths['json']}"
             ) from None
-    fill_report(report, plan, measured, rounds, errors)
+    fill_report(report, plan, measured, schedule, errors)
+
+
+def in_round(points: list[Point], repetition: int) -> list[Point]:
+    """The points with their units moved to `repetition` (a backend that decodes a prompt once
+    per call numbers its units from round 0; an engine's own passes already carry theirs)."""
+    if repetition == 0:
+        return points
+    return [
+        Point(
+            p.concurrency,
+            MethodResult(
+                p.result.method,
+                {
+                    c: dc_replace(m, units=[dc_replace(u, round=u.round + repetition) for u in m.units])
+                    for c, m in p.result.categories.items()
+                },
+            ),
+        )
+        for p in points
+    ]
 
 
 def measure_one(
@@ -465,11 +496,11 @@ def fill_report(
     report: BenchReport,
     plan: RunPlan,
     measured: dict[Method, list[list[Point]]],
-    rounds: Sequence[Groups],
+    rounds: Sequence[tuple[int, Groups]],
     errors: Sequence[str],
 ) -> tuple[int, int]:
     """Rewrite the report's results from the rounds measured so far (see reported_rounds);
-    returns (configurations reported, prompts they cover)."""
+    returns (configurations reported, distinct prompts they cover)."""
     n = reported_rounds([len(r) for r in measured.values()])
     report.results = []
     if report.sweep is not None:
@@ -484,7 +515,7 @@ def fill_report(
         record(report, points)
         report.errors += failed_request_lines(display_name(config, plan.sweeping), points)
         shown += 1
-    return shown, sum(len(prompts) for chunk in rounds[:n] for prompts in chunk.values())
+    return shown, len({i for _, chunk in rounds[:n] for prompts in chunk.values() for i, _ in prompts})
 
 
 def failed_request_lines(name: str, points: Sequence[Point]) -> list[str]:

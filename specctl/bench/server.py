@@ -24,7 +24,7 @@ import httpx
 
 from specctl.bench.client import RequestError, RequestSettings, Sent, complete_one, send_prompts
 from specctl.bench.plan import Groups, Method, max_model_len
-from specctl.bench.report import Measurement, MethodResult, Point
+from specctl.bench.report import Measurement, MethodResult, Point, Unit
 from specctl.bench.vllm import (
     MetricsSnapshot,
     VllmError,
@@ -192,9 +192,11 @@ def measure_at(
     k: int,
     on_done: Callable[[int], None] | None = None,
     counters: bool = True,
+    passes: int = 1,
 ) -> dict[int, dict[str, Measurement]]:
-    """Every group of prompts at each concurrency level against a running server, streamed; `k`
-    is the server's num_speculative_tokens (the width of the per-position counts).
+    """Every group of prompts at each concurrency level against a running server, streamed,
+    `passes` times (bench.repeats: pass after pass over the groups, each group's pass one Unit);
+    `k` is the server's num_speculative_tokens (the width of the per-position counts).
 
     A warm-up request comes first (not measured: first-request costs such as lazy allocations);
     with `counters` (a vLLM server) its stats land before the first /metrics snapshot and each
@@ -207,7 +209,7 @@ def measure_at(
     out: dict[int, dict[str, Measurement]] = {}
     for level in levels:
         out[level] = {}
-        for category, prompts in groups.items():
+        for round_, (category, prompts) in ((r, g) for r in range(passes) for g in groups.items()):
             sent = send_prompts(base_url, prompts, settings, level, on_done)
             if len(sent.failed) == len(prompts):  # nothing measured: the method failed, not a request
                 index = min(sent.failed)
@@ -216,7 +218,20 @@ def measure_at(
             if counters:
                 after = settled_metrics(base_url, before, sent.output_tokens)
                 delta, before = after - before, after
-            out[level][category] = streamed_measurement(delta, len(prompts) - len(sent.failed), sent, k)
+            m = streamed_measurement(delta, len(prompts) - len(sent.failed), sent, k)
+            c = m.counters
+            m.units = [
+                Unit(
+                    prompts[0][0],
+                    round_,
+                    m.num_prompts,
+                    m.output_tokens,
+                    m.wall_s,
+                    c.num_drafts,
+                    c.num_accepted_tokens,
+                )
+            ]
+            out[level][category] = out[level][category] + m if category in out[level] else m
     return out
 
 
@@ -301,7 +316,8 @@ def _measure_levels(
 ) -> dict[int, dict[str, Measurement]]:
     settings = request_settings(setup)
     try:
-        return measure_at(server.base_url, settings, groups, levels, method.num_speculative_tokens, on_done)
+        k, passes = method.num_speculative_tokens, setup.repeats
+        return measure_at(server.base_url, settings, groups, levels, k, on_done, passes=passes)
     except (VllmError, RequestError) as e:
         raise server.failure(f"vLLM server for {method.name}: {e}") from None
     except (httpx.HTTPError, OSError) as e:

@@ -45,7 +45,7 @@ class VllmSetup:
     stop_token_ids: tuple[int, ...]
     log_dir: Path
     ready_timeout_s: float  # how long vLLM may take to start (bench.ready_timeout_s)
-    repeats: int  # vllm-offline: passes per configuration, the median one kept (bench.repeats)
+    repeats: int  # passes per configuration in its engine, each one a round (bench.repeats)
     max_model_len: int | None = None
     extra_args: tuple[str, ...] = ()
     request_timeout_s: float = 3600.0
