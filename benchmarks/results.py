@@ -31,7 +31,7 @@ from statistics import median
 from typing import Any
 
 from specctl.bench.plan import BASELINE, PLAIN
-from specctl.bench.render import hardware, k_cell, passes, rates
+from specctl.bench.render import hardware, k_cell, passes, ranking_lines, rates, with_interval
 from specctl.bench.report import point_setting
 from specctl.drafters import DRAFTERS
 from specctl.durable import write_atomic
@@ -109,7 +109,8 @@ def bench_stages(recipe_arg: str, recipe: Recipe, exports: dict[str, Path], has_
     but the choice."""
     run = recipe.run_dir
     dev = [recipe_arg, "--dataset-split", DEV, "--num-prompts", str(DEV_PROMPTS)]
-    # the thresholds of a test run are the ones dev chose, pinned per drafter (`DIR@K,T`), not the
+    # every test bench runs TEST_REPEATS rounds, not the default for its size (bench.repeats); the
+    # thresholds of a test run are the ones dev chose, pinned per drafter (`DIR@K,T`), not the
     # recipe's list, which dev swept
     test = [
         recipe_arg,
@@ -603,20 +604,30 @@ def draft_length_section(run: Path) -> list[str]:
 
 
 def bench_table(report: dict[str, Any]) -> list[str]:
+    """Each method's figures, tok/s and the speedups with their 95% intervals (median over rounds;
+    a report without intervals shows the figure alone), and the output comparison."""
     lines = [
         "| method | K | tau | acceptance per position | output tok/s | speedup | vs eagle3 | = plain |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
-        k = k_cell(r)
-        pos = rates(r["per_position_acceptance"])
-        vs = f"{r['ratio_vs_baseline']:.2f}x" if r.get("ratio_vs_baseline") is not None else "-"
+        vs = with_interval(r, "ratio_vs_baseline", 2, "x") if r.get("ratio_vs_baseline") is not None else "-"
         match = r.get("outputs_match_plain")
         same = f"{round(match * r['outputs_compared'])}/{r['outputs_compared']}" if match is not None else "-"
-        lines.append(
-            f"| {r['name']} | {k} | {r['acceptance_length']:.2f} | {pos} | {r['output_tokens_per_s']:.1f} "
-            f"| {r['speedup']:.2f}x | {vs} | {same} |"
-        )
+        cells = [
+            r["name"],
+            k_cell(r),
+            with_interval(r, "acceptance_length"),
+            rates(r["per_position_acceptance"]),
+            with_interval(r, "output_tokens_per_s", 1),
+            with_interval(r, "speedup", 2, "x"),
+            vs,
+            same,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    ranked = ranking_lines(report)
+    if ranked:  # an order only where the intervals do not overlap (specctl.bench.intervals.rank)
+        lines += ["", *(f"- {line}." for line in ranked)]
     return lines
 
 

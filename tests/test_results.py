@@ -160,6 +160,7 @@ def _report(speedup: float) -> dict:
         "max_new_tokens": 96,
         "temperature": 0.0,
         "complete": True,
+        "baseline": None,
         "categories": ["chat", "code"],
         "results": [plain, entry],
     }
@@ -491,3 +492,24 @@ def test_the_page_reads_nothing_but_its_committed_files(recipe, tmp_path, monkey
     with pytest.raises(SystemExit, match="did not write"):
         publish(run, resolve_recipe_path("results.yaml"), tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "a user's file"
+
+
+def test_the_page_shows_intervals_and_ranks_only_outside_them(recipe, tmp_path):
+    """Each figure with its 95% interval; a sentence orders two methods only when their speedup
+    intervals do not overlap, else it says they tie."""
+    run = recipe.run_dir
+    report = _report(1.31) | {"baseline": "eagle3"}
+    plain, dflash = report["results"]
+    plain["intervals"] = {"speedup": [1.0, 1.0], "output_tokens_per_s": [14.0, 16.0]}
+    dflash["intervals"] = {"speedup": [1.25, 1.37], "output_tokens_per_s": [19.0, 21.0]}
+    eagle = {**dflash, "name": "eagle3", "algo": "eagle3", "speedup": 1.29, "ratio_vs_baseline": 1.0}
+    eagle["intervals"] = {"speedup": [1.20, 1.33]}
+    report["results"].insert(1, eagle)
+    (run / "bench").mkdir(parents=True)
+    (run / "bench" / "report.json").write_text(json.dumps(report))
+    page = _page(recipe, tmp_path / "docs" / "results.md")
+    assert "| dflash | 7 | 1.75 | 0.50 0.25 | 20.0 [19.0-21.0] | 1.31x [1.25-1.37] | 1.10x | 4/4 |" in page
+    faster = "- dflash is faster than no-spec (speedup over no-spec 1.31x [1.25-1.37] vs 1.00x [1.00-1.00])."
+    assert faster in page
+    assert "- dflash and eagle3 tie (speedup over no-spec 1.31x [1.25-1.37] vs 1.29x [1.20-1.33])." in page
+    assert "dflash is faster than eagle3" not in page
