@@ -202,7 +202,7 @@ def export(
     from specctl.export import convert_export, export_drafters, names_export
     from specctl.hub import check_repo_id
     from specctl.hub import push_to_hub as push
-    from specctl.vllm_check import check_export
+    from specctl.vllm.check import check_export
 
     if push_to_hub:
         check_repo_id(push_to_hub)  # before any work

