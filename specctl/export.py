@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from specctl.drafters import VerifierWeights
+from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.vocab import t2d_from_d2t
 from specctl.durable import Owner, disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError, first_line
@@ -39,7 +39,7 @@ from specctl.validate import (
     validate_export,
 )
 from specctl.verifier import Verifier, load_verifier, verifier_weights
-from specctl.vllm.check import CheckResult, check_result
+from specctl.vllm.check import CheckResult, check_result, refuse_check
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -170,6 +170,8 @@ def convert_export(
     import json
 
     export = validate_export(source)
+    if check_vllm:
+        refuse_check(export.spec, export.path)  # before anything is written
     target = Path(output) if output is not None else export.path
     torch_dtype = export_dtype(dtype) if dtype is not None else None
     config = json.loads((export.path / CONFIG_FILE).read_text())
@@ -333,6 +335,9 @@ def export_drafters(
     from specctl.checkpoint import read_meta
 
     checkpoints = find_checkpoints(source)
+    if check_vllm:  # a check the installed vLLM cannot pass: refused before any export is written
+        for checkpoint in checkpoints:
+            refuse_check(DRAFTERS[read_meta(checkpoint)["algo"]], checkpoint)
     results = []
     for checkpoint in checkpoints:
         target = output

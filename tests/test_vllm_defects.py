@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_bench import _write_drafter
 
+from specctl.vllm import capabilities
 from specctl.vllm import check as vllm_check
 from specctl.vllm.defects import (
     K_NORM_DOC,
@@ -103,9 +104,9 @@ def test_export_check_carries_the_warning_row(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(vllm_check, "vllm_available", lambda: True)
     monkeypatch.setattr(vllm_check, "vllm_view", lambda path: view)
-    monkeypatch.setattr(vllm_check, "installed_vllm", lambda: ("0.32.0", True))
+    monkeypatch.setattr(capabilities, "installed_vllm", lambda: ("0.32.0", True))
     rows = dict(vllm_check.check_export(drafter).rows())
     assert rows["warning"] == k_norm_warning(drafter, "0.32.0", True)
     assert "warning" not in dict(vllm_check.check_export(drafter, use_vllm=False).rows())
-    monkeypatch.setattr(vllm_check, "installed_vllm", lambda: ("0.32.0", False))
+    monkeypatch.setattr(capabilities, "installed_vllm", lambda: ("0.32.0", False))
     assert "warning" not in dict(vllm_check.check_export(drafter).rows())

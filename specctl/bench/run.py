@@ -134,6 +134,12 @@ def plan_run(
             f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
             "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
         )
+    if backend in ("vllm", "vllm-offline"):
+        from specctl.vllm.check import refuse_serving
+
+        for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
+            if m.drafter is not None:
+                refuse_serving(m.algo, m.drafter)
     section = None
     if chosen is not None:
         section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
