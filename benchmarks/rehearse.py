@@ -155,7 +155,7 @@ def measure_stage(stage: str, recipe_path: str, algo: str | None) -> dict[str, A
     import specctl.collect
     import specctl.export
     import specctl.train
-    import specctl.vllm_check  # noqa: F401  (imported before the baseline, like the others)
+    import specctl.vllm.check  # noqa: F401  (imported before the baseline, like the others)
 
     with contextlib.suppress(ImportError):  # export --check parses the config with vLLM's code
         import vllm.config  # noqa: F401
@@ -171,7 +171,7 @@ def measure_stage(stage: str, recipe_path: str, algo: str | None) -> dict[str, A
     elif stage == "train":
         specctl.train.run_training(recipe, progress=False)
     elif stage == "export":
-        from specctl.vllm_check import check_export
+        from specctl.vllm.check import check_export
 
         results = specctl.export.export_drafters(recipe.run_dir / "drafters" / algo)
         check_export(results[0].output)

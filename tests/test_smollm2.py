@@ -36,7 +36,7 @@ def dspark_export(quickstart_run: Path) -> Path:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_dspark_export_passes_vllms_config_parser(dspark_export):
-    from specctl.vllm_check import check_export
+    from specctl.vllm.check import check_export
 
     report = check_export(dspark_export)
     assert report.vllm is not None and report.vllm.speculative_config["method"] == "dspark"

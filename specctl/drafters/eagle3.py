@@ -62,6 +62,7 @@ from specctl.drafters.targets import (
 )
 from specctl.drafters.vocab import check_d2t, t2d_from_d2t
 from specctl.format import SpeculatorsConfig, base_fields
+from specctl.vllm.capabilities import Need
 
 LayerStyle = Literal["llama", "qwen3"]
 
@@ -606,6 +607,7 @@ SPEC = register(
         speculators_model_type="eagle3",
         architectures=Eagle3Drafter.architectures,
         vllm_method={"method": "eagle3"},
+        vllm_needs=(Need.EAGLE3,),
         tiny={"ttt_steps": 2, "num_speculative_tokens": 2},
         published=lambda c: c.num_layers == 1 and c.ttt_steps >= 3,
         parallel=False,

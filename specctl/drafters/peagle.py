@@ -40,6 +40,7 @@ from specctl.drafters.layers import (
     shared_key_bias,
     window_mask,
 )
+from specctl.vllm.capabilities import Need
 
 
 class Config(WindowedConfig):
@@ -448,6 +449,7 @@ SPEC = register(
         speculators_model_type="peagle",
         architectures=PEagleDrafter.architectures,
         vllm_method={"method": "eagle3", "parallel_drafting": True},
+        vllm_needs=(Need.PEAGLE, Need.PARALLEL_DRAFTING),
         tiny={"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
         published=lambda c: c.num_layers == 4 and c.num_depths == 4,
     )

