@@ -188,3 +188,57 @@ def test_embedded_bf16_speculation_equals_plain_decoding_on_smollm2():
     assert all(d.near_tie for d in found), found
     if cpu_bf16_kind() == "amx":
         assert spec == plain
+
+
+def test_bench_reports_divergences_and_require_lossless_fails_on_a_wide_one(tmp_path, tiny_verifier_dir):
+    """The embedded bench, plain decoding real, the drafter's run plain decoding with one token
+    replaced (prompt 1, token 3): report.json names that divergence with its margins, it is no
+    near-tie in float32, and --require lossless fails on it and on nothing else."""
+    from types import SimpleNamespace
+
+    from test_bench import _write_drafter
+
+    from specctl.bench.run import run_bench
+    from specctl.engine import generate
+    from specctl.recipe import recipe_from_dict
+
+    def generate_fn(verifier, drafter, prompt_ids, max_new_tokens, **kw):
+        kw.pop("num_speculative_tokens", None)
+        result = generate(verifier, None, prompt_ids, max_new_tokens, **kw)
+        if drafter is not None and drafter.wrong and kw["seed"] == 1:  # prompt index 1 (seed 0 + index)
+            result.tokens[3] = (result.tokens[3] + 1) % verifier.config.vocab_size
+        return result
+
+    _write_drafter(tmp_path / "dflash", "dflash", 4, str(tiny_verifier_dir))
+    for wrong in (False, True):
+        recipe = recipe_from_dict(
+            {
+                "name": "t",
+                "output_dir": str(tmp_path / "runs"),
+                "verifier": {"name_or_path": str(tiny_verifier_dir), "dtype": "float32"},
+                "bench": {"num_prompts": 3, "max_new_tokens": 6},
+            }
+        )
+        report = run_bench(
+            recipe,
+            drafters=[tmp_path / "dflash"],
+            requires=["lossless"],
+            generate_fn=generate_fn,
+            load_drafter_fn=lambda path, verifier, wrong=wrong: (SimpleNamespace(wrong=wrong), {}),
+            progress=False,
+            output=tmp_path / f"bench-{wrong}",
+        )
+        d = report.to_dict()
+        plain, dflash = d["results"]
+        assert plain["divergences"] is None
+        if not wrong:
+            assert dflash["divergences"] == [] and dflash["unexplained_divergences"] == 0
+            assert report.failures == [] and d["divergence_summary"] is None
+            continue
+        (div,) = dflash["divergences"]
+        assert (div["prompt_index"], div["token_index"]) == (1, 3) and not div["near_tie"]
+        assert div["pair_margin"] > div["limit"] > 0 and div["plain_margin"] > 0
+        assert dflash["unexplained_divergences"] == 1
+        assert report.failures[0].startswith("lossless: dflash left plain decoding at prompt 1 token 3")
+        assert d["divergence_summary"].startswith("0 of 1 divergences from plain decoding at a near-tie")
+        assert "divergences: 0 of 1" in (tmp_path / f"bench-{wrong}" / "report.md").read_text()
