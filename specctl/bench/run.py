@@ -60,7 +60,7 @@ from specctl.bench.report import (
     parse_requirement,
     report_dict,
 )
-from specctl.errors import SpecctlError, UsageError
+from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.recipe import BenchSection, Recipe, VerifierSection, dump_recipe, load_recipe
 
 
@@ -376,7 +376,13 @@ def execute(
     with bar:
         measure_all(engine, plan, rounds, report, lambda name: bar.update(task, description=name), say)
     report.complete = not report.errors
-    report.divergences = explain_divergences(report, plan, engine, prompts)
+    try:
+        report.divergences = explain_divergences(report, plan, engine, prompts)
+    except (SpecctlError, RuntimeError) as e:  # the HF verifier did not load (memory, files): no verdict
+        warn(
+            f"warning: divergences from plain decoding not analysed ({first_line(e, 160)}); "
+            "--require lossless fails"
+        )
     if report.provenance is not None and getattr(engine, "server_info", None) is not None:
         report.provenance["server"] = engine.server_info  # what the run learnt (the prompt format)
     report.failures = check_requirements(report_dict(report), plan.requirements)
