@@ -157,11 +157,12 @@ def find_divergences(
     return found
 
 
-def summary_line(divergences: Mapping[str, Sequence[Divergence]]) -> str | None:
-    """ "n of n divergences at a near-tie (margin < m)", or which are not; None without any."""
+def summary_line(divergences: Mapping[str, Sequence[Divergence]]) -> str:
+    """The report's line: "n of n divergences at a near-tie (margin < m)" (m: the largest limit
+    among them) or which are not, or that no output differs."""
     every = [(name, d) for name, ds in divergences.items() for d in ds]
     if not every:
-        return None
+        return "no output differs from plain decoding"
     ties = sum(d.near_tie for _, d in every)
     limit = max(d.limit for _, d in every)
     line = f"{ties} of {len(every)} divergences from plain decoding at a near-tie (margin < {limit:.3g})"
