@@ -89,10 +89,10 @@ def margin_logits(
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
 
-    def forward(ids: Sequence[int]) -> torch.Tensor:  # [len(ids), V]
+    def forward(ids: Sequence[int], keep: int = 1) -> torch.Tensor:  # [keep, V], as the engine keeps
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
         with torch.inference_mode():
-            out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=len(ids))
+            out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0]
 
     context = [*prompt, *tokens[: max(j - 1, 0)]]
@@ -103,7 +103,7 @@ def margin_logits(
         forward([t])
     one = forward([tokens[j - 1]])[-1]
     cache.crop(-1)
-    rows = forward([tokens[j - 1], *block])
+    rows = forward([tokens[j - 1], *block], keep=len(block) + 1)
     return one.float(), rows[0].float()
 
 
