@@ -359,7 +359,11 @@ def bench(
     ] = None,
     require: Annotated[
         list[str] | None,
-        typer.Option("--require", help="Fail unless a figure holds, e.g. 'dflash.acceptance_length>=2.5'."),
+        typer.Option(
+            "--require",
+            help="Fail unless a figure holds, e.g. 'dflash.acceptance_length>=2.5'; 'lossless': every "
+            "divergence from plain decoding is a near-tie.",
+        ),
     ] = None,
     ngram: Annotated[
         int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
@@ -517,6 +521,9 @@ def _print_bench(report, as_json: bool) -> None:
         latency = rich_latency(report)
         if latency is not None:
             out.print(latency)
+        summary = report.to_dict().get("divergence_summary")
+        if summary:
+            out.print(f"divergences: {summary}", highlight=False, soft_wrap=True)
         out.print(f"report: {report.output_dir}/report.md")
         for figure in ("acceptance.png", "sweep.png", "latency.png"):
             if report.output_dir is not None and (report.output_dir / figure).is_file():

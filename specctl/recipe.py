@@ -432,7 +432,9 @@ class BenchSection(Section):
     )
     seed: int = Field(0, description="Sampling seed.")
     require: list[str] = Field(
-        default_factory=list, description="Thresholds such as `dflash.acceptance_length>=2.5`."
+        default_factory=list,
+        description="Thresholds such as `dflash.acceptance_length>=2.5`; `lossless` fails the run on any "
+        "output that leaves plain decoding's other than at a near-tie (greedy runs).",
     )
     confidence_thresholds: list[float] = Field(
         default_factory=list,

@@ -454,6 +454,10 @@ def fetch_borrowed(repo: str, section: VerifierSection) -> Path:
 
 GQA_SDPA = "specctl_gqa_sdpa"
 
+# Longest block of new rows on a KV cache that attention computes one row at a time (a greedy
+# engine's verify is K+1 rows; a longer block on a cache is a chunked prefill, left to SDPA).
+ROW_BY_ROW_MAX = 32
+
 
 def gqa_sdpa_attention(
     module: torch.nn.Module,
@@ -466,28 +470,78 @@ def gqa_sdpa_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, but grouped-query heads are never copied.
+    """transformers' SDPA attention, but grouped-query heads are never copied, and a verify
+    block's rows are each computed as a one-token decode step would compute them.
 
     transformers repeats K/V heads (`repeat_kv`) whenever a padding mask is present, which
     copies the whole KV cache at every decode step: 40% of batched generation time on CPU for
     SmolLM2 (9 query / 3 KV heads). `enable_gqa=True` computes the same attention in place.
+
+    Batch 1, a few new rows on a cache (`decode_rows`): the engine's verify of K+1 rows. torch's
+    CPU SDPA kernel rounds a row differently with 1 and with 4 query rows (bf16 SmolLM2: row 0
+    differed in 32 of 720 verify calls), so plain decoding and a verify of the same prefix drifted
+    apart and greedy speculation left plain decoding at near-ties (3 of 8 demo prompts equal).
+    Computing each row as its own one-row call makes a verified row bit-identical to plain
+    decoding's: the same code, the same call, for both.
     query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D] -> [B, Tq, Hq, D].
     """
+    if decode_rows(query, key):
+        return _row_by_row(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
     if is_causal and key.shape[2] > query.shape[2]:  # empty static-cache slots after the prefill
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-    out = torch.nn.functional.scaled_dot_product_attention(
+    out = _sdpa(query, key, value, attention_mask, scaling, dropout, is_causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def decode_rows(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether this call is a batch-1 block of 2..ROW_BY_ROW_MAX new rows after cached keys (a
+    verify), which `_row_by_row` computes as that many one-token steps."""
+    rows, keys = query.shape[2], key.shape[2]
+    return query.shape[0] == 1 and 1 < rows <= ROW_BY_ROW_MAX and keys > rows
+
+
+def _row_by_row(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Row i of a block of Tq rows ending the Tk keys sees the first Tk - Tq + i + 1 keys (causal):
+    exactly the call a one-token decode at that position makes (its mask row, when it hides
+    nothing, dropped as that call has none). [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
+    rows, keys = query.shape[2], key.shape[2]
+    out = []
+    for i in range(rows):
+        seen = keys - rows + i + 1
+        row_mask = None if mask is None else mask[:, :, i : i + 1, :seen]
+        if row_mask is not None and row_mask.dtype == torch.bool and bool(row_mask.all()):
+            row_mask = None
+        out.append(_sdpa(query[:, :, i : i + 1], key[:, :, :seen], value[:, :, :seen], row_mask, scaling))
+    return torch.cat(out, 2).transpose(1, 2).contiguous()
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float = 0.0,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
         value,
-        attn_mask=attention_mask,
+        attn_mask=mask,
         dropout_p=dropout,
         scale=scaling,
         is_causal=is_causal,
         enable_gqa=key.shape[1] != query.shape[1],
     )
-    return out.transpose(1, 2).contiguous(), None
 
 
 def use_gqa_sdpa(model: Any) -> None:

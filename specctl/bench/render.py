@@ -386,6 +386,10 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
     provenance = provenance_line(d)
     if provenance:
         lines.append(f"- provenance: {provenance}")
+    if d.get("divergence_summary"):
+        lines.append(
+            f"- divergences: {d['divergence_summary']} (first differing token, margins in report.json)"
+        )
     lines += [""]
     lines += _md_table(_headers(d), _rows(d))
     ranking = ranking_lines(d)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from specctl.bench.divergence import Divergence, summary_line
 from specctl.bench.intervals import (
     RESAMPLES,
     Estimate,
@@ -180,6 +181,9 @@ class BenchReport:
     sweep_levels: list[int] = field(default_factory=list)  # the concurrency levels swept, ascending
     sweep_skipped: list[str] = field(default_factory=list)  # requested K a drafter cannot draft
     provenance: dict[str, Any] | None = None  # specctl.provenance: versions, commit, hardware, time
+    # method name -> its outputs that differ from plain decoding's, explained (specctl.bench.divergence);
+    # None: not analysed (sampling, no plain run, no ids, or a backend without a local verifier)
+    divergences: dict[str, list[Divergence]] | None = None
 
     @property
     def ok(self) -> bool:
@@ -371,6 +375,7 @@ def report_dict(report: BenchReport, intervals: bool = True) -> dict[str, Any]:
             "outputs_match_plain": same / compared if compared else None,
             "outputs_compared": compared,
             "units": units_dict(total.units),
+            **divergence_dict(report.divergences, r.method.name),
         }
         if categories:
             entry["categories"] = {
@@ -405,10 +410,23 @@ def report_dict(report: BenchReport, intervals: bool = True) -> dict[str, Any]:
         "errors": list(report.errors),
         "warnings": list(report.warnings),
         "provenance": report.provenance,
+        "divergence_summary": summary_line(report.divergences) if report.divergences is not None else None,
     }
     if report.sweep is not None:
         out["sweep"] = sweep_dict(report, resamples)
     return out
+
+
+def divergence_dict(divergences: dict[str, list[Divergence]] | None, name: str) -> dict[str, Any]:
+    """A method's divergences from plain decoding and how many are not near-ties (None: not
+    analysed; `--require lossless` fails then, as it cannot tell)."""
+    found = None if divergences is None else divergences.get(name)
+    if found is None:
+        return {"divergences": None, "unexplained_divergences": None}
+    return {
+        "divergences": [d.to_dict() for d in found],
+        "unexplained_divergences": sum(not d.near_tie for d in found),
+    }
 
 
 def _method_dict(method: Method) -> dict[str, Any]:
@@ -538,8 +556,12 @@ REQUIREMENT_FIELDS = (
     "output_tokens",
     "wall_s",
     "request_throughput",
+    "unexplained_divergences",
     *LATENCY_FIELDS,
 )
+# `--require lossless`: every speculative method's outputs equal plain decoding's but at near-ties
+LOSSLESS = "lossless"
+EVERY_METHOD = "*"
 
 
 class RequirementError(UsageError):
@@ -559,9 +581,12 @@ class Requirement:
 
 
 def parse_requirement(text: str) -> Requirement:
-    """`METHOD[.CATEGORY].FIELD OP NUMBER`, e.g. `dflash.acceptance_length>=2.5`."""
+    """`METHOD[.CATEGORY].FIELD OP NUMBER`, e.g. `dflash.acceptance_length>=2.5`, or `lossless`
+    (every method's unexplained_divergences == 0)."""
+    if text.strip() == LOSSLESS:
+        return Requirement(LOSSLESS, EVERY_METHOD, None, "unexplained_divergences", "==", 0.0)
     m = _REQUIREMENT.match(text)
-    example = "e.g. dflash.acceptance_length>=2.5 or dflash.code.speedup>1.2"
+    example = "e.g. dflash.acceptance_length>=2.5, dflash.code.speedup>1.2 or lossless"
     if not m:
         raise RequirementError(f"--require {text!r}: expected METHOD[.CATEGORY].FIELD OP NUMBER, {example}")
     parts = m["path"].split(".")
@@ -587,6 +612,9 @@ def check_requirements(report: dict[str, Any], requirements: Sequence[Requiremen
     by_name = {r["name"]: r for r in report["results"]}
     failures = []
     for req in requirements:
+        if req.method == EVERY_METHOD:
+            failures += _lossless_failures(report)
+            continue
         entry = by_name.get(req.method)
         if entry is None:
             failures.append(
@@ -608,6 +636,29 @@ def check_requirements(report: dict[str, Any], requirements: Sequence[Requiremen
     return failures
 
 
+def _lossless_failures(report: dict[str, Any]) -> list[str]:
+    """`lossless`: one line per speculative method with a divergence that is not a near-tie, or
+    whose outputs were not analysed."""
+    failures = []
+    for entry in report["results"]:
+        if entry["algo"] == PLAIN:
+            continue
+        wide = [d for d in entry.get("divergences") or [] if not d["near_tie"]]
+        if entry.get("unexplained_divergences") is None:
+            failures.append(
+                f"{LOSSLESS}: {entry['name']}'s outputs were not compared with plain decoding's (greedy "
+                "runs with a no-spec method and token ids only)"
+            )
+        elif wide:
+            d = wide[0]
+            failures.append(
+                f"{LOSSLESS}: {entry['name']} left plain decoding at prompt {d['prompt_index']} token "
+                f"{d['token_index']}, margin {fmt(d['pair_margin'], 3)} >= near-tie {d['limit']:.3g} "
+                f"({len(wide)} such prompt(s); divergences in report.json)"
+            )
+    return failures
+
+
 def _unmeasured(name: str) -> str:
     if name == "speedup":
         return "no no-spec run"
@@ -615,6 +666,8 @@ def _unmeasured(name: str) -> str:
         return "no baseline run"
     if name in LATENCY_FIELDS:
         return "latency is measured on server backends, from streamed requests"
+    if name == "unexplained_divergences":
+        return "greedy runs with a no-spec method and token ids only"
     return "the server exports no vLLM spec-decode counters"
 
 

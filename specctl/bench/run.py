@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from specctl.bench.backends import Backend, open_backend
+from specctl.bench.divergence import Divergence, find_divergences, first_difference
 from specctl.bench.plan import (
     PLAIN,
     REMOTE,
@@ -50,9 +51,10 @@ from specctl.bench.plan import (
     round_order,
     speculative_config,
 )
-from specctl.bench.prompts import load_prompts
+from specctl.bench.prompts import BenchPrompt, load_prompts
 from specctl.bench.render import write_report
 from specctl.bench.report import (
+    EVERY_METHOD,
     BenchReport,
     MethodResult,
     Point,
@@ -63,7 +65,7 @@ from specctl.bench.report import (
     parse_requirement,
     report_dict,
 )
-from specctl.errors import SpecctlError, UsageError
+from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.recipe import BenchSection, Recipe, VerifierSection, dump_recipe, load_recipe
 from specctl.runlock import run_lock
 
@@ -125,7 +127,7 @@ def plan_run(
         chosen = choose_verifier(recipe, methods, verifier, warn)
     names = [m.name for m in methods]
     for req in requirements:
-        if req.method not in names:
+        if req.method != EVERY_METHOD and req.method not in names:
             raise RequirementError(
                 f"--require {req.text!r}: no method {req.method!r}; this run has {', '.join(names)}"
             )
@@ -392,6 +394,13 @@ def execute(
     with bar:
         measure_all(engine, plan, rounds, report, lambda name: bar.update(task, description=name), say)
     report.complete = not report.errors
+    try:
+        report.divergences = explain_divergences(report, plan, engine, prompts)
+    except (SpecctlError, RuntimeError) as e:  # the HF verifier did not load (memory, files): no verdict
+        warn(
+            f"warning: divergences from plain decoding not analysed ({first_line(e, 160)}); "
+            "--require lossless fails"
+        )
     if report.provenance is not None and getattr(engine, "server_info", None) is not None:
         report.provenance["server"] = engine.server_info  # what the run learnt (the prompt format)
     report.failures = check_requirements(report_dict(report), plan.requirements)
@@ -409,6 +418,54 @@ def vllm_warnings(plan: RunPlan) -> list[str]:
     version, cpu = installed_vllm()
     drafters = dict.fromkeys(m.drafter for m in plan.methods if m.drafter is not None)
     return [line for d in drafters if (line := k_norm_warning(d, version, cpu)) is not None]
+
+
+def explain_divergences(
+    report: BenchReport, plan: RunPlan, engine: Backend, prompts: Sequence[BenchPrompt]
+) -> dict[str, list[Divergence]] | None:
+    """Each speculative method's outputs that differ from plain decoding's, with the verifier's
+    margins there (specctl.bench.divergence); None where nothing can be compared: sampling, no
+    plain run, or a remote server (whose verifier is not here). The HF verifier is the embedded
+    engine's own, or (vLLM backends) loaded in the dtype vLLM ran, and only when an output differs."""
+    plain = next((r for r in report.results if r.method.algo == PLAIN), None)
+    if report.temperature != 0 or plain is None or plan.section is None or plan.backend == REMOTE:
+        return None
+    reference = plain.total.outputs
+    methods = [r for r in report.results if r.method.algo != PLAIN]
+    if all(
+        first_difference(reference[i], ids) is None
+        for r in methods
+        for i, ids in r.total.outputs.items()
+        if i in reference
+    ):
+        return {r.method.name: [] for r in methods}
+    model, dtype = analysis_verifier(plan, engine)
+    ids = {i: p.prompt_ids for i, p in enumerate(prompts)}
+    return {
+        r.method.name: find_divergences(
+            model, dtype, ids, reference, r.total.outputs, r.method.num_speculative_tokens or 1
+        )
+        for r in methods
+    }
+
+
+def analysis_verifier(plan: RunPlan, engine: Backend) -> tuple[Any, Any]:
+    """(HF causal LM, dtype) that recomputes the margins: the embedded engine's verifier as it ran
+    (its kernel included), else the verifier loaded in vLLM's dtype (its `auto`: bfloat16)."""
+    from specctl.verifier import Verifier, load_verifier
+
+    verifier = getattr(engine, "verifier", None)
+    if not isinstance(verifier, Verifier):  # the vLLM backends hold a description, not the model
+        import torch
+
+        from specctl.devices import vllm_dtype
+        from specctl.procs import on_cpu
+
+        assert plan.section is not None
+        device = torch.device("cpu" if on_cpu() else "cuda")
+        dtype = vllm_dtype(plan.section.dtype, device) or "bfloat16"
+        verifier = load_verifier(plan.section.model_copy(update={"dtype": dtype}))
+    return verifier.model, verifier.dtype
 
 
 def measure_all(
