@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -38,7 +37,9 @@ from rich.progress import (
 )
 from rich.text import Text
 
-console = Console(stderr=True)
+from specctl.console import make_console
+
+console = make_console(stderr=True)
 DEFAULT_INTERVAL_S = 30.0
 
 
@@ -160,7 +161,7 @@ def eta_text(pace: Pace, total: float | None, now: float) -> str:
     """`ETA 1m21s`, `ETA measuring` (no rate yet), or `ETA overdue, no progress for 3m02s`; empty
     without a total. The finish is projected from the last move at the measured rate, so between
     moves the ETA counts down and never climbs; only a new count can raise it."""
-    if not total:
+    if not total or pace.last >= total:  # nothing to estimate, or nothing left (a finished resume)
         return ""
     rate = pace.rate()
     if rate is None:
