@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 import specctl
+from specctl.console import make_console
 
 app = typer.Typer(
     name="specctl",
@@ -25,8 +25,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 
 def Flag(*names: str, help: str) -> typer.models.OptionInfo:
