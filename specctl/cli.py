@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 import specctl
+from specctl.console import make_console
 
 app = typer.Typer(
     name="specctl",
@@ -25,13 +25,30 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-out = Console()
-err = Console(stderr=True)
+out = make_console()
+err = make_console(stderr=True)
 
 
 def Flag(*names: str, help: str) -> typer.models.OptionInfo:
     """A boolean flag: shown without a value in --help (typer would print `<bool>`)."""
     return typer.Option(*names, help=help, metavar="")
+
+
+ALGO_HELP = "A registered algorithm: {algos} (default: the recipe's drafter.algo)."
+
+
+class AlgoHelpCommand(typer.core.TyperCommand):
+    """A command whose --help lists the registered algorithms. They are known only once the
+    drafters are imported (torch: ~2.4 s), so the list is filled in when help is shown rather
+    than on every start of the CLI."""
+
+    def format_help(self, ctx, formatter) -> None:
+        from specctl.drafters import DRAFTERS
+
+        for param in self.params:
+            if param.name == "algo":
+                param.help = ALGO_HELP.format(algos=", ".join(DRAFTERS))
+        super().format_help(ctx, formatter)
 
 
 RecipeArg = Annotated[
@@ -126,13 +143,10 @@ def collect_hidden_states(
     )
 
 
-@app.command()
+@app.command(cls=AlgoHelpCommand)
 def train(
     recipe: RecipeArg,
-    algo: Annotated[
-        str | None,
-        typer.Option(help="A registered algorithm, e.g. dflash (default: the recipe's drafter.algo)."),
-    ] = None,
+    algo: Annotated[str | None, typer.Option(help=ALGO_HELP.format(algos="..."))] = None,
     set_: SetOpt = None,
     resume: Annotated[
         bool,
@@ -420,13 +434,11 @@ def bench(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=AlgoHelpCommand)
 def plan(
     recipe: RecipeArg,
     set_: SetOpt = None,
-    algo: Annotated[
-        str | None, typer.Option(help="Plan training for this algorithm (default: the recipe's).")
-    ] = None,
+    algo: Annotated[str | None, typer.Option(help=ALGO_HELP.format(algos="..."))] = None,
     gpus: Annotated[int, typer.Option(min=1, help="GPUs per node (torchrun --nproc-per-node).")] = 8,
     gpu_memory: Annotated[float, typer.Option(min=0.1, help="Memory of one GPU, GiB.")] = 80.0,
     nodes: Annotated[int, typer.Option(min=1, help="Nodes.")] = 1,
@@ -488,23 +500,48 @@ def _print_plan(result) -> None:
 
 
 recipe_app = typer.Typer(
-    help="Inspect recipes.\n\nExample: specctl recipe show quickstart --set train.lr=1e-4",
+    help="Inspect recipes.\n\nExample: specctl recipe list\n\nExample: specctl recipe show quickstart --diff",
     no_args_is_help=True,
 )
 app.add_typer(recipe_app, name="recipe")
 
 
 @recipe_app.command("show")
-def recipe_show(recipe: RecipeArg, set_: SetOpt = None) -> None:
+def recipe_show(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    diff: Annotated[
+        bool, Flag("--diff", help="Only the settings that differ from the defaults (docs/recipe.md).")
+    ] = False,
+) -> None:
     """Print the resolved recipe as YAML: `extends` merged, --set applied, every default filled in.
 
-    The output is itself a recipe: save it to pin a run's settings.
+    The output is itself a recipe: save it to pin a run's settings. With --diff, only what differs
+    from the defaults (still a recipe that loads back to the same settings).
 
     Example: specctl recipe show quickstart --set train.max_steps=200 > my-recipe.yaml
-    """
-    from specctl.recipe import dump_recipe, load_recipe
 
-    typer.echo(dump_recipe(load_recipe(recipe, list(set_ or []))), nl=False)
+    Example: specctl recipe show results --diff
+    """
+    from specctl.recipe import dump_recipe, dump_recipe_diff, load_recipe
+
+    loaded = load_recipe(recipe, list(set_ or []))
+    typer.echo(dump_recipe_diff(loaded) if diff else dump_recipe(loaded), nl=False)
+
+
+@recipe_app.command("list")
+def recipe_list() -> None:
+    """List the built-in recipes (every RECIPE argument and `extends:` takes these names), each with
+    the first line of its header comment.
+
+    Example: specctl recipe list
+    """
+    from specctl.recipe import builtin_recipe_summaries
+
+    rows = builtin_recipe_summaries()
+    width = max(len(name) for name, _ in rows)
+    for name, description in rows:
+        typer.echo(f"{name:<{width}}  {description}".rstrip())
 
 
 def _print_bench(report, as_json: bool) -> None:

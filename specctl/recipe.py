@@ -626,10 +626,23 @@ def _load_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(parent, str):
         raise RecipeError(f"{path}: extends: expected a path to another recipe")
-    target = path.parent / parent
-    if not _is_file(target):
-        raise RecipeError(f"{path}: extends: {target} not found (paths are relative to this file)")
+    target = _parent_path(path, parent)
     return _merge(_load_tree(target, (*seen, path)), data)
+
+
+def _parent_path(path: Path, parent: str) -> Path:
+    """What `extends: parent` in `path` names: a file relative to `path`, else a built-in recipe
+    name as the CLI takes it (`extends: quickstart`)."""
+    target = path.parent / parent
+    if _is_file(target):
+        return target
+    builtin = _builtin_path(parent)
+    if "/" not in parent and _is_file(builtin):
+        return builtin
+    raise RecipeError(
+        f"{path}: extends: {target} not found; give a path relative to this file or a built-in recipe "
+        f"({', '.join(builtin_recipe_names())})"
+    )
 
 
 def _printable(text: str) -> str:
@@ -722,7 +735,8 @@ def recipe_from_dict(
     try:
         return Recipe.model_validate(tree)
     except ValidationError as e:
-        errors = e.errors()
+        # a typo'd key first: `nme: x` would otherwise read as "name: required field is missing"
+        errors = sorted(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         loc = tuple(str(p) for p in errors[0]["loc"])
         for path, assignment in (overrides or {}).items():
@@ -759,8 +773,13 @@ def resolve_recipe_path(path: str | Path) -> Path:
     p = Path(path)
     if _exists(p):
         return p
-    builtin = BUILTIN_RECIPES / (p.name if p.suffix else f"{p.name}.yaml")
+    builtin = _builtin_path(p.name)
     return builtin if _exists(builtin) else p
+
+
+def _builtin_path(name: str) -> Path:
+    """Where the built-in recipe `name` (`quickstart` or `quickstart.yaml`) would be."""
+    return BUILTIN_RECIPES / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")  # llama-3.1-8b
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -785,6 +804,44 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> str:
     keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
     parts = [f"{k}: {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys[:3]]
     return ", ".join(parts) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "") or "format changed"
+
+
+def _non_default(model: BaseModel, default: BaseModel | None = None) -> dict[str, Any]:
+    """`model`'s fields that a recipe must state to rebuild it: the required ones and those whose
+    value differs from the default (`default`'s, where this section has a default instance, else
+    the schema's); sections recursed into. JSON values, as dump_recipe writes them."""
+    dumped = model.model_dump(mode="json")
+    out: dict[str, Any] = {}
+    for name, f in type(model).model_fields.items():
+        value = getattr(model, name)
+        if default is not None:
+            base = getattr(default, name)
+        else:
+            base = None if f.is_required() else f.get_default(call_default_factory=True)
+        if isinstance(value, BaseModel) and isinstance(base, BaseModel):
+            sub = _non_default(value, base)
+            if sub:
+                out[name] = sub
+        elif f.is_required() or value != base:
+            out[name] = dumped[name]
+    return out
+
+
+def dump_recipe_diff(recipe: Recipe) -> str:
+    """Only what `recipe` sets apart from the defaults, as YAML: a short recipe that loads back to
+    the same settings (`specctl recipe show --diff`). Credentials masked as in dump_recipe."""
+    return yaml.safe_dump(redact_tree(_non_default(recipe)), sort_keys=False)
+
+
+def builtin_recipe_summaries() -> list[tuple[str, str]]:
+    """(name, description) of each built-in recipe: the description is the file's first comment
+    line, so `specctl recipe list` says what each header already says."""
+    rows = []
+    for name in builtin_recipe_names():
+        lines = (BUILTIN_RECIPES / f"{name}.yaml").read_text().splitlines()
+        first = next((line for line in lines if line.startswith("#")), "")
+        rows.append((name, first.lstrip("#").strip()))
+    return rows
 
 
 def dump_recipe(recipe: Recipe) -> str:
@@ -829,8 +886,10 @@ def recipe_reference_markdown() -> str:
         "Generated from `specctl/recipe.py` by `python -m specctl.recipe --markdown`; "
         "`tests/test_recipe.py` fails when this page and the schema disagree.",
         "",
-        "A recipe may start with `extends: other.yaml` (relative path) and override any field; "
-        "`--set section.field=value` overrides on the command line.",
+        "A recipe may start with `extends: other.yaml` (a path relative to it, or a built-in recipe "
+        "name such as `quickstart`; `specctl recipe list` lists them) and override any field; "
+        "`--set section.field=value` overrides on the command line; `specctl recipe show --diff` "
+        "prints only what a recipe sets apart from these defaults.",
         "",
         "| field | type | default | meaning |",
         "|---|---|---|---|",

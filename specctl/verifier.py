@@ -169,13 +169,14 @@ def materialize_builtin(alias: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=target.parent))
     try:
-        from rich.console import Console
         from transformers.utils import logging as hf_logging
+
+        from specctl.console import make_console
 
         hf_logging.disable_progress_bar()
         with (
             warnings.catch_warnings(),
-            Console(stderr=True).status(
+            make_console(stderr=True).status(
                 f"converting the built-in verifier {alias} from GGUF (one time, about a minute)"
             ),
         ):

@@ -256,3 +256,16 @@ def test_signal_is_one_line_and_exit_130(sig):
     assert err.strip().splitlines() == [
         f"error: interrupted ({signal.Signals(sig).name}); rerun the same command to resume"
     ], err
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_algo_help_lists_the_registered_algorithms(monkeypatch, capsys, command):
+    """From the registry when help is shown, not a hard-coded list: a newly registered one appears."""
+    import specctl.drafters as drafters
+
+    monkeypatch.setitem(drafters.DRAFTERS, "zzalgo", drafters.DRAFTERS["dflash"])
+    monkeypatch.setenv("COLUMNS", "300")
+    code, out, _ = run_main(monkeypatch, capsys, command, "--help")
+    line = next(line for line in out.splitlines() if "--algo " in line and "registered" in line)
+    assert code == 0 and f"A registered algorithm: {', '.join(drafters.DRAFTERS)} (default" in line
+    assert "zzalgo" in line

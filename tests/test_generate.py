@@ -244,7 +244,7 @@ def test_log_progress_prints_done_total_rate_eta_and_fields_at_an_interval():
     last = lines[-1]
     assert "train: 60/110 step (54.5%)" in last and "step/s" in last and "ETA" in last
     assert last.endswith("loss 1.2345 tau -")
-    assert "ETA" not in lines[0]  # nothing done yet in this run: no rate, no ETA
+    assert "step/s" not in lines[0] and "ETA measuring" in lines[0]  # nothing done yet in this run
 
 
 def sentencepiece_style_tokenizer():

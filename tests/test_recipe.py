@@ -209,3 +209,72 @@ def test_recipe_show_prints_a_recipe_that_loads_back(tmp_path, monkeypatch, caps
     assert load_recipe(saved) == load_recipe(child, ["train.warmup_steps=3"])
     code, _, err = run_main(monkeypatch, capsys, "recipe", "show", "quickstart", "--set", "train.lrr=1")
     assert code == 2 and "did you mean train.lr?" in err
+
+
+def test_an_unknown_key_is_named_before_the_missing_field_it_hides(tmp_path):
+    """`nme: foo` used to read `name: required field is missing (+1 more)`, hiding the typo."""
+    p = write(tmp_path, "nme: foo\ntrain:\n  lr: 0.01\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert str(e.value) == f"{p}: nme: unknown key; did you mean name? (+1 more)"
+    nested = write(tmp_path, "train:\n  max_step: 3\n", "nested.yaml")
+    with pytest.raises(RecipeError, match=r"train\.max_step: unknown key; did you mean train\.max_steps\?"):
+        load_recipe(nested)
+
+
+def test_extends_takes_a_builtin_name_as_the_cli_does(tmp_path):
+    child = write(tmp_path, "extends: quickstart\nname: mine\ntrain:\n  max_steps: 5\n")
+    r = load_recipe(child)
+    base = load_recipe("quickstart")
+    assert (r.name, r.train.max_steps) == ("mine", 5)
+    assert r.data == base.data and r.train.lr == base.train.lr  # the rest from the built-in
+    dotted = write(tmp_path, "extends: llama-3.1-8b\nname: x\n", "dotted.yaml")  # a dot, no suffix
+    assert load_recipe(dotted).verifier == load_recipe("llama-3.1-8b").verifier
+    write(tmp_path, "name: local\ntrain:\n  lr: 0.5\n", "quickstart.yaml")
+    beside = write(tmp_path, "extends: quickstart.yaml\nname: x\n", "beside.yaml")
+    assert load_recipe(beside).train.lr == 0.5  # a file beside the recipe comes first
+    missing = write(tmp_path, "extends: quikstart\nname: x\n", "missing.yaml")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(missing)
+    msg = str(e.value)
+    assert msg.startswith(f"{missing}: extends: {tmp_path / 'quikstart'} not found") and "quickstart" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("name", ["quickstart", "results", "dspark-qwen3", "demo"])
+def test_recipe_diff_is_a_short_recipe_that_loads_back_to_the_same_settings(tmp_path, name):
+    import yaml
+
+    from specctl.recipe import dump_recipe_diff
+
+    overrides = ["train.lr=5e-4", "drafter.dflash.block_size=4", "bench.num_prompts=16"]  # last: a default
+    full = load_recipe(name, overrides)
+    diff = dump_recipe_diff(full)
+    assert load_recipe(write(tmp_path, diff, "diff.yaml")) == full
+    tree = yaml.safe_load(diff)
+    assert tree["train"]["lr"] == 5e-4 and tree["drafter"]["dflash"]["block_size"] == 4
+    assert "num_prompts" not in tree.get("bench", {})  # set to its default: nothing to say
+    assert len(diff.splitlines()) < len(dump_recipe(full).splitlines()) / 2
+
+
+def test_recipe_diff_of_a_default_recipe_is_its_name(tmp_path):
+    from specctl.recipe import dump_recipe_diff
+
+    assert dump_recipe_diff(load_recipe(write(tmp_path, "name: bare\n"))) == "name: bare\n"
+
+
+def test_recipe_list_and_show_diff_on_the_command_line(monkeypatch, capsys):
+    from test_cli import run_main
+
+    from specctl.recipe import BUILTIN_RECIPES, builtin_recipe_names
+
+    code, out, _ = run_main(monkeypatch, capsys, "recipe", "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == builtin_recipe_names()
+    for line in lines:  # each with its header's first comment line, whole
+        name, description = line.split(maxsplit=1)
+        header = (BUILTIN_RECIPES / f"{name}.yaml").read_text().splitlines()[0]
+        assert header.startswith("# ") and description == header[2:].strip()
+    code, out, _ = run_main(monkeypatch, capsys, "recipe", "show", "quickstart", "--diff")
+    assert code == 0 and out.startswith("name: quickstart\n") and "bench:\n  num_prompts: 4\n" in out
