@@ -821,17 +821,12 @@ PROMPT_STYLES = ("", " Answer in two sentences.", " Explain step by step.", " An
 
 
 def _answer_prompts(path: Path) -> Path:
-    """The bench's 36 built-in prompts (chat, code, math), each in four phrasings: 144 distinct
-    conversations whose assistant turn is regenerated (its placeholder text is replaced)."""
-    from importlib import resources
+    """The bench's 18 built-in dev prompts (chat, code, math), each in four phrasings: 72 distinct
+    conversations whose assistant turn is regenerated (its placeholder text is replaced). The dev
+    split: this figure chooses `data.engine`, and nothing is chosen on the test prompts."""
+    from specctl.bench.prompts import builtin_rows
 
-    from specctl.data.sources import read_json_rows
-
-    prompts = Path(str(resources.files("specctl.bench") / "prompts"))
-    questions = []
-    for file in sorted(prompts.glob("*.jsonl")):
-        for row in read_json_rows(file):
-            questions.append(row.get("prompt") or row["messages"][0]["content"])
+    questions = [row.messages[-1]["content"] for row in builtin_rows("dev")]
     with open(path, "w") as f:
         for style in PROMPT_STYLES:
             for q in questions:
@@ -843,7 +838,7 @@ def _answer_prompts(path: Path) -> Path:
 def bench_data(
     workdir: Path, max_new_tokens: int = 64, engines: tuple[str, ...] = ("hf", "vllm")
 ) -> dict[str, float]:
-    """The data stage's generation through HF generate and through vLLM, on SmolLM2: the same 144
+    """The data stage's generation through HF generate and through vLLM, on SmolLM2: the same 72
     prompts, the same max tokens and (greedy) sampling, each engine at the recipe defaults (HF:
     data.batch_size 8; vLLM: 256 in flight, bfloat16, one worker).
 

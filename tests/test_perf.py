@@ -220,11 +220,11 @@ def test_bench_features_without_quickstart_data_says_how_to_get_it(tmp_path, cap
 
 
 def test_data_section_prompts_are_distinct_conversations_to_regenerate(tmp_path):
-    """`--only data` runs HF and vLLM on the same 144 prompts, each a user turn and a placeholder
+    """`--only data` runs HF and vLLM on the same 72 prompts, each a user turn and a placeholder
     answer the data stage replaces (the speeds themselves are benchmarks, not tests)."""
     assert "data" in perf.BENCHES
     rows = [json.loads(line) for line in perf._answer_prompts(tmp_path / "p.jsonl").read_text().splitlines()]
-    assert len(rows) == 144 == len({r["messages"][0]["content"] for r in rows})
+    assert len(rows) == 72 == len({r["messages"][0]["content"] for r in rows})
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
 
 
