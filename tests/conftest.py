@@ -177,7 +177,8 @@ def train_and_export(cwd: Path, *algos: str, steps: dict[str, int] | None = None
     recipe = str(ROOT / "recipes" / "quickstart.yaml")
     for algo in algos:
         fewer = ["--set", f"train.max_steps={steps[algo]}"] if steps and algo in steps else []
-        done = specctl(cwd, "train", recipe, "--algo", algo, *SERVE_TRAIN, *fewer)
+        # the data settings the features were collected with: train checks the store's origin
+        done = specctl(cwd, "train", recipe, "--algo", algo, *QUICKSTART_SMALL, *SERVE_TRAIN, *fewer)
         assert done.returncode == 0, done.stderr[-3000:]
     done = specctl(cwd, "export", "runs/quickstart", "--dtype", "fp32", "--check")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -699,7 +699,8 @@ def test_drafters_train_from_the_compact_store_like_from_the_full_one(two_stores
             lines = [json.loads(x) for x in (summary.output_dir / "metrics.jsonl").read_text().splitlines()]
             first[name] = next(r["loss"] for r in lines if "loss" in r)
         assert first["compact"] == pytest.approx(first["full"], rel=2e-2)
-    kl = run_training(load_recipe(tmp / "compact.yaml", [*overrides, "train.loss=kl"]), progress=False)
+    kl_recipe = load_recipe(tmp / "compact.yaml", [*overrides, "train.loss=kl"])
+    kl = run_training(kl_recipe, progress=False, restart=True)  # the ce run above is replaced
     assert kl.loss is not None and kl.loss == kl.loss  # not NaN
     assert kl.tau_hat is not None and kl.val_loss == kl.val_loss
     with pytest.raises(
