@@ -201,10 +201,16 @@ def export(
         str | None,
         typer.Option(help="Upload the export to this hub repo (user/name), with a model card (README.md)."),
     ] = None,
-    dry_run: Annotated[bool, Flag("--dry-run", help="With --push-to-hub: list, upload nothing.")] = False,
+    dry_run: Annotated[
+        bool,
+        Flag(
+            "--dry-run", help="With --push-to-hub: list the files and print the model card, upload nothing."
+        ),
+    ] = False,
     private: Annotated[bool, Flag("--private", help="With --push-to-hub: create a private repo.")] = False,
 ) -> None:
-    """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors).
+    """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors), with a
+    model card (README.md) and the verifier's tokenizer files.
 
     Example: specctl export runs/quickstart --check
 
@@ -239,7 +245,11 @@ def export(
     if push_to_hub:
         if len(dirs) != 1:
             raise SpecctlError("--push-to-hub uploads one drafter: pass runs/<name>/drafters/<algo>")
-        _summary("push-to-hub", push(dirs[0], push_to_hub, dry_run=dry_run, private=private).rows())
+        pushed = push(dirs[0], push_to_hub, dry_run=dry_run, private=private)
+        _summary("push-to-hub", pushed.rows())
+        if dry_run:  # the card is what a reader of the hub page sees first: show it before uploading
+            typer.echo(f"--- {pushed.path / 'README.md'} as uploaded ---")
+            typer.echo(pushed.card, nl=not pushed.card.endswith("\n"))
 
 
 BaseUrlOpt = Annotated[

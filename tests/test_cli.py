@@ -256,3 +256,20 @@ def test_signal_is_one_line_and_exit_130(sig):
     assert err.strip().splitlines() == [
         f"error: interrupted ({signal.Signals(sig).name}); rerun the same command to resume"
     ], err
+
+
+def test_push_dry_run_prints_the_model_card(monkeypatch, capsys, tmp_path, tiny_verifier_dir):
+    """`export DIR --push-to-hub REPO --dry-run` shows the card that would be uploaded (the repo as
+    the served model), not only the file list; nothing is uploaded and the directory is unchanged."""
+    from test_bench import _write_drafter
+
+    drafter = _write_drafter(tmp_path / "dflash", "dflash", 3, str(tiny_verifier_dir))
+    before = sorted(p.name for p in drafter.iterdir())
+    code, out, err = run_main(
+        monkeypatch, capsys, "export", str(drafter), "--push-to-hub", "me/tiny-dflash", "--dry-run"
+    )
+    assert code == 0, err
+    card = out.split("as uploaded ---\n", 1)[1]
+    assert card.startswith("---\n") and "# tiny-dflash" in card
+    assert '"model": "me/tiny-dflash"' in card and "mean acceptance length (tau)" in card
+    assert "dry run: nothing uploaded" in out and sorted(p.name for p in drafter.iterdir()) == before
