@@ -1112,7 +1112,9 @@ def test_recommendations_follow_the_speedup_interval():
     def line(speedup, interval):
         rec = {"num_speculative_tokens": 2, "output_tokens_per_s": 10.0, "acceptance_length": 2.0}
         rec |= {"speedup": speedup, "intervals": {"speedup": interval}, "speculative_config": None}
-        return recommendation_lines({"sweep": {"recommended": {"dflash": {"1": rec}}}})[0][0]
+        return recommendation_lines({"backend": "vllm", "sweep": {"recommended": {"dflash": {"1": rec}}}})[0][
+            0
+        ]
 
     assert line(0.97, [0.9, 1.05]).endswith("tau 2.00; dflash and no-spec tie)")
     assert "0.97x [0.90-1.05] no-spec" in line(0.97, [0.9, 1.05])
@@ -1270,6 +1272,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                     "model": str(Path("/d").resolve()),
                     "num_speculative_tokens": 3,
                 },
+                "measured_on": "vllm",
             },
             "4": {
                 "num_speculative_tokens": 2,
@@ -1284,6 +1287,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                     "model": str(Path("/d").resolve()),
                     "num_speculative_tokens": 2,
                 },
+                "measured_on": "vllm",
             },
         }
     }
@@ -1458,7 +1462,15 @@ def test_run_bench_sweep_k_with_a_fake_engine(tmp_path, tiny_verifier_dir, fake_
         rec["dflash"]["1"]["num_speculative_tokens"] == 3
         and rec["eagle3"]["1"]["num_speculative_tokens"] == 1
     )
-    assert rec["dflash"]["1"]["speculative_config"]["num_speculative_tokens"] == 3
+    # measured on the embedded engine: no --speculative-config is recommended for vLLM, and the
+    # report says so and names the engine
+    assert (
+        rec["dflash"]["1"]["speculative_config"] is None and rec["dflash"]["1"]["measured_on"] == "embedded"
+    )
+    md = (out / "report.md").read_text()
+    assert "### Recommended K (measured on specctl's embedded engine)" in md
+    assert "K=3, measured on specctl's embedded engine" in md and "--speculative-config '" not in md
+    assert "no vLLM measurement in this run, so no --speculative-config is recommended" in md
     for name in ("dflash", "eagle3"):
         mine = [(p["num_speculative_tokens"], p["output_tokens_per_s"]) for p in points if p["name"] == name]
         best = max(v for _, v in mine)
@@ -1739,10 +1751,7 @@ def test_sweep_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         best_tps = max(v for _, v in mine)
         best_k = min(k for k, v in mine if v == best_tps)
         rec = d["sweep"]["recommended"][name]["1"]
-        assert (
-            rec["num_speculative_tokens"] == best_k
-            and rec["speculative_config"]["num_speculative_tokens"] == best_k
-        )
+        assert rec["num_speculative_tokens"] == best_k and rec["speculative_config"] is None  # embedded
         assert next(r for r in d["results"] if r["name"] == name)["num_speculative_tokens"] == best_k
     assert (tmp_path / "bench" / "sweep.png").is_file()
 
