@@ -162,6 +162,18 @@ def train(
     force: Annotated[
         bool, Flag("--force", help="Start even if `specctl plan` says the step will not fit this machine.")
     ] = False,
+    lr: Annotated[float | None, typer.Option("--lr", help="Same as --set train.lr=LR.")] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Same as --set train.max_steps=N.")
+    ] = None,
+    epochs: Annotated[
+        float | None,
+        typer.Option(
+            "--epochs",
+            help="Train N passes over the feature store: sets train.max_steps from its samples, "
+            "train.batch_tokens and grad_accum (printed).",
+        ),
+    ] = None,
 ) -> None:
     """Train a drafter on the recipe's feature store (or online, with train.mode=online).
 
@@ -169,15 +181,18 @@ def train(
     training settings it refuses, naming them (--resume continues anyway, --restart starts over).
     Under torchrun every rank trains its share of each batch (DDP); rank 0 writes checkpoints.
 
-    Example: specctl train recipes/quickstart.yaml --algo dflash --set train.max_steps=200
+    Example: specctl train recipes/quickstart.yaml --algo dflash --max-steps 200 --lr 3e-4
+
+    Example: specctl train recipes/quickstart.yaml --epochs 2
     """
-    from specctl.recipe import load_recipe
     from specctl.train import run_training
 
     overrides = list(set_ or [])
     if algo is not None:
         overrides.append(f"drafter.algo={algo}")
-    s = run_training(load_recipe(recipe, overrides), resume=resume, force=force, restart=restart)
+    s = run_training(
+        _train_recipe(recipe, overrides, lr, max_steps, epochs), resume=resume, force=force, restart=restart
+    )
     if s is None:  # non-zero ranks under torchrun print nothing
         return
     acc = s.val_acc_per_position
@@ -193,6 +208,39 @@ def train(
             ("metrics", str(s.output_dir / "metrics.jsonl")),
         ],
     )
+
+
+def _train_recipe(
+    recipe: str, overrides: list[str], lr: float | None, steps: int | None, epochs: float | None
+):
+    """The recipe train runs, with --lr / --max-steps / --epochs applied as the --set overrides they
+    stand for (validated by the schema like any --set). An alias the recipe's train.per_algo entry
+    would override is refused: the flag would otherwise do nothing."""
+    from specctl.errors import UsageError
+    from specctl.recipe import load_recipe
+
+    if steps is not None and epochs is not None:
+        raise UsageError("--max-steps and --epochs both set the number of steps; pass one")
+    aliases = {"lr": lr, "max_steps": steps}
+    overrides = overrides + [f"train.{k}={v!r}" for k, v in aliases.items() if v is not None]
+    loaded = load_recipe(recipe, overrides)
+    if epochs is not None:
+        from specctl.epochs import epoch_steps
+
+        converted = epoch_steps(loaded, epochs)
+        err.print(converted.line(), highlight=False, soft_wrap=True)
+        aliases["max_steps"] = converted.max_steps
+        loaded = load_recipe(recipe, [*overrides, f"train.max_steps={converted.max_steps}"])
+    trained = loaded.for_training().train
+    for name, value in aliases.items():
+        if value is not None and getattr(trained, name) != value:
+            algo = loaded.drafter.algo
+            raise UsageError(
+                f"--{name.replace('_', '-')} {value}: train.per_algo.{algo}.{name} "
+                f"({getattr(trained, name)}) "
+                f"overrides it in this recipe; pass --set train.per_algo.{algo}.{name}=..."
+            )
+    return loaded
 
 
 @app.command()
@@ -215,10 +263,16 @@ def export(
         str | None,
         typer.Option(help="Upload the export to this hub repo (user/name), with a model card (README.md)."),
     ] = None,
-    dry_run: Annotated[bool, Flag("--dry-run", help="With --push-to-hub: list, upload nothing.")] = False,
+    dry_run: Annotated[
+        bool,
+        Flag(
+            "--dry-run", help="With --push-to-hub: list the files and print the model card, upload nothing."
+        ),
+    ] = False,
     private: Annotated[bool, Flag("--private", help="With --push-to-hub: create a private repo.")] = False,
 ) -> None:
-    """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors).
+    """Write the speculators checkpoint format vLLM loads (config.json + model.safetensors), with a
+    model card (README.md) and the verifier's tokenizer files.
 
     Example: specctl export runs/quickstart --check
 
@@ -253,7 +307,11 @@ def export(
     if push_to_hub:
         if len(dirs) != 1:
             raise SpecctlError("--push-to-hub uploads one drafter: pass runs/<name>/drafters/<algo>")
-        _summary("push-to-hub", push(dirs[0], push_to_hub, dry_run=dry_run, private=private).rows())
+        pushed = push(dirs[0], push_to_hub, dry_run=dry_run, private=private)
+        _summary("push-to-hub", pushed.rows())
+        if dry_run:  # the card is what a reader of the hub page sees first: show it before uploading
+            typer.echo(f"--- {pushed.path / 'README.md'} as uploaded ---")
+            typer.echo(pushed.card, nl=not pushed.card.endswith("\n"))
 
 
 BaseUrlOpt = Annotated[

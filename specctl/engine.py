@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class GenerationResult:
     tokens: list[int]  # generated ids (prompt excluded; ends with the EOS token when one stopped it)
     counters: SpecCounters
     wall_s: float  # prefill + decode, device synchronised
+    # seconds from the start at which each verifier step's tokens were known on the host (the
+    # first: the prefill's token): the chunks a streaming server would send, for TTFT/ITL/TPOT
+    step_times_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -142,6 +145,7 @@ def generate(
     aux_buffer: torch.Tensor | None = None  # [P + max_new, n_aux, H] verified positions' features
     draft_state: dict[str, Any] = {}  # the drafter's own cache of its work on the verified prefix
     out: list[int] = []
+    marks: list[float] = []
 
     _sync(device)
     start = time.perf_counter()
@@ -179,7 +183,10 @@ def generate(
             pending = ids[n - 1 : n]
             stop = next((i for i, t in enumerate(new) if t in eos), None)
             out += new if stop is None else new[: stop + 1]
+            marks.append(time.perf_counter() - start)  # `new` is host ints: the step has synchronised
             if stop is not None:
                 break
     _sync(device)
-    return GenerationResult(tokens=out, counters=counters, wall_s=time.perf_counter() - start)
+    return GenerationResult(
+        tokens=out, counters=counters, wall_s=time.perf_counter() - start, step_times_s=marks
+    )

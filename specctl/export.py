@@ -2,7 +2,9 @@
 
 An export is a directory with `config.json` (the drafter's typed `export_config()`, see
 specctl.format) and `model.safetensors` (its `export_state()`: floating tensors cast to the export
-dtype, `d2t` int64 and `t2d` bool kept as they are). The verifier's embeddings, and its LM head when
+dtype, `d2t` int64 and `t2d` bool kept as they are), its model card `README.md` (specctl.card) and,
+exported from a training run, the verifier's tokenizer files (what hub users and `vllm serve
+DRAFTER_DIR`-style tools look for beside a model). The verifier's embeddings, and its LM head when
 the drafter drafts over the full vocabulary, are not in the file: vLLM shares them from the
 verifier, and `load_drafter` borrows them from it too.
 
@@ -17,11 +19,13 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from specctl.card import CARD_FILE, model_card, written_by_specctl
 from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.vocab import t2d_from_d2t
 from specctl.durable import Owner, disk_full, recover_dir, replace_dir
@@ -40,7 +44,13 @@ from specctl.validate import (
     load_tensors,
     validate_export,
 )
-from specctl.verifier import Verifier, load_verifier, verifier_weights
+from specctl.verifier import (
+    Verifier,
+    load_verifier,
+    locate_verifier,
+    read_tokenizer_and_config,
+    verifier_weights,
+)
 from specctl.vllm.check import CheckResult, check_result, refuse_check
 
 EXPORT_DTYPES: dict[str, torch.dtype] = {
@@ -74,6 +84,7 @@ class ExportResult:
             ("output", str(self.output)),
             ("dtype", self.dtype),
             ("size", human_bytes(self.size_bytes)),
+            ("model card", str(self.output / CARD_FILE)),
         ]
         return rows + [r for r in self.check.rows() if r[0] not in ("export", "algorithm")]
 
@@ -117,14 +128,27 @@ def _replace_dir(output: Path, write: Callable[[Path], None]) -> None:
         raise SpecctlError(f"{output}: disk full writing the export, {kept}; free space and rerun") from None
 
 
+def verifier_tokenizer(section: VerifierSection) -> Any:
+    """The verifier's tokenizer (no weights read), to ship beside the drafter: the run trained
+    against this verifier, so it is local (a directory, a built-in, or the hub cache)."""
+    source, _ = locate_verifier(section.name_or_path, section.revision)
+    return read_tokenizer_and_config(section, source)[0]
+
+
 def save_drafter(
-    drafter: nn.Module, output: str | Path, dtype: str = "bfloat16", origin: FeatureOrigin | None = None
+    drafter: nn.Module,
+    output: str | Path,
+    dtype: str = "bfloat16",
+    origin: FeatureOrigin | None = None,
+    tokenizer: Any = None,
 ) -> Path:
-    """Write `drafter` as a speculators directory (config.json + model.safetensors, and origin.json
-    when the features it was trained on recorded where they came from), atomically.
+    """Write `drafter` as a speculators directory (config.json + model.safetensors, README.md, and
+    origin.json when the features it was trained on recorded where they came from; the
+    `tokenizer`'s files when given), atomically.
 
     Floating tensors are cast to `dtype`; integer and bool tables (d2t, t2d) keep theirs. The
-    written directory is validated before it replaces anything at `output`.
+    written directory is validated before it replaces anything at `output`; a README.md the user
+    wrote there is kept, a card specctl wrote is rewritten.
     """
     import json
 
@@ -144,12 +168,24 @@ def save_drafter(
         if origin is not None:
             write_origin(tmp, origin)
         try:
-            validate_export(tmp)
+            written = validate_export(tmp)
         except SpecctlError as e:  # export_state()/export_config() disagree with the format
             raise SpecctlError(f"{output}: not written, the export would not load back: {e}") from None
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _write_card(written, output, tmp)
 
     _replace_dir(output, write)
     return output
+
+
+def _write_card(export: ExportDir, output: Path, tmp: Path) -> None:
+    """README.md in `tmp` (becoming `output`): the user's own README.md at `output` copied as it
+    is, else the model card of this export (specctl.card), the facts read around `output`."""
+    if (output / CARD_FILE).is_file() and not written_by_specctl(output):
+        shutil.copy2(output / CARD_FILE, tmp / CARD_FILE)
+    else:
+        (tmp / CARD_FILE).write_text(model_card(export, path=output))
 
 
 def names_export(path: str | Path) -> bool:
@@ -192,10 +228,18 @@ def convert_export(
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(text)
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        for f in export.path.iterdir():  # a model card, a tokenizer: kept (the weights are rewritten)
-            if f.is_file() and f.name != CONFIG_FILE and not f.name.startswith(WEIGHTS_FILE.split(".")[0]):
+        for f in export.path.iterdir():  # a tokenizer, the user's README.md: kept (the weights are rewritten)
+            if (
+                f.is_file()
+                and f.name not in (CONFIG_FILE, CARD_FILE)
+                and not f.name.startswith(WEIGHTS_FILE.split(".")[0])
+            ):
                 shutil.copy2(f, tmp / f.name)
-        validate_export(tmp)
+        written = validate_export(tmp)
+        if (export.path / CARD_FILE).is_file() and not written_by_specctl(export.path):
+            shutil.copy2(export.path / CARD_FILE, tmp / CARD_FILE)
+        else:  # the card says the new dtype and size
+            (tmp / CARD_FILE).write_text(model_card(written, path=target))
 
     with run_lock(target, "export"):
         _replace_dir(target, write)
@@ -328,8 +372,12 @@ def export_drafter(
     name = _dtype_name(export_dtype(dtype or recipe.export.dtype))
     output = Path(output) if output is not None else default_output(checkpoint)
     origin = origin_of_meta(meta, checkpoint / "meta.json")
+    # the verifier the drafter was trained against (meta.json), read as the recipe reads it
+    trained_on = meta.get("verifier", {}).get("name_or_path") or recipe.verifier.name_or_path
+    tokenizer = verifier_tokenizer(recipe.verifier.model_copy(update={"name_or_path": trained_on}))
     with run_lock(output, "export"):  # a second export of it exits naming this one
-        save_drafter(module, output, name, origin)  # validated (values included) before it was swapped in
+        # validated (values included) before it was swapped in
+        save_drafter(module, output, name, origin, tokenizer)
         check = check_result(validate_export(output, check_values=False), check_vllm)
         size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
     return ExportResult(meta["algo"], checkpoint, meta.get("step"), output, name, size, check)

@@ -696,7 +696,8 @@ def fake_generate(
         counters = SimpleNamespace(
             num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[]
         )
-        return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=n * TOKEN_COST)
+        times = [TOKEN_COST * (i + 1) for i in range(n)]  # one token a step
+        return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=n * TOKEN_COST, step_times_s=times)
     k = num_speculative_tokens
     a = min(drafter.accept, k)
     steps = math.ceil(n / (a + 1))
@@ -706,7 +707,8 @@ def fake_generate(
         num_accepted_tokens=steps * a,
         accepted_per_position=[steps] * a + [0] * (k - a),
     )
-    return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=steps * DRAFT_COST)
+    times = [DRAFT_COST * (i + 1) for i in range(steps)]
+    return SimpleNamespace(tokens=[7] * n, counters=counters, wall_s=steps * DRAFT_COST, step_times_s=times)
 
 
 @pytest.fixture
@@ -782,6 +784,33 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
     }
     for name in ("report.md", "acceptance.png"):
         assert (tmp_path / "runs" / "t" / "bench" / name).is_file()
+
+
+def test_embedded_latency_is_measured_like_the_server_paths():
+    """A decode's step times become one streamed Answer: TTFT the prefill step, ITL the gaps
+    between steps, TPOT (end - TTFT) / (tokens - 1), as specctl.bench.client defines them."""
+    from specctl.bench.embedded import engine_answer
+
+    times, wall = [0.30, 0.35, 0.45, 0.48], 0.50  # 4 steps, 9 tokens (1, then 4 + 1 + 3)
+    a = engine_answer(list(range(9)), wall, times)
+    assert (a.tokens, a.ids, a.ttft_s, a.latency_s) == (9, list(range(9)), 0.30, 0.50)
+    assert a.itl_s == pytest.approx([0.05, 0.10, 0.03]) and a.tpot_s == pytest.approx(0.20 / 8)
+    assert engine_answer([5], 0.2, [0.2]).tpot_s is None  # one token: no time per output token
+
+
+def test_embedded_report_has_latency_percentiles(tmp_path, tiny_verifier_dir, fake_engine):
+    from specctl.bench.render import rich_latency
+
+    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))
+    report = run_bench(drafters=[d], output=tmp_path / "o", num_prompts=3, max_new_tokens=12, **fake_engine)
+    plain, dflash = report.to_dict()["results"]
+    # the fake engine: plain a step (TOKEN_COST) per token; DFlash 4 tokens a step (DRAFT_COST)
+    assert plain["median_ttft_ms"] == pytest.approx(TOKEN_COST * 1e3)
+    assert plain["p99_itl_ms"] == pytest.approx(TOKEN_COST * 1e3)
+    assert plain["median_tpot_ms"] == pytest.approx(TOKEN_COST * 1e3)
+    assert dflash["median_itl_ms"] == pytest.approx(DRAFT_COST * 1e3)
+    assert dflash["median_tpot_ms"] == pytest.approx((3 * DRAFT_COST - DRAFT_COST) / 11 * 1e3)
+    assert rich_latency(report) is not None
 
 
 def test_recipe_drafters_with_an_outside_baseline(tmp_path, tiny_verifier_dir, fake_engine):
@@ -1083,7 +1112,9 @@ def test_recommendations_follow_the_speedup_interval():
     def line(speedup, interval):
         rec = {"num_speculative_tokens": 2, "output_tokens_per_s": 10.0, "acceptance_length": 2.0}
         rec |= {"speedup": speedup, "intervals": {"speedup": interval}, "speculative_config": None}
-        return recommendation_lines({"sweep": {"recommended": {"dflash": {"1": rec}}}})[0][0]
+        return recommendation_lines({"backend": "vllm", "sweep": {"recommended": {"dflash": {"1": rec}}}})[0][
+            0
+        ]
 
     assert line(0.97, [0.9, 1.05]).endswith("tau 2.00; dflash and no-spec tie)")
     assert "0.97x [0.90-1.05] no-spec" in line(0.97, [0.9, 1.05])
@@ -1241,6 +1272,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                     "model": str(Path("/d").resolve()),
                     "num_speculative_tokens": 3,
                 },
+                "measured_on": "vllm",
             },
             "4": {
                 "num_speculative_tokens": 2,
@@ -1255,6 +1287,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                     "model": str(Path("/d").resolve()),
                     "num_speculative_tokens": 2,
                 },
+                "measured_on": "vllm",
             },
         }
     }
@@ -1429,7 +1462,15 @@ def test_run_bench_sweep_k_with_a_fake_engine(tmp_path, tiny_verifier_dir, fake_
         rec["dflash"]["1"]["num_speculative_tokens"] == 3
         and rec["eagle3"]["1"]["num_speculative_tokens"] == 1
     )
-    assert rec["dflash"]["1"]["speculative_config"]["num_speculative_tokens"] == 3
+    # measured on the embedded engine: no --speculative-config is recommended for vLLM, and the
+    # report says so and names the engine
+    assert (
+        rec["dflash"]["1"]["speculative_config"] is None and rec["dflash"]["1"]["measured_on"] == "embedded"
+    )
+    md = (out / "report.md").read_text()
+    assert "### Recommended K (measured on specctl's embedded engine)" in md
+    assert "K=3, measured on specctl's embedded engine" in md and "--speculative-config '" not in md
+    assert "no vLLM measurement in this run, so no --speculative-config is recommended" in md
     for name in ("dflash", "eagle3"):
         mine = [(p["num_speculative_tokens"], p["output_tokens_per_s"]) for p in points if p["name"] == name]
         best = max(v for _, v in mine)
@@ -1710,10 +1751,7 @@ def test_sweep_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         best_tps = max(v for _, v in mine)
         best_k = min(k for k, v in mine if v == best_tps)
         rec = d["sweep"]["recommended"][name]["1"]
-        assert (
-            rec["num_speculative_tokens"] == best_k
-            and rec["speculative_config"]["num_speculative_tokens"] == best_k
-        )
+        assert rec["num_speculative_tokens"] == best_k and rec["speculative_config"] is None  # embedded
         assert next(r for r in d["results"] if r["name"] == name)["num_speculative_tokens"] == best_k
     assert (tmp_path / "bench" / "sweep.png").is_file()
 

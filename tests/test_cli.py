@@ -269,3 +269,20 @@ def test_algo_help_lists_the_registered_algorithms(monkeypatch, capsys, command)
     line = next(line for line in out.splitlines() if "--algo " in line and "registered" in line)
     assert code == 0 and f"A registered algorithm: {', '.join(drafters.DRAFTERS)} (default" in line
     assert "zzalgo" in line
+
+
+def test_push_dry_run_prints_the_model_card(monkeypatch, capsys, tmp_path, tiny_verifier_dir):
+    """`export DIR --push-to-hub REPO --dry-run` shows the card that would be uploaded (the repo as
+    the served model), not only the file list; nothing is uploaded and the directory is unchanged."""
+    from test_bench import _write_drafter
+
+    drafter = _write_drafter(tmp_path / "dflash", "dflash", 3, str(tiny_verifier_dir))
+    before = sorted(p.name for p in drafter.iterdir())
+    code, out, err = run_main(
+        monkeypatch, capsys, "export", str(drafter), "--push-to-hub", "me/tiny-dflash", "--dry-run"
+    )
+    assert code == 0, err
+    card = out.split("as uploaded ---\n", 1)[1]
+    assert card.startswith("---\n") and "# tiny-dflash" in card
+    assert '"model": "me/tiny-dflash"' in card and "mean acceptance length (tau)" in card
+    assert "dry run: nothing uploaded" in out and sorted(p.name for p in drafter.iterdir()) == before

@@ -215,6 +215,12 @@ def test_counters_of_a_hand_computed_case(verifier, reference):
     assert c.acceptance_length == pytest.approx(1 + 5 / 3)
     assert c.acceptance_rate_per_position == pytest.approx([2 / 3, 2 / 3, 1 / 3])
     assert len(drafter.features) == 3
+    # one time per verifier step (prefill, 3 drafting steps, the plain last one), in order, within
+    # the wall time: the chunks a streaming server would have sent (bench's TTFT / ITL / TPOT)
+    times = result.step_times_s
+    assert len(times) == 5 and times == sorted(times) and times[0] > 0 and times[-1] <= result.wall_s
+    plain = generate(verifier, None, PROMPT, 6)
+    assert len(plain.step_times_s) == 6  # plain decoding: a step per token
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

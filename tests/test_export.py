@@ -19,6 +19,7 @@ import torch
 from reliability_matrix import fault
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
 
 from specctl.checkpoint import META_FILE, save_checkpoint
 from specctl.distributed import DistContext
@@ -587,7 +588,15 @@ def test_export_run_dir_exports_every_trained_algorithm(verifier, tmp_path):
     ]
     for r in results:
         assert r.output == run / "drafters" / r.algo / "export"
-        assert sorted(p.name for p in r.output.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+        names = sorted(p.name for p in r.output.iterdir())
+        # the model card and the verifier's tokenizer ship in every export from a run
+        assert {CONFIG_FILE, WEIGHTS_FILE, "README.md", "tokenizer_config.json"} <= set(names), names
+        shipped, own = (
+            AutoTokenizer.from_pretrained(r.output),
+            AutoTokenizer.from_pretrained(verifier["path"]),
+        )
+        assert shipped.encode("a drafter") == own.encode("a drafter")
+        assert "| training budget | 4 of" in (r.output / "README.md").read_text()
         # the umask's modes, so a vLLM server running as another user can read it (safetensors
         # alone writes 0o600)
         assert {p.stat().st_mode & 0o777 for p in r.output.iterdir()} == {0o666 & ~umask()}
@@ -711,6 +720,9 @@ def test_push_dry_run_lists_files_without_network(exports, monkeypatch):
     before = sorted(p.name for p in path.iterdir())
     plan = push_to_hub(path, "me/tiny-dflash", dry_run=True)
     assert plan.repo == "me/tiny-dflash" and not plan.pushed
+    # the export's own card names the local directory; the uploaded one is rewritten for the repo
+    assert str(path.resolve()) in (path / "README.md").read_text() and plan.card_written
+    assert '"model": "me/tiny-dflash"' in plan.card and str(path.resolve()) not in plan.card
     assert plan.files == [
         ("README.md", len(plan.card.encode())),
         (CONFIG_FILE, (path / CONFIG_FILE).stat().st_size),
@@ -780,16 +792,20 @@ def test_model_card_says_what_how_and_measured(verifier, tmp_path):
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["base_model"] == "org/tiny-llama" and meta["library_name"] == "speculators"
     assert {"speculative-decoding", "dflash"} <= set(meta["tags"])
-    assert "| verifier | `org/tiny-llama` |" in card and "| training steps |" in card
-    assert "| held-out tau_hat (training estimate) | 1.370 (step 4) |" in card
-    assert "2.250 at K=3, speedup 1.40x" in card
+    assert "| verifier | `org/tiny-llama` |" in card and "| training budget | 4 of 1000 steps" in card
+    assert "| held-out mean acceptance length (tau), training estimate | 1.370 (step 4) |" in card
+    assert "(`specctl bench`, vllm engine, builtin) | 2.250 at K=3, speedup 1.40x" in card
+    assert "## Provenance" in card and "specctl " in card.split("## Provenance")[1]
     serve = json.loads(card.split("--speculative-config '")[1].split("'")[0])
     k = result.check.speculative_tokens
     assert serve == {"method": "dflash", "model": "me/tiny-dflash", "num_speculative_tokens": k}
     assert "vllm serve org/tiny-llama" in card
     (result.output / "README.md").write_text("# mine\n")
     plan = push_to_hub(result.output, "me/tiny-dflash", dry_run=True)
-    assert plan.card is None and dict(plan.rows())["model card"] == "README.md of the directory"
+    assert plan.card == "# mine\n" and not plan.card_written
+    assert dict(plan.rows())["model card"] == "README.md of the directory"
+    [again] = export_drafters(run)  # a re-export keeps the user's card too
+    assert (again.output / "README.md").read_text() == "# mine\n"
 
 
 @fault(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from specctl.bench.client import Answer, Sent
 from specctl.bench.plan import Groups, Method
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
@@ -20,8 +21,18 @@ from specctl.kernels import apply_kernel
 from specctl.recipe import BenchSection, VerifierSection
 
 
+def engine_answer(tokens: list[int], wall_s: float, step_times_s: list[float]) -> Answer:
+    """One engine decode as the server path's streamed Answer: each verifier step's tokens are a
+    chunk (vLLM streams a step's accepted tokens together), so TTFT is the prefill step's time, ITL
+    the gaps between steps and TPOT (end - TTFT) / (tokens - 1), by the same definitions
+    (specctl.bench.client) as `vllm bench serve`."""
+    itl = [b - a for a, b in zip(step_times_s, step_times_s[1:], strict=False)]
+    return Answer(len(tokens), list(tokens), step_times_s[0], wall_s, itl)
+
+
 class EmbeddedBackend:
-    """measure(method, prompts): each prompt decoded alone, engine-timed (prefill + decode); the
+    """measure(method, prompts): each prompt decoded alone, engine-timed (prefill + decode, and each
+    step's time for TTFT / ITL / TPOT, `engine_answer`); the
     generated ids are kept (the report compares them with plain decoding's), and each prompt is one
     Unit (round 0: the run says which repetition it was)."""
 
@@ -101,7 +112,7 @@ class EmbeddedBackend:
             self.warmed.add(method)
         categories = {}
         for category, prompts in groups.items():
-            m = Measurement()
+            m, timed = Measurement(), Sent()
             for index, prompt in prompts:
                 r = self._run(method, drafter, index, prompt, self.settings.max_new_tokens)
                 c = r.counters
@@ -112,7 +123,9 @@ class EmbeddedBackend:
                 unit = Unit(index, 0, 1, len(r.tokens), r.wall_s, c.num_drafts, c.num_accepted_tokens)
                 ids = {index: [int(t) for t in r.tokens]}
                 m = m + Measurement(1, len(r.tokens), r.wall_s, counters, ids, units=[unit])
+                timed.add(index, engine_answer(r.tokens, r.wall_s, r.step_times_s))
                 if self.on_done:
                     self.on_done(len(r.tokens))
+            m.ttft_s, m.tpot_s, m.itl_s = timed.ttft_s, timed.tpot_s, timed.itl_s
             categories[category] = m
         return [Point(1, MethodResult(method, categories))]

@@ -10,7 +10,15 @@ from typing import Any
 
 from specctl.bench.intervals import Estimate, compare, rank
 from specctl.bench.plan import PLAIN
-from specctl.bench.report import LATENCIES, BenchReport, fmt, outputs_lines, point_setting, report_dict
+from specctl.bench.report import (
+    LATENCIES,
+    VLLM_BACKENDS,
+    BenchReport,
+    fmt,
+    outputs_lines,
+    point_setting,
+    report_dict,
+)
 from specctl.durable import write_atomic
 from specctl.redact import redact_tree
 
@@ -94,12 +102,26 @@ def _match(r: dict[str, Any]) -> str:
     return "-" if frac is None or not n else f"{round(frac * n)}/{n}"
 
 
+TAU_HEADER = "mean acceptance length (tau)"  # vLLM's name for it, with ours
+# the engine a report measured on, as its recommendations name it
+ENGINES = {
+    "embedded": "specctl's embedded engine",
+    "vllm": "vLLM (server)",
+    "vllm-offline": "vLLM (offline engine)",
+    "remote": "the server at --base-url",
+}
+
+
+def engine_name(backend: str) -> str:
+    return ENGINES.get(backend, backend)
+
+
 def _headers(d: dict[str, Any]) -> list[str]:
     base = d["baseline"] or "EAGLE-3"
     return [
         "method",
         "K",
-        "tau",
+        TAU_HEADER,
         "acceptance per position",
         "output tok/s",
         "speedup",
@@ -166,7 +188,7 @@ SWEEP_HEADERS = [
     "concurrency",
     "method",
     "K",
-    "tau",
+    TAU_HEADER,
     "acceptance per position",
     "drafted per accepted",
     "output tok/s",
@@ -185,20 +207,32 @@ _SWEEP_NOTE = (
 
 
 def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
-    """(what was recommended and why, the --speculative-config argument) per drafter and level."""
+    """(what was recommended, where and why; the --speculative-config argument) per drafter and
+    level. Measured on another engine than vLLM, a last line says that no vLLM measurement backs
+    a --speculative-config (report.recommendations gives none)."""
     lines = []
     for name, levels in d["sweep"]["recommended"].items():
         for level, r in levels.items():
             t = r.get("confidence_threshold")
             cut = "" if t is None else f", confidence threshold {t:g}"
+            where = engine_name(r.get("measured_on", d["backend"]))
             text = (
-                f"concurrency {level}, {name}: K={r['num_speculative_tokens']}{cut} "
+                f"concurrency {level}, {name}: K={r['num_speculative_tokens']}{cut}, measured on {where} "
                 f"({fmt(r['output_tokens_per_s'], 1)} tok/s, {with_interval(r, 'speedup', 2, 'x')} no-spec, "
                 f"tau {fmt(r['acceptance_length'])}{_against_plain(name, r)})"
             )
             spec = r["speculative_config"]
             lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
+    if lines and d["backend"] not in VLLM_BACKENDS:
+        lines.append((NO_VLLM_MEASUREMENT.format(engine=engine_name(d["backend"])), None))
     return lines
+
+
+NO_VLLM_MEASUREMENT = (
+    "no vLLM measurement in this run, so no --speculative-config is recommended: the K above is "
+    "{engine}'s best, and vLLM's step costs (and best K) differ; `specctl bench RECIPE --backend vllm "
+    "--sweep-k all` measures the K to serve"
+)
 
 
 def _against_plain(name: str, r: dict[str, Any]) -> str:
@@ -256,7 +290,7 @@ LATENCY_HEADERS = [
     "concurrency",
     "method",
     "K",
-    "tau",
+    TAU_HEADER,
     "req/s",
     "output tok/s",
     "TTFT ms p50 / p90 / p99",
@@ -302,6 +336,14 @@ def latency_rows(d: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def latency_title(d: dict[str, Any]) -> str:
+    """Where the latencies come from: streamed requests, or the embedded engine's steps (each
+    step's tokens one chunk, as a server streams them)."""
+    if d["backend"] == "embedded":
+        return "latency (specctl's embedded engine: each verifier step's tokens as one streamed chunk)"
+    return "latency (streamed requests)"
+
+
 def rich_latency(report: BenchReport | dict[str, Any]):
     """The latency table (None without streamed requests), printed under the summary."""
     from rich.table import Table
@@ -309,7 +351,7 @@ def rich_latency(report: BenchReport | dict[str, Any]):
     d = report if isinstance(report, dict) else report_dict(report)
     if not has_latency(d):
         return None
-    table = Table(title="latency (streamed requests)", title_justify="left", caption=LATENCY_NOTE)
+    table = Table(title=latency_title(d), title_justify="left", caption=LATENCY_NOTE)
     for i, h in enumerate(LATENCY_HEADERS):
         table.add_column(h, justify="left" if i == 1 else "right", style="bold" if i == 1 else None)
     level = None
@@ -377,7 +419,8 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         f"- dataset: {d['dataset']}, {d['num_prompts']} prompts, seed {d['seed']}",
         f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
         f"max_new_tokens {d['max_new_tokens']}",
-        "- tau = 1 + accepted / drafts (bonus token included); speedup = output tokens/s over no-spec",
+        f"- {TAU_HEADER} = 1 + accepted / drafts (bonus token included, as vLLM counts it); "
+        "speedup = output tokens/s over no-spec",
         "- each figure: the median over rounds [95% interval: bootstrap over the (prompt, round) cells, "
         "paired with the reference for ratios]; a ranking below is written only where two intervals "
         "do not overlap, else the methods tie",
@@ -415,7 +458,7 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
                         fmt(c["speedup"], 2, "x"),
                     ]
                 )
-        lines += _md_table(["method", "prompts", "tau", "output tok/s", "speedup"], rows)
+        lines += _md_table(["method", "prompts", TAU_HEADER, "output tok/s", "speedup"], rows)
     if shows_sweep(d):
         lines += [
             "",
@@ -425,7 +468,9 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
             "",
         ]
         lines += _md_table(SWEEP_HEADERS, _sweep_rows(d))
-        lines += ["", "### Recommended `--speculative-config`", ""]
+        vllm = d["backend"] in VLLM_BACKENDS
+        heading = "Recommended `--speculative-config`" if vllm else "Recommended K"
+        lines += ["", f"### {heading} (measured on {engine_name(d['backend'])})", ""]
         for text, arg in recommendation_lines(d):
             lines.append(f"- {text}" + (f"\n\n  ```\n  {arg}\n  ```" if arg else ""))
         lines += [f"- skipped: {line}" for line in d["sweep"]["skipped"]]

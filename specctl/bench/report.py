@@ -482,10 +482,14 @@ def best_results(points: Sequence[Point], concurrency: int) -> list[MethodResult
     return best
 
 
-def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+VLLM_BACKENDS = ("vllm", "vllm-offline")  # the backends whose measurements are vLLM's own
+
+
+def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str, dict[str, dict[str, Any]]]:
     """method name -> concurrency level (a string: JSON keys are) -> the recommended K (and
-    confidence threshold) with its figures and the vLLM `--speculative-config` that serves it.
-    Plain decoding has none."""
+    confidence threshold) with its figures, the engine it was `measured_on`, and the vLLM
+    `--speculative-config` that serves it -- only when vLLM measured it: another engine's step
+    costs differ, so its best K need not be vLLM's. Plain decoding has none."""
     grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for p in points:
         if p["algo"] != PLAIN:
@@ -496,7 +500,7 @@ def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dic
         best = next(p for p in group if point_setting(p) == (k, t))
         method = Method(name, best["algo"], k, Path(best["drafter"]) if best["drafter"] else None)
         try:
-            spec = speculative_config(method)
+            spec = speculative_config(method) if backend in VLLM_BACKENDS else None
         except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
             spec = None
         out.setdefault(name, {})[str(level)] = {
@@ -508,6 +512,7 @@ def recommendations(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, dic
             "speedup": best["speedup"],
             "intervals": best.get("intervals"),
             "speculative_config": spec,
+            "measured_on": backend,
         }
     return out
 
@@ -535,7 +540,7 @@ def sweep_dict(report: BenchReport, resamples: int = RESAMPLES) -> dict[str, Any
     return {
         "concurrency": list(report.sweep_levels),
         "points": points,
-        "recommended": recommendations(points),
+        "recommended": recommendations(points, report.backend),
         "skipped": list(report.sweep_skipped),
     }
 
