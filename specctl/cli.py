@@ -371,6 +371,16 @@ SweepKOpt = Annotated[
 ]
 
 
+DrafterOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--drafter",
+        help="A speculators-format drafter directory (repeatable); DIR@K or DIR@K,T runs it at K "
+        "(and confidence threshold T) instead of its exported K.",
+    ),
+]
+
+
 def _bench_recipe(recipe: str | None, set_: list[str] | None, *, base_url: str | None, drafters: bool):
     """The recipe bench reads, or None: `--set` alone means the quickstart's, but only where the
     overrides have something to apply to (not a --base-url or --drafter-only run)."""
@@ -393,14 +403,7 @@ def bench(
     recipe: Annotated[
         str | None, typer.Argument(help="Recipe YAML or built-in name (default: quickstart).")
     ] = None,
-    drafter: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--drafter",
-            help="A speculators-format drafter directory (repeatable); DIR@K or DIR@K,T runs it at K "
-            "(and confidence threshold T) instead of its exported K.",
-        ),
-    ] = None,
+    drafter: DrafterOpt = None,
     baseline: Annotated[
         Path | None, typer.Option(help="An EAGLE-3 drafter directory: the reference of 'vs EAGLE-3'.")
     ] = None,
