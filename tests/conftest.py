@@ -202,6 +202,9 @@ def assert_vllm_serves(cwd: Path, exports: dict[str, Path], out: Path) -> None:
     # differently from one-token decoding, and on an AMX CPU a near-tie flipped prompt 3 at token
     # 20 (3/4 equal, docs/benchmarking.md "Lossless check"); equality is only promised in float32
     flags += ["--vllm-arg=--dtype=float32"]
+    # one pass: this checks outputs and counters, not speed (bench.repeats' default of 3 for a run
+    # this short would triple the decode for no check)
+    flags += ["--repeats", "1"]
     # vLLM's engine inside the bench's worker, not in two processes below it: this checks numerics,
     # not process layout (test_kill.py and test_bench_vllm.py start vLLM as the bench does), and each
     # of the four engines starts without two more vLLM imports (measured: the bench 233 -> 139 s,
