@@ -12,22 +12,25 @@ in TTFT.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from specctl.errors import UsageError
 
 
-def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+def arrival_offsets(n: int, rate: float, seed: int | Sequence[int]) -> list[float]:
     """Seconds from the level's start at which each of `n` requests is sent (non-decreasing):
-    0 for the first, then cumulative exponential gaps of mean 1/rate; all 0 when rate is inf."""
+    0 for the first, then cumulative exponential gaps of mean 1/rate; all 0 when rate is inf.
+    `seed` may be several ints (numpy's SeedSequence mixes them): one pattern per pass and group."""
     if not rate > 0:
         raise ValueError(f"request rate must be > 0, got {rate}")
     if n <= 0:
         return []
     if math.isinf(rate):
         return [0.0] * n
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n - 1)  # [n-1]
+    rng = np.random.default_rng(list(seed) if isinstance(seed, Sequence) else seed)
+    gaps = rng.exponential(1.0 / rate, size=n - 1)  # [n-1]
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
