@@ -468,7 +468,7 @@ def bench(
 
     Example: specctl bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16
 
-    Example: specctl bench --backend vllm --request-rate 1,4,inf --num-prompts 8
+    Example: specctl bench --backend vllm --ngram 3 --request-rate 1,4,inf --num-prompts 8
     """
     from specctl.bench.arrivals import parse_rate_list
     from specctl.bench.plan import parse_float_list, parse_int_list, parse_sweep_k
