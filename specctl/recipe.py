@@ -412,13 +412,13 @@ class BenchSection(Section):
     concurrency: int = Field(
         1,
         ge=1,
-        description="Concurrent requests (vLLM backend); with `request_rate`, the most in flight "
-        "(vllm bench serve's --max-concurrency; default there: every prompt).",
+        description="Concurrent requests (vLLM backend). With `request_rate`, the most in flight when "
+        "set here or by --concurrency (vllm bench serve's --max-concurrency), else every prompt.",
     )
     request_rate: list[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = Field(
         default_factory=list,
         description="Server backends (vllm, base_url): requests arrive as a Poisson process at each "
-        "rate, requests/s (`inf`: all at once), seeded like `vllm bench serve --request-rate`; one "
+        "rate, requests/s (`inf`: all at once), seeded by `seed`, as `vllm bench serve --request-rate`; one "
         "sweep level per rate, each with TTFT, TPOT and ITL percentiles. Empty: a closed loop at "
         "`concurrency`.",
     )
