@@ -344,6 +344,13 @@ ThresholdOpt = Annotated[
         "drafts whose confidence product stays >= T; several values are swept (embedded backend).",
     ),
 ]
+RequestRateOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Server backends: requests arrive as a Poisson process at each rate, req/s (inf: all at "
+        "once), e.g. 1,4,inf; one level per rate with TTFT/TPOT/ITL percentiles (bench.request_rate)."
+    ),
+]
 RepeatsOpt = Annotated[
     int | None,
     typer.Option(
@@ -423,6 +430,7 @@ def bench(
         str | None,
         typer.Option(help="Requests in flight (vLLM backends); a list such as 1,4,16 measures each (vllm)."),
     ] = None,
+    request_rate: RequestRateOpt = None,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = None,
     repeats: RepeatsOpt = None,
     engine_rounds: EngineRoundsOpt = None,
@@ -459,7 +467,10 @@ def bench(
     Example: specctl bench RECIPE --backend vllm --sweep-k all --concurrency 1,4,16
 
     Example: specctl bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16
+
+    Example: specctl bench --backend vllm --ngram 3 --request-rate 1,4,inf --num-prompts 8
     """
+    from specctl.bench.arrivals import parse_rate_list
     from specctl.bench.plan import parse_float_list, parse_int_list, parse_sweep_k
     from specctl.bench.run import run_bench
 
@@ -477,6 +488,7 @@ def bench(
         requires=require or [],
         top_p=top_p,
         concurrency=parse_int_list(concurrency, "--concurrency") if concurrency is not None else None,
+        request_rate=parse_rate_list(request_rate) if request_rate is not None else None,
         seed=seed,
         repeats=repeats,
         engine_rounds=engine_rounds,

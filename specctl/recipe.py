@@ -11,7 +11,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -409,7 +409,19 @@ class BenchSection(Section):
     max_new_tokens: int = Field(128, ge=1, description="Output tokens per prompt.")
     temperature: float = Field(0.0, ge=0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    concurrency: int = Field(1, ge=1, description="Concurrent requests (vLLM backend).")
+    concurrency: int = Field(
+        1,
+        ge=1,
+        description="Concurrent requests (vLLM backend). With `request_rate`, the most in flight when "
+        "set here or by --concurrency (vllm bench serve's --max-concurrency), else every prompt.",
+    )
+    request_rate: list[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = Field(
+        default_factory=list,
+        description="Server backends (vllm, base_url): requests arrive as a Poisson process at each "
+        "rate, requests/s (`inf`: all at once), seeded by `seed`, as `vllm bench serve --request-rate`; one "
+        "sweep level per rate, each with TTFT, TPOT and ITL percentiles. Empty: a closed loop at "
+        "`concurrency`.",
+    )
     repeats: int | None = Field(
         None,
         ge=1,

@@ -432,7 +432,7 @@ FAKE_SERVER = textwrap.dedent(
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             if a.requests:
                 with lock, open(a.requests, "a") as f:
-                    f.write(json.dumps(body) + "\\n")
+                    f.write(json.dumps({**body, "received_s": time.time()}) + "\\n")
             if a.refuse_ids and not isinstance(body["prompt"], str):
                 self._send(400, json.dumps({"error": {"message": "prompt must be a string"}}))
                 return

@@ -1,6 +1,6 @@
 """The one interface every `specctl bench` backend offers, and the factory that opens one.
 
-    backend.measure(method, groups) -> [Point per concurrency level]
+    backend.measure(method, groups) -> [Point per concurrency level, or per request rate]
 
 A backend decodes the prompts (grouped by category) with one configuration and returns what it
 measured: output tokens, time, the generated ids and the acceptance counters (specctl.counters,
@@ -60,7 +60,9 @@ def open_backend(
     if name == "remote":
         from specctl.bench.remote import RemoteBackend
 
-        return RemoteBackend(settings.base_url, section, settings, levels, on_done, warn)
+        return RemoteBackend(
+            settings.base_url, section, settings, levels, on_done, warn, settings.request_rate
+        )
     if name == "embedded":
         from specctl.bench.embedded import EmbeddedBackend
 
@@ -103,7 +105,7 @@ def open_backend(
     if name == "vllm":
         from specctl.bench.server import ServerBackend
 
-        return ServerBackend(verifier, setup, levels, max_k, sweeping, on_done, say)
+        return ServerBackend(verifier, setup, levels, max_k, sweeping, on_done, say, settings.request_rate)
     from specctl.bench.offline import OfflineBackend
 
     return OfflineBackend(verifier, setup, max_k, sweeping, say, on_done)

@@ -1,7 +1,9 @@
 """Streaming requests to an OpenAI-compatible server: what every server-backed bench sends.
 
 Each prompt goes to /v1/completions through the `openai` client (AsyncOpenAI, no retries: a
-retried request would be measured twice), streamed, with `concurrency` requests in flight. From
+retried request would be measured twice), streamed, with at most `concurrency` requests in flight,
+each sent at its arrival offset when there are any (`bench --request-rate`, specctl.bench.arrivals;
+TTFT is timed from the send, as `vllm bench serve` times it). From
 the stream's chunk arrival times come the latency figures `vllm bench serve` reports:
 
     TTFT  time to first token: request sent -> first chunk with output
@@ -176,14 +178,18 @@ def send_prompts(
     settings: RequestSettings,
     concurrency: int,
     on_done: Callable[[int], None] | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> Sent:
-    """All prompts with `concurrency` requests in flight.
+    """All prompts with `concurrency` requests in flight at most; with `arrivals` (seconds from
+    the start, one per prompt) each request waits for its arrival first.
 
     A failed request is recorded and the others go on: under load one 500 or dropped
     connection must not throw away the answers already counted, and every prompt ends up
     either answered or failed with its reason.
     """
-    return asyncio.run(_send_all(base_url, prompts, settings, concurrency, on_done))
+    if arrivals is not None and len(arrivals) != len(prompts):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
+    return asyncio.run(_send_all(base_url, prompts, settings, concurrency, on_done, arrivals))
 
 
 def _client(base_url: str, settings: RequestSettings) -> Any:
@@ -203,13 +209,18 @@ async def _send_all(
     settings: RequestSettings,
     concurrency: int,
     on_done: Callable[[int], None] | None,
+    arrivals: Sequence[float] | None = None,
 ) -> Sent:
     url = base_url + "/v1/completions"
     sent = Sent()
     gate = asyncio.Semaphore(concurrency)
+    offsets = list(arrivals) if arrivals is not None else [0.0] * len(prompts)
     async with _client(base_url, settings) as client:
 
-        async def one(index: int, prompt: BenchPrompt) -> None:
+        async def one(index: int, prompt: BenchPrompt, offset: float) -> None:
+            wait = start + offset - time.perf_counter()
+            if wait > 0:  # not yet arrived
+                await asyncio.sleep(wait)
             async with gate:
                 try:
                     answer = await stream_completion(client, completion_body(prompt, index, settings), url)
@@ -222,7 +233,7 @@ async def _send_all(
                 on_done(answer.tokens if answer else 0)
 
         start = time.perf_counter()
-        await asyncio.gather(*(one(i, p) for i, p in prompts))
+        await asyncio.gather(*(one(i, p, t) for (i, p), t in zip(prompts, offsets, strict=True)))
         sent.wall_s = time.perf_counter() - start
     return sent
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from specctl.bench.arrivals import rate_label
 from specctl.bench.prompts import BenchPrompt
 from specctl.errors import SpecctlError, UsageError
 from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection
@@ -150,6 +151,36 @@ def backend_levels(backend: str, asked: list[int] | None, default: int) -> list[
             f"sweep concurrency levels with {able}"
         )
     return [caps.fixed_level] if caps.fixed_level is not None else levels
+
+
+def backend_rates(backend: str, rates: Sequence[float], asked: list[int] | None) -> list[float]:
+    """The request rates a run sends at (bench.request_rate), ascending: a server's queue has
+    arrivals to time, an engine that takes the prompts itself has none; and one sweep dimension
+    at a time (beside rates, a single --concurrency caps the requests in flight)."""
+    if not rates:
+        return []
+    text = ",".join(rate_label(r) for r in sorted(set(rates)))
+    caps = CAPS[backend]
+    if not caps.levels:
+        raise UsageError(
+            f"--request-rate {text}: the {backend} backend has no request arrivals (it "
+            f"{caps.why_one_level}); request rates need a server: --backend vllm or --base-url"
+        )
+    if asked and len(asked) > 1:
+        raise UsageError(
+            f"--request-rate {text} with --concurrency {','.join(map(str, asked))}: sweep one of them; "
+            "beside --request-rate, one --concurrency N caps the requests in flight"
+        )
+    return sorted(set(rates))
+
+
+def rate_cap(recipe: Recipe | None, settings: BenchSection) -> int:
+    """Requests in flight at most under --request-rate when no --concurrency is given: the
+    recipe's bench.concurrency where it sets one, else every prompt (no cap, as `vllm bench
+    serve` without --max-concurrency)."""
+    if recipe is not None and "concurrency" in recipe.bench.model_fields_set:
+        return settings.concurrency
+    return settings.num_prompts
 
 
 def drafter_setting(text: str | Path) -> tuple[Path, int | None, float | None]:

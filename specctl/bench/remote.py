@@ -35,7 +35,7 @@ import httpx
 from specctl.bench.client import RequestError, RequestSettings, complete_one
 from specctl.bench.plan import Groups, Method, same_verifier
 from specctl.bench.report import MethodResult, Point
-from specctl.bench.server import get_text, measure_at
+from specctl.bench.server import get_text, measure_loads
 from specctl.bench.vllm import is_vllm_metrics, load_vllm_verifier, parse_spec_decode_metrics
 from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.recipe import BenchSection, VerifierSection
@@ -113,7 +113,8 @@ def probe_server(base_url: str, verifier: str | None, api_key: str | None) -> Se
 
 
 class RemoteBackend:
-    """measure(method, prompts): every prompt at each concurrency level against the running server."""
+    """measure(method, prompts): every prompt at each concurrency level (or request rate) against the
+    running server."""
 
     name = "remote"
     interleave = False  # one configuration: the server's
@@ -126,6 +127,7 @@ class RemoteBackend:
         levels: Sequence[int],
         on_done: Callable[[int], None] | None,
         warn: Callable[[str], None],
+        rates: Sequence[float] = (),
     ):
         self.api_key = os.environ.get(KEY_ENV) or None
         check_key_destination(base_url, self.api_key, "bench.base_url", settings.allow_key_over_http)
@@ -142,6 +144,8 @@ class RemoteBackend:
             )
         self.verifier_name, self.tokenizer = source, self.verifier.tokenizer
         self.levels, self.on_done, self.warn = tuple(levels), on_done, warn
+        # bench --request-rate: one load per rate at the first level's cap, else one per level
+        self.loads = [(self.levels[0], r) for r in rates] or [(level, None) for level in self.levels]
         self.format_checked = False
         self.passes = settings.repeats or 1  # bench.repeats: passes over the prompts at each level
         self.request = RequestSettings(
@@ -189,10 +193,10 @@ class RemoteBackend:
         measured = replace(method, num_speculative_tokens=k)
         try:
             url, vllm = self.info.base_url, self.info.vllm
-            by_level = measure_at(url, self.request, groups, self.levels, k, self.on_done, vllm, self.passes)
+            by_load = measure_loads(url, self.request, groups, self.loads, k, self.on_done, vllm, self.passes)
         except RequestError as e:
             raise SpecctlError(redact_text(f"{self.info.base_url}: {e}")) from None
         except (httpx.HTTPError, OSError) as e:
             url = self.info.base_url
             raise SpecctlError(redact_text(f"{url} stopped answering ({first_line(e)})")) from None
-        return [Point(level, MethodResult(measured, categories)) for level, categories in by_level.items()]
+        return [Point(c, MethodResult(measured, m), rate) for (c, rate), m in by_load.items()]

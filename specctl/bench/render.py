@@ -15,6 +15,7 @@ from specctl.bench.report import (
     VLLM_BACKENDS,
     BenchReport,
     fmt,
+    level_key,
     outputs_lines,
     point_setting,
     report_dict,
@@ -153,10 +154,40 @@ def rich_table(report: BenchReport | dict[str, Any]):
     return table
 
 
+def level_order(p: dict[str, Any]) -> tuple[int, float]:
+    """A point's place among a sweep's levels: by concurrency, then request rate (inf last)."""
+    rate = p.get("request_rate")
+    return p["concurrency"], -1.0 if rate is None else float(rate)  # float("inf") reads "inf"
+
+
+def level_cell(p: dict[str, Any]) -> str:
+    """A point's level in a table's first column: its concurrency, or its request rate."""
+    rate = p.get("request_rate")
+    return str(p["concurrency"]) if rate is None else rate_text(rate)
+
+
+def rate_text(rate: float | str) -> str:
+    """A report.json request rate as written: `4`, `0.5`, `inf`."""
+    return rate if isinstance(rate, str) else f"{rate:g}"
+
+
+def level_header(d: dict[str, Any]) -> str:
+    """The first column's name: `concurrency`, or under --request-rate the rate (the cap on
+    requests in flight is in the report's header)."""
+    return "request rate (req/s)" if d.get("sweep", {}).get("request_rate") else "concurrency"
+
+
+def level_phrase(key: str) -> str:
+    """A recommendations key (report.level_key) in a sentence."""
+    return f"request rate {key}" if key.endswith("req/s") else f"concurrency {key}"
+
+
 def _sweep_caption(d: dict[str, Any]) -> str | None:
     if not shows_sweep(d):
         return None
-    return f"K sweep: each method at its recommended K, concurrency {d['concurrency']}; every point below"
+    rates = d["sweep"].get("request_rate")
+    at = f"request rate {rate_text(rates[0])} req/s" if rates else f"concurrency {d['concurrency']}"
+    return f"K sweep: each method at its recommended K, {at}; every point below"
 
 
 def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
@@ -164,12 +195,12 @@ def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
     measured: K by K, each at every level); the last cell marks the recommended K."""
     recommended = d["sweep"]["recommended"]
     rows = []
-    for p in sorted(d["sweep"]["points"], key=lambda p: p["concurrency"]):
+    for p in sorted(d["sweep"]["points"], key=level_order):
         spec = p["algo"] != PLAIN
-        best = recommended.get(p["name"], {}).get(str(p["concurrency"]), {})
+        best = recommended.get(p["name"], {}).get(level_key(p), {})
         rows.append(
             [
-                str(p["concurrency"]),
+                level_cell(p),
                 p["name"],
                 k_cell(p),
                 fmt(p["acceptance_length"]),
@@ -217,7 +248,7 @@ def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
             cut = "" if t is None else f", confidence threshold {t:g}"
             where = engine_name(r.get("measured_on", d["backend"]))
             text = (
-                f"concurrency {level}, {name}: K={r['num_speculative_tokens']}{cut}, measured on {where} "
+                f"{level_phrase(level)}, {name}: K={r['num_speculative_tokens']}{cut}, measured on {where} "
                 f"({fmt(r['output_tokens_per_s'], 1)} tok/s, {with_interval(r, 'speedup', 2, 'x')} no-spec, "
                 f"tau {fmt(r['acceptance_length'])}{_against_plain(name, r)})"
             )
@@ -269,7 +300,7 @@ def rich_sweep(report: BenchReport | dict[str, Any]):
     table = Table(
         title="K sweep (best = highest output tok/s; a tie goes to the smaller K)", title_justify="left"
     )
-    for i, h in enumerate(SWEEP_HEADERS):
+    for i, h in enumerate([level_header(d), *SWEEP_HEADERS[1:]]):
         table.add_column(h, justify="left" if i in (1, 4) else "right", style="bold" if i == 1 else None)
     level = None
     for row in _sweep_rows(d):
@@ -316,12 +347,12 @@ def _pcts(p: dict[str, Any], name: str) -> str:
 def latency_rows(d: dict[str, Any]) -> list[list[str]]:
     """One row per configuration and concurrency level (a sweep's points, else the results)."""
     if "sweep" in d:
-        points = sorted(d["sweep"]["points"], key=lambda p: p["concurrency"])
+        points = sorted(d["sweep"]["points"], key=level_order)
     else:
         points = [{**r, "concurrency": d["concurrency"]} for r in d["results"]]
     return [
         [
-            str(p["concurrency"]),
+            level_cell(p),
             p["name"],
             str(p["num_speculative_tokens"]) if p["algo"] != PLAIN else "-",
             fmt(p["acceptance_length"]),
@@ -352,7 +383,7 @@ def rich_latency(report: BenchReport | dict[str, Any]):
     if not has_latency(d):
         return None
     table = Table(title=latency_title(d), title_justify="left", caption=LATENCY_NOTE)
-    for i, h in enumerate(LATENCY_HEADERS):
+    for i, h in enumerate([level_header(d), *LATENCY_HEADERS[1:]]):
         table.add_column(h, justify="left" if i == 1 else "right", style="bold" if i == 1 else None)
     level = None
     for row in latency_rows(d):
@@ -398,6 +429,19 @@ def provenance_line(d: dict[str, Any]) -> str | None:
     return "; ".join(parts)
 
 
+def load_phrase(d: dict[str, Any]) -> str:
+    """How requests reached the engine: `concurrency 4`, or under --request-rate the rates and
+    the cap on requests in flight."""
+    rates = d.get("sweep", {}).get("request_rate")
+    if not rates:
+        return f"concurrency {d['concurrency']}"
+    text = ", ".join(rate_text(r) for r in rates)
+    return (
+        f"requests arriving as a Poisson process at {text} req/s (seed {d['seed']}), "
+        f"at most {d['concurrency']} in flight"
+    )
+
+
 def passes(d: dict[str, Any]) -> str:
     """How a report's throughput was taken, when more than one pass or engine per configuration."""
     n, r = d.get("repeats", 1), d.get("engine_rounds", 1)
@@ -415,7 +459,7 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
     lines = [f"# {_title(d)}", ""]
     lines += [
         f"- verifier: `{d['verifier']}`",
-        f"- backend: {d['backend']} (concurrency {d['concurrency']}{passes(d)})",
+        f"- backend: {d['backend']} ({load_phrase(d)}{passes(d)})",
         f"- dataset: {d['dataset']}, {d['num_prompts']} prompts, seed {d['seed']}",
         f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
         f"max_new_tokens {d['max_new_tokens']}",
@@ -440,9 +484,10 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         lines += ["", *[f"- {line}" for line in ranking]]
     if has_latency(d):
         lines += ["", "## Latency", "", LATENCY_NOTE, ""]
-        lines += _md_table(LATENCY_HEADERS, latency_rows(d))
+        lines += _md_table([level_header(d), *LATENCY_HEADERS[1:]], latency_rows(d))
         if image:
-            lines += ["", "![TTFT, TPOT and ITL against concurrency](latency.png)"]
+            against = "request rate" if d.get("sweep", {}).get("request_rate") else "concurrency"
+            lines += ["", f"![TTFT, TPOT and ITL against {against}](latency.png)"]
     for cat in d["categories"]:
         lines += ["", f"## {cat}", ""]
         rows = []
@@ -467,7 +512,7 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
             f"The table above holds each method at its recommended K. {_SWEEP_NOTE}",
             "",
         ]
-        lines += _md_table(SWEEP_HEADERS, _sweep_rows(d))
+        lines += _md_table([level_header(d), *SWEEP_HEADERS[1:]], _sweep_rows(d))
         vllm = d["backend"] in VLLM_BACKENDS
         heading = "Recommended `--speculative-config`" if vllm else "Recommended K"
         lines += ["", f"### {heading} (measured on {engine_name(d['backend'])})", ""]
@@ -559,7 +604,8 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
 
     d = report if isinstance(report, dict) else report_dict(report)
     s = d["sweep"]
-    levels = s["concurrency"] or sorted({p["concurrency"] for p in s["points"]})
+    order = {level_key(p): level_order(p) for p in s["points"]}
+    levels = sorted(order, key=order.__getitem__) or [str(c) for c in s["concurrency"]]
     fig = Figure(figsize=(max(8.0, 1.5 + 4.5 * len(levels)), 7), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(levels), squeeze=False)
@@ -568,7 +614,7 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
     )
     for col, level in enumerate(levels):
         top, bottom = axes[0][col], axes[1][col]
-        here = [p for p in s["points"] if p["concurrency"] == level]
+        here = [p for p in s["points"] if level_key(p) == level]
         for p in here:
             if p["algo"] == PLAIN:
                 top.axhline(p["output_tokens_per_s"], color="0.5", linestyle="--", label="no-spec")
@@ -583,12 +629,12 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
             taus = [p["acceptance_length"] for p in pts]
             if None not in taus:
                 bottom.plot(ks, taus, marker="o", color=f"C{i}", label=label)
-            best = s["recommended"].get(name, {}).get(str(level))
+            best = s["recommended"].get(name, {}).get(level)
             if best is not None and best.get("confidence_threshold") == t:
                 top.plot(
                     best["num_speculative_tokens"], best["output_tokens_per_s"], "*", ms=15, color=f"C{i}"
                 )
-        top.set(title=f"concurrency {level}", ylabel="output tokens/s")
+        top.set(title=level_phrase(level), ylabel="output tokens/s")
         taus = [
             p["acceptance_length"] for p in here if p["algo"] != PLAIN and p["acceptance_length"] is not None
         ]
@@ -609,8 +655,8 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
 
 
 def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
-    """latency.png: TTFT, TPOT and ITL (median solid, p99 dotted) against concurrency, one line
-    per configuration (method at K)."""
+    """latency.png: TTFT, TPOT and ITL (median solid, p99 dotted) against concurrency (or request
+    rate), one line per configuration (method at K)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -621,6 +667,10 @@ def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
         points = [{**r, "concurrency": d["concurrency"]} for r in d["results"]]
     points = [p for p in points if p.get("median_ttft_ms") is not None]
     configs = list(dict.fromkeys((p["name"], p["num_speculative_tokens"]) for p in points))
+    by_rate = any(p.get("request_rate") is not None for p in points)
+    # concurrency on a log2 axis; request rates (inf among them) evenly spaced, in order
+    ticks = sorted({level_order(p): level_cell(p) for p in points}.items())
+    place = {key: key[0] if not by_rate else i for i, (key, _) in enumerate(ticks)}
     fig = Figure(figsize=(13, 4), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
@@ -629,18 +679,19 @@ def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
         for i, (method, k) in enumerate(configs):
             mine = sorted(
                 (p for p in points if (p["name"], p["num_speculative_tokens"]) == (method, k)),
-                key=lambda p: p["concurrency"],
+                key=level_order,
             )
-            xs = [p["concurrency"] for p in mine]
+            xs = [place[level_order(p)] for p in mine]
             label = (
                 method if k == 0 or len({c[1] for c in configs if c[0] == method}) == 1 else f"{method} K={k}"
             )
             ax.plot(xs, [p[f"median_{name}_ms"] for p in mine], marker="o", color=f"C{i}", label=label)
             ax.plot(xs, [p[f"p99_{name}_ms"] for p in mine], linestyle=":", color=f"C{i}")
-        ax.set(title=f"{titles[name]} (p50, p99 dotted)", xlabel="concurrency", ylabel="ms")
-        ax.set_xscale("log", base=2)
-        levels = sorted({p["concurrency"] for p in points})
-        ax.set_xticks(levels, [str(level) for level in levels])
+        xlabel = "request rate (req/s)" if by_rate else "concurrency"
+        ax.set(title=f"{titles[name]} (p50, p99 dotted)", xlabel=xlabel, ylabel="ms")
+        if not by_rate:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks([place[key] for key, _ in ticks], [label for _, label in ticks])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     if configs:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from specctl.bench.arrivals import rate_label
 from specctl.bench.divergence import Divergence, summary_line
 from specctl.bench.intervals import (
     RESAMPLES,
@@ -148,10 +149,20 @@ class MethodResult:
 @dataclass
 class Point:
     """One configuration measured at one concurrency level: what a backend's measure() returns,
-    one per level it covers (the embedded engine and vLLM offline have one level)."""
+    one per level it covers (the embedded engine and vLLM offline have one level). A server
+    backend's `bench --request-rate` level has its rate: requests arrived as a Poisson process
+    (specctl.bench.arrivals), `concurrency` of them in flight at most."""
 
     concurrency: int
     result: MethodResult
+    request_rate: float | None = None  # requests/s (inf: all at once); None: a closed loop
+
+    @property
+    def level(self) -> Level:
+        return self.concurrency, self.request_rate
+
+
+Level = tuple[int, float | None]  # (concurrency, request rate): what tells a sweep's levels apart
 
 
 @dataclass
@@ -179,11 +190,17 @@ class BenchReport:
     # every (method, K, concurrency) a sweep measured, in order; None = not a sweep
     sweep: list[Point] | None = None
     sweep_levels: list[int] = field(default_factory=list)  # the concurrency levels swept, ascending
+    sweep_rates: list[float] = field(default_factory=list)  # bench --request-rate: the rates, ascending
     sweep_skipped: list[str] = field(default_factory=list)  # requested K a drafter cannot draft
     provenance: dict[str, Any] | None = None  # specctl.provenance: versions, commit, hardware, time
     # method name -> its outputs that differ from plain decoding's, explained (specctl.bench.divergence);
     # None: not analysed (sampling, no plain run, no ids, or a backend without a local verifier)
     divergences: dict[str, list[Divergence]] | None = None
+
+    @property
+    def first_level(self) -> Level:
+        """The level a sweep's `results` are read at: the lowest concurrency (or request rate)."""
+        return self.concurrency, self.sweep_rates[0] if self.sweep_rates else None
 
     @property
     def ok(self) -> bool:
@@ -468,12 +485,14 @@ def point_setting(point: dict[str, Any]) -> Setting:
     return point["num_speculative_tokens"], point.get("confidence_threshold")
 
 
-def best_results(points: Sequence[Point], concurrency: int) -> list[MethodResult]:
-    """Each method, in the order first measured, at its recommended K (and threshold) at
-    `concurrency`: the `results` of a sweep, so the summary table, speedups and --require read it."""
+def best_results(points: Sequence[Point], level: int | Level) -> list[MethodResult]:
+    """Each method, in the order first measured, at its recommended K (and threshold) at `level`
+    (a concurrency, or (concurrency, request rate)): the `results` of a sweep, so the summary
+    table, speedups and --require read it."""
+    want = (level, None) if isinstance(level, int) else level
     by_name: dict[str, list[MethodResult]] = {}
     for p in points:
-        if p.concurrency == concurrency:
+        if p.level == want:
             by_name.setdefault(p.result.method.name, []).append(p.result)
     best = []
     for results in by_name.values():
@@ -485,15 +504,38 @@ def best_results(points: Sequence[Point], concurrency: int) -> list[MethodResult
 VLLM_BACKENDS = ("vllm", "vllm-offline")  # the backends whose measurements are vLLM's own
 
 
+def rate_json(rate: float) -> float | str:
+    """A request rate in report.json: requests/s, or "inf" (JSON has no infinity), as vllm bench
+    serve writes it."""
+    return rate_label(rate) if math.isinf(rate) else rate
+
+
+def level_key(point: dict[str, Any]) -> str:
+    """A report.json point's level as the recommendations key it: its concurrency (`"4"`), or
+    under --request-rate its rate (`"4 req/s"`, `"inf req/s"`)."""
+    rate = point.get("request_rate")
+    if rate is None:
+        return str(point["concurrency"])
+    return f"{rate if isinstance(rate, str) else rate_label(rate)} req/s"
+
+
+def level_text(level: Level) -> str:
+    """A level in a sentence: `concurrency 4`, or `request rate 4 req/s` (at most N in flight)."""
+    concurrency, rate = level
+    if rate is None:
+        return f"concurrency {concurrency}"
+    return f"request rate {rate_label(rate)} req/s"
+
+
 def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str, dict[str, dict[str, Any]]]:
     """method name -> concurrency level (a string: JSON keys are) -> the recommended K (and
     confidence threshold) with its figures, the engine it was `measured_on`, and the vLLM
     `--speculative-config` that serves it -- only when vLLM measured it: another engine's step
     costs differ, so its best K need not be vLLM's. Plain decoding has none."""
-    grouped: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for p in points:
         if p["algo"] != PLAIN:
-            grouped.setdefault((p["name"], p["concurrency"]), []).append(p)
+            grouped.setdefault((p["name"], level_key(p)), []).append(p)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (name, level), group in grouped.items():
         k, t = recommend((point_setting(p), p["output_tokens_per_s"]) for p in group)
@@ -503,7 +545,7 @@ def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str,
             spec = speculative_config(method) if backend in VLLM_BACKENDS else None
         except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
             spec = None
-        out.setdefault(name, {})[str(level)] = {
+        out.setdefault(name, {})[level] = {
             "num_speculative_tokens": k,
             "confidence_threshold": t,
             "acceptance_length": best["acceptance_length"],
@@ -520,10 +562,10 @@ def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str,
 def sweep_dict(report: BenchReport, resamples: int = RESAMPLES) -> dict[str, Any]:
     """report.json's `sweep`: every measured point, with its speedup and output comparison
     against no-spec at the same concurrency (batching changes both), and the recommendations."""
-    plain = {p.concurrency: p.result.total for p in report.sweep or [] if p.result.method.algo == PLAIN}
+    plain = {p.level: p.result.total for p in report.sweep or [] if p.result.method.algo == PLAIN}
     points = []
     for p in report.sweep or []:
-        total, ref = p.result.total, plain.get(p.concurrency)
+        total, ref = p.result.total, plain.get(p.level)
         ref_outputs = ref.outputs if ref is not None and report.temperature == 0 else {}
         same, compared = outputs_match(total.outputs, ref_outputs)
         figures = measurement_dict(total, ref, None, report.seed, resamples)
@@ -531,14 +573,17 @@ def sweep_dict(report: BenchReport, resamples: int = RESAMPLES) -> dict[str, Any
             {
                 **_method_dict(p.result.method),
                 "concurrency": p.concurrency,
+                **({"request_rate": rate_json(p.request_rate)} if p.request_rate is not None else {}),
                 **{k: v for k, v in figures.items() if "baseline" not in k},
                 "outputs_match_plain": same / compared if compared else None,
                 "outputs_compared": compared,
                 "units": units_dict(total.units),
             }
         )
+    rates = {"request_rate": [rate_json(r) for r in report.sweep_rates]} if report.sweep_rates else {}
     return {
         "concurrency": list(report.sweep_levels),
+        **rates,
         "points": points,
         "recommended": recommendations(points, report.backend),
         "skipped": list(report.sweep_skipped),
@@ -691,6 +736,7 @@ def outputs_lines(report: BenchReport) -> list[str]:
                 "method": p.result.method.name,
                 "num_speculative_tokens": p.result.method.num_speculative_tokens,
                 "concurrency": p.concurrency,
+                **({"request_rate": rate_json(p.request_rate)} if p.request_rate is not None else {}),
             }
             for index, ids in sorted(p.result.total.outputs.items()):
                 lines.append(json.dumps({**head, "prompt_index": index, "token_ids": ids}))

@@ -34,6 +34,7 @@ from specctl.bench.plan import (
     Groups,
     Method,
     backend_levels,
+    backend_rates,
     bench_settings,
     check_drafters,
     choose_verifier,
@@ -46,6 +47,7 @@ from specctl.bench.plan import (
     plan_sweep,
     plan_thresholds,
     prompt_rounds,
+    rate_cap,
     repeat_rounds,
     reported_rounds,
     round_order,
@@ -56,12 +58,14 @@ from specctl.bench.render import write_report
 from specctl.bench.report import (
     EVERY_METHOD,
     BenchReport,
+    Level,
     MethodResult,
     Point,
     Requirement,
     RequirementError,
     best_results,
     check_requirements,
+    level_text,
     parse_requirement,
     report_dict,
 )
@@ -82,6 +86,7 @@ class RunPlan:
 
     settings: BenchSection
     levels: list[int]  # concurrency levels, ascending
+    rates: list[float]  # bench --request-rate: one level per rate (Poisson arrivals), ascending; [] none
     methods: list[Method]
     configs: list[Method]  # what is measured: the methods, each drafter at every K of a sweep
     skipped: list[str]  # requested K a drafter cannot draft
@@ -117,7 +122,10 @@ def plan_run(
         asked = sorted({concurrency} if isinstance(concurrency, int) else set(concurrency))
     # the smallest level validates them all
     settings, backend = bench_settings(recipe, **overrides, concurrency=asked[0] if asked else None)
-    levels = backend_levels(backend, asked, settings.concurrency)
+    rates = backend_rates(backend, settings.request_rate, asked)
+    settings = settings.model_copy(update={"request_rate": rates})  # ascending, as the backends send them
+    cap = rate_cap(recipe, settings) if rates and not asked else settings.concurrency
+    levels = backend_levels(backend, asked, cap)
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
     if backend == REMOTE:
         methods, baseline_name = _remote_methods(drafters, baseline, ngram, sweep_k)
@@ -133,10 +141,11 @@ def plan_run(
             )
     configs, skipped = plan_sweep(methods, sweep_k)
     thresholds = settings.confidence_thresholds
-    sweeping = sweep_k is not False or len(levels) > 1 or len(set(thresholds)) > 1
+    sweeping = sweep_k is not False or len(levels) > 1 or bool(rates) or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
-        repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), len(levels))
+        loads = len(levels) * max(1, len(rates))
+        repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
         settings = settings.model_copy(update={"repeats": repeats})
     skipped += unable  # warned and reported with the K a drafter cannot draft
     cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
@@ -162,6 +171,7 @@ def plan_run(
     return RunPlan(
         settings,
         levels,
+        rates,
         methods,
         configs,
         skipped,
@@ -247,6 +257,7 @@ def new_report(
         output_dir=plan.out_dir,
         sweep=[] if plan.sweeping else None,
         sweep_levels=plan.levels if plan.sweeping else [],
+        sweep_rates=list(plan.rates),
         sweep_skipped=plan.skipped,
     )
 
@@ -269,6 +280,7 @@ def run_bench(
     *,
     top_p: float | None = None,
     concurrency: int | Sequence[int] | None = None,
+    request_rate: Sequence[float] | None = None,
     seed: int | None = None,
     repeats: int | None = None,
     engine_rounds: int | None = None,
@@ -294,8 +306,10 @@ def run_bench(
     `sweep_k` measures each drafter at several K (True: every K it can draft, see plan_sweep;
     a list: those K); several `concurrency` levels (vLLM server only) are measured on each
     server. Either makes a sweep: report.sweep holds every point, report.results each method
-    at its recommended K at the lowest level. `confidence_thresholds` adds a dynamic draft length
-    for drafters with a confidence head (plan_thresholds; several values are swept).
+    at its recommended K at the lowest level; so does `request_rate` (server backends): requests
+    arrive as a Poisson process at each rate, one level per rate. `confidence_thresholds` adds a
+    dynamic draft length for drafters with a confidence head (plan_thresholds; several values are
+    swept).
     `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
     server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
     else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
@@ -330,6 +344,7 @@ def run_bench(
         engine_rounds=engine_rounds,
         ready_timeout_s=ready_timeout_s,
         confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
+        request_rate=list(request_rate) if request_rate else None,
     )
 
     def say(msg: str, **kw: Any) -> None:
@@ -390,7 +405,8 @@ def execute(
     for line in [*plan.skipped, *report.warnings]:
         warn(f"warning: {line}")
     passes = report.repeats if engine.interleave else 1  # an engine's own passes are not counted
-    bar.reset(task, total=len(prompts) * len(plan.levels) * len(plan.configs) * passes)
+    loads = len(plan.levels) * max(1, len(plan.rates))
+    bar.reset(task, total=len(prompts) * loads * len(plan.configs) * passes)
     with bar:
         measure_all(engine, plan, rounds, report, lambda name: bar.update(task, description=name), say)
     report.complete = not report.errors
@@ -523,6 +539,7 @@ def in_round(points: list[Point], repetition: int) -> list[Point]:
                     for c, m in p.result.categories.items()
                 },
             ),
+            p.request_rate,
         )
         for p in points
     ]
@@ -545,14 +562,13 @@ def measure_one(
 
 
 def summed(rounds: Sequence[list[Point]]) -> list[Point]:
-    """One configuration's points over several rounds of prompts: summed per concurrency level."""
-    by_level: dict[int, MethodResult] = {}
+    """One configuration's points over several rounds of prompts: summed per level (concurrency,
+    request rate)."""
+    by_level: dict[Level, MethodResult] = {}
     for points in rounds:
         for p in points:
-            by_level[p.concurrency] = (
-                by_level[p.concurrency] + p.result if p.concurrency in by_level else p.result
-            )
-    return [Point(level, result) for level, result in sorted(by_level.items())]
+            by_level[p.level] = by_level[p.level] + p.result if p.level in by_level else p.result
+    return [Point(c, result, rate) for (c, rate), result in sorted(by_level.items())]
 
 
 def fill_report(
@@ -592,9 +608,9 @@ def failed_request_lines(name: str, points: Sequence[Point]) -> list[str]:
         counted = total.server_generation_tokens
         if counted is not None and counted > total.output_tokens:
             lines.append(
-                f"{name}: the server generated {total.server_generation_tokens} tokens at concurrency "
-                f"{p.concurrency} while this run received {total.output_tokens}: another client is using "
-                "it, so its acceptance counters include their requests; bench a server nobody else uses"
+                f"{name}: the server generated {total.server_generation_tokens} tokens at "
+                f"{level_text(p.level)} while this run received {total.output_tokens}: another client is "
+                "using it, so its acceptance counters include their requests; bench a server nobody else uses"
             )
         categories = p.result.categories.values()
         failed = {i: why for m in categories for i, why in m.failed.items()}
@@ -602,7 +618,7 @@ def failed_request_lines(name: str, points: Sequence[Point]) -> list[str]:
             sent = sum(m.num_prompts + len(m.failed) for m in categories)
             first = min(failed)
             lines.append(
-                f"{name}: {len(failed)} of {sent} requests failed at concurrency {p.concurrency} "
+                f"{name}: {len(failed)} of {sent} requests failed at {level_text(p.level)} "
                 f"(each prompt's reason under failed_requests in report.json); "
                 f"prompt {first}: {failed[first]}"
             )
@@ -616,7 +632,7 @@ def record(report: BenchReport, points: Sequence[Point]) -> None:
         report.results.append(next(p.result for p in points if p.concurrency == report.concurrency))
         return
     report.sweep += list(points)
-    report.results = best_results(report.sweep, report.concurrency)
+    report.results = best_results(report.sweep, report.first_level)
 
 
 # ---------------------------------------------------------------- SIGTERM -> KeyboardInterrupt

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from specctl.bench.arrivals import arrival_offsets
 from specctl.bench.client import RequestError, RequestSettings, Sent, complete_one, send_prompts
 from specctl.bench.plan import Groups, Method, max_model_len
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
@@ -184,6 +185,9 @@ def settled_metrics(
         time.sleep(0.1)
 
 
+Load = tuple[int, float | None]  # (requests in flight at most, Poisson requests/s or None: a closed loop)
+
+
 def measure_at(
     base_url: str,
     settings: RequestSettings,
@@ -194,9 +198,27 @@ def measure_at(
     counters: bool = True,
     passes: int = 1,
 ) -> dict[int, dict[str, Measurement]]:
-    """Every group of prompts at each concurrency level against a running server, streamed,
-    `passes` times (bench.repeats: pass after pass over the groups, each group's pass one Unit);
-    `k` is the server's num_speculative_tokens (the width of the per-position counts).
+    """measure_loads at each concurrency level, closed loop (a request sent as one ends)."""
+    loads = [(level, None) for level in levels]
+    by_load = measure_loads(base_url, settings, groups, loads, k, on_done, counters, passes)
+    return {level: m for (level, _), m in by_load.items()}
+
+
+def measure_loads(
+    base_url: str,
+    settings: RequestSettings,
+    groups: Groups,
+    loads: Sequence[Load],
+    k: int,
+    on_done: Callable[[int], None] | None = None,
+    counters: bool = True,
+    passes: int = 1,
+) -> dict[Load, dict[str, Measurement]]:
+    """Every group of prompts at each load against a running server, streamed, `passes` times
+    (bench.repeats: pass after pass over the groups, each group's pass one Unit); `k` is the
+    server's num_speculative_tokens (the width of the per-position counts). A load with a request
+    rate sends each group's requests at Poisson arrival times seeded by (seed, pass, first prompt):
+    every method meets the same arrivals.
 
     A warm-up request comes first (not measured: first-request costs such as lazy allocations);
     with `counters` (a vLLM server) its stats land before the first /metrics snapshot and each
@@ -206,11 +228,14 @@ def measure_at(
     start = fetch_metrics(base_url) if counters else None
     warm = complete_one(base_url, first[1], first[0], settings, max_tokens=4)
     before = settled_metrics(base_url, start, warm.tokens) if counters else None
-    out: dict[int, dict[str, Measurement]] = {}
-    for level in levels:
-        out[level] = {}
+    out: dict[Load, dict[str, Measurement]] = {}
+    for load in loads:
+        level, rate = load
+        out[load] = {}
         for round_, (category, prompts) in ((r, g) for r in range(passes) for g in groups.items()):
-            sent = send_prompts(base_url, prompts, settings, level, on_done)
+            seed = [settings.seed, round_, prompts[0][0]]
+            arrivals = arrival_offsets(len(prompts), rate, seed) if rate is not None else None
+            sent = send_prompts(base_url, prompts, settings, level, on_done, arrivals)
             if len(sent.failed) == len(prompts):  # nothing measured: the method failed, not a request
                 index = min(sent.failed)
                 raise VllmError(f"all {len(prompts)} requests failed; prompt {index}: {sent.failed[index]}")
@@ -231,7 +256,7 @@ def measure_at(
                     c.num_accepted_tokens,
                 )
             ]
-            out[level][category] = out[level][category] + m if category in out[level] else m
+            out[load][category] = out[load][category] + m if category in out[load] else m
     return out
 
 
@@ -285,6 +310,23 @@ def measure_server_levels(
     `label` names the log (vllm-server-LABEL.log; default the method's name), so the servers of
     a sweep, one per K, each keep theirs.
     """
+    loads = [(level, None) for level in levels]
+    by_load = measure_server_loads(method, groups, setup, loads, on_done, cpu, command, label)
+    return {level: m for (level, _), m in by_load.items()}
+
+
+def measure_server_loads(
+    method: Method,
+    groups: Groups,
+    setup: VllmSetup,
+    loads: Sequence[Load],
+    on_done: Callable[[int], None] | None = None,
+    cpu: bool | None = None,
+    command: Callable[[int], list[str]] | None = None,
+    label: str | None = None,
+) -> dict[Load, dict[str, Measurement]]:
+    """measure_server_levels for any loads: concurrency levels, or request rates (Poisson
+    arrivals, `bench --request-rate`) each with its cap on requests in flight."""
     cpu = on_cpu() if cpu is None else cpu
     log_path = setup.log_path(label or method.name, "server")
     fixed = requested_port(setup.extra_args)  # --vllm-arg=--port=N
@@ -293,7 +335,7 @@ def measure_server_levels(
         argv = command(port) if command else server_command(method, setup, port, cpu)
         try:
             with serve(argv, port, log_path, method.name, vllm_env(cpu), setup.ready_timeout_s) as server:
-                return _measure_levels(server, method, groups, setup, levels, on_done)
+                return _measure_loads(server, method, groups, setup, loads, on_done)
         except VllmError as e:
             if "address already in use" not in str(e).lower():
                 raise
@@ -306,18 +348,18 @@ def measure_server_levels(
     raise AssertionError("unreachable")
 
 
-def _measure_levels(
+def _measure_loads(
     server: Server,
     method: Method,
     groups: Groups,
     setup: VllmSetup,
-    levels: Sequence[int],
+    loads: Sequence[Load],
     on_done: Callable[[int], None] | None,
-) -> dict[int, dict[str, Measurement]]:
+) -> dict[Load, dict[str, Measurement]]:
     settings = request_settings(setup)
     try:
         k, passes = method.num_speculative_tokens, setup.repeats
-        return measure_at(server.base_url, settings, groups, levels, k, on_done, passes=passes)
+        return measure_loads(server.base_url, settings, groups, loads, k, on_done, passes=passes)
     except (VllmError, RequestError) as e:
         raise server.failure(f"vLLM server for {method.name}: {e}") from None
     except (httpx.HTTPError, OSError) as e:
@@ -325,7 +367,8 @@ def _measure_levels(
 
 
 class ServerBackend:
-    """measure(method, prompts): a vLLM server with the method, every prompt at each concurrency level."""
+    """measure(method, prompts): a vLLM server with the method, every prompt at each concurrency level
+    (or request rate)."""
 
     name = "vllm"
     interleave = False  # a server start per configuration (per round: bench --engine-rounds)
@@ -339,6 +382,7 @@ class ServerBackend:
         sweeping: bool,
         on_done: Callable[[int], None] | None,
         say: Callable[..., None],
+        rates: Sequence[float] = (),
     ):
         self.tokenizer, self.verifier, self.setup = verifier.tokenizer, verifier, setup
         self.levels, self.max_k, self.sweeping, self.on_done, self.say = (
@@ -348,6 +392,7 @@ class ServerBackend:
             on_done,
             say,
         )
+        self.rates = tuple(rates)  # bench --request-rate: one level per rate, at the first level's cap
         self.started: Counter[Method] = Counter()  # servers started per configuration (log names)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
@@ -356,5 +401,9 @@ class ServerBackend:
         label = run_label(method, self.sweeping, self.started[method])
         self.started[method] += 1
         announce(self.say, method, self.sweeping, "server", setup.log_path(label, "server"))
+        if self.rates:
+            loads = [(self.levels[0], rate) for rate in self.rates]
+            by_load = measure_server_loads(method, groups, setup, loads, self.on_done, label=label)
+            return [Point(c, MethodResult(method, m), rate) for (c, rate), m in by_load.items()]
         by_level = measure_server_levels(method, groups, setup, self.levels, self.on_done, label=label)
         return [Point(level, MethodResult(method, categories)) for level, categories in by_level.items()]
