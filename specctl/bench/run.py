@@ -42,6 +42,7 @@ from specctl.bench.plan import (
     exported_drafters,
     group_prompts,
     no_drafter_message,
+    plan_adaptive,
     plan_methods,
     plan_sweep,
     plan_thresholds,
@@ -135,6 +136,9 @@ def plan_run(
     thresholds = settings.confidence_thresholds
     sweeping = sweep_k is not False or len(levels) > 1 or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
+    configs, not_adaptive = plan_adaptive(configs, settings.adaptive)
+    unable += not_adaptive
+    sweeping = sweeping or settings.adaptive == "both"
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), len(levels))
         settings = settings.model_copy(update={"repeats": repeats})
@@ -145,6 +149,8 @@ def plan_run(
             f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
             "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
         )
+    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
+        refuse_adaptive(backend)
     if backend in ("vllm", "vllm-offline"):
         from specctl.vllm.check import refuse_serving
 
@@ -174,6 +180,28 @@ def plan_run(
         backend,
         recipe_yaml,
     )
+
+
+def refuse_adaptive(backend: str) -> None:
+    """--adaptive where it cannot be measured: one line (exit 2) before any engine starts. A
+    running server adapts as it was started; vLLM on CPU (its V1 model runner) and vLLM older than
+    the versions read have no adaptive verification (specctl.vllm.capabilities)."""
+    if backend == REMOTE:
+        raise UsageError(
+            "--adaptive: --base-url benches the server as it runs; start it with "
+            '"enable_adaptive_verification": true in its --speculative-config, or use --backend vllm'
+        )
+    if backend in ("vllm", "vllm-offline"):
+        from specctl.vllm import capabilities
+
+        version, on_cpu = capabilities.installed_vllm()
+        instead = "measure --adaptive on the embedded engine (--backend embedded)"
+        if capabilities.has(capabilities.Need.ADAPTIVE, version, on_cpu) is None:
+            raise UsageError(
+                f"--adaptive: enable_adaptive_verification needs vLLM >= 0.32 on a GPU; this is "
+                f"{version or 'no vLLM'}: {instead}"
+            )
+        capabilities.refuse([capabilities.Need.ADAPTIVE], version, on_cpu, instead, where="--adaptive")
 
 
 def _drafter_methods(
@@ -275,6 +303,7 @@ def run_bench(
     ngram: int | None = None,
     sweep_k: bool | Sequence[int] = False,
     confidence_thresholds: Sequence[float] | None = None,
+    adaptive: str | None = None,
     vllm_args: Sequence[str] = (),
     ready_timeout_s: float | None = None,
     base_url: str | None = None,
@@ -295,7 +324,9 @@ def run_bench(
     a list: those K); several `concurrency` levels (vLLM server only) are measured on each
     server. Either makes a sweep: report.sweep holds every point, report.results each method
     at its recommended K at the lowest level. `confidence_thresholds` adds a dynamic draft length
-    for drafters with a confidence head (plan_thresholds; several values are swept).
+    for drafters with a confidence head (plan_thresholds; several values are swept). `adaptive`
+    (bench.adaptive: off, on, both) measures adaptive verification instead of, or beside, each
+    drafter's fixed K (plan_adaptive).
     `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
     server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
     else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
@@ -330,6 +361,7 @@ def run_bench(
         engine_rounds=engine_rounds,
         ready_timeout_s=ready_timeout_s,
         confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
+        adaptive=adaptive,
     )
 
     def say(msg: str, **kw: Any) -> None:
