@@ -453,11 +453,14 @@ class BenchSection(Section):
         "by vLLM's acceptance estimator on their logits.",
     )
     adaptive_threshold: float = Field(
-        0.3,
+        0.1,
         gt=0,
         lt=1,
         description="Embedded engine, adaptive verification: verify the drafts whose estimated "
-        "survival (running product of per-draft acceptance probabilities) stays >= this.",
+        "survival (running product of per-draft acceptance probabilities) stays >= this. Low: a "
+        "draft is worth verifying while its survival beats what one more verified row costs as a "
+        "share of a step (about 0.02-0.08 on a CPU); DSpark's T 0.1 beat 0.2 and 0.4 "
+        "(docs/benchmarking.md).",
     )
     linear_kernel: LinearKernel = Field(
         "auto",

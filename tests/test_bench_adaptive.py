@@ -119,7 +119,7 @@ def test_run_bench_compares_fixed_k_and_adaptive(tmp_path, tiny_verifier_dir, fa
         ("dflash", 4, False),
         ("dflash", 4, True),
     ]
-    assert {(a, t, e) for a, t, e in _adaptive_generate.asked if t is not None} == {(3, 0.3, True)}
+    assert {(a, t, e) for a, t, e in _adaptive_generate.asked if t is not None} == {(3, 0.1, True)}
     fixed, adaptive = points[1:]
     assert fixed["acceptance_length"] == adaptive["acceptance_length"] == 4.0
     assert (
@@ -128,7 +128,7 @@ def test_run_bench_compares_fixed_k_and_adaptive(tmp_path, tiny_verifier_dir, fa
     )
     rec = dd["sweep"]["recommended"]["dflash"]["1"]
     assert rec["adaptive"] is True and rec["speculative_config"] is None  # embedded: no vLLM flag to print
-    assert dd["provenance"]["engine"]["adaptive_threshold"] == 0.3
+    assert dd["provenance"]["engine"]["adaptive_threshold"] == 0.1
     md = (out / "report.md").read_text()
     assert "## Fixed K vs adaptive verification" in md and "| 4, adaptive |" in md
     ratio = adaptive["output_tokens_per_s"] / fixed["output_tokens_per_s"]
