@@ -45,6 +45,14 @@ def test_plan_adaptive(tmp_path):
     spec = speculative_config(configs[2])
     assert spec["enable_adaptive_verification"] is True and spec["num_speculative_tokens"] == 4
     assert "enable_adaptive_verification" not in speculative_config(methods[2])
+    # each vLLM engine's log keeps its own name: fixed K and adaptive at the same K are two servers
+    from specctl.bench.vllm import run_label
+
+    assert [run_label(m, True) for m in configs[1:3]] == ["eagle3-k3-adaptive", "dflash-k4-adaptive"]
+    assert (
+        run_label(methods[1], True) == "eagle3-k3"
+        and run_label(configs[1], False, 1) == "eagle3-adaptive-round2"
+    )
 
 
 def test_recommend_breaks_ties_toward_fixed_k():
