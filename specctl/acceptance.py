@@ -3,14 +3,15 @@
 vLLM (>= 0.32, V2 GPU model runner) cuts the drafts it verifies per step when the speculative
 config sets `enable_adaptive_verification`: DSpark through its confidence head, every other
 drafter through an estimate of each draft's acceptance read from the drafter's own logits
-(vllm/v1/worker/gpu/spec_decode/acceptance_estimator.py in vLLM 0.32):
+(vllm/v1/worker/gpu/spec_decode/acceptance_estimator.py in vLLM 0.32, lines cited):
 
-    feature f_k = logit(max_v q_k(v)), clamped to +-40   (_predict_kernel, _MAX_LOG_ODDS, l. 9-11)
-    p_k = sigmoid(slope * f_k + intercept_k)              (slope 0.5, intercepts -0.2 cold: l. 13-20)
-    survival_k = p_0 * ... * p_k                          (adaptive_verification.py, l. 55-64 and 310)
+    feature f_k = logit(max_v q_k(v)), clamped to +-40   (_predict_kernel l. 301; _MAX_LOG_ODDS l. 13)
+    p_k = sigmoid(slope * f_k + intercept_k)              (l. 308; cold slope 0.5, intercepts -0.2: l. 19-20)
+    survival_k = p_0 * ... * p_k                          (adaptive_verification.py l. 64 and 310)
 
-and refits (slope, intercepts) every 100 steps by one damped Newton (IRLS) step on the drafts the
-verifier graded since (`_accumulate_kernel`, `_refit_kernel`). The feature scores the draft
+and refits (slope, intercepts) every 100 steps (l. 330) by one damped Newton (IRLS) step on the
+drafts the verifier graded since (`_accumulate_kernel` l. 24, `_refit_kernel` l. 92; damping 50
+and ridge 1e-3, l. 336-338). The feature scores the draft
 distribution, not the drawn token, so a cut never conditions on the token it drops and the
 output stays the verifier's. vLLM then admits the draft slots that maximise expected accepted
 tokens per unit of measured step cost; the embedded engine, one request at a time, cuts where
