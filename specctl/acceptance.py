@@ -11,12 +11,13 @@ drafter through an estimate of each draft's acceptance read from the drafter's o
 
 and refits (slope, intercepts) every 100 steps (l. 330) by one damped Newton (IRLS) step on the
 drafts the verifier graded since (`_accumulate_kernel` l. 24, `_refit_kernel` l. 92; damping 50
-and ridge 1e-3, l. 336-338). The feature scores the draft
-distribution, not the drawn token, so a cut never conditions on the token it drops and the
-output stays the verifier's. vLLM then admits the draft slots that maximise expected accepted
-tokens per unit of measured step cost; the embedded engine, one request at a time, cuts where
-survival falls below a threshold instead (`specctl.sampling.confident_draft_length`), as it does
-with DSpark's confidence head.
+and ridge 1e-3, l. 336-338). vLLM divides the draft logits by a sampled request's temperature
+first (l. 199-200); specctl's drafters draft greedily at every temperature, so their logits are
+read as they are. The feature scores the draft distribution, not the drawn token, so a cut never
+conditions on the token it drops and the output stays the verifier's. vLLM then admits the draft
+slots that maximise expected accepted tokens per unit of measured step cost; the embedded engine,
+one request at a time, cuts where survival falls below a threshold instead
+(`specctl.sampling.confident_draft_length`), as it does with DSpark's confidence head.
 """
 
 from __future__ import annotations
