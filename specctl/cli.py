@@ -351,6 +351,15 @@ RequestRateOpt = Annotated[
         "once), e.g. 1,4,inf; one level per rate with TTFT/TPOT/ITL percentiles (bench.request_rate)."
     ),
 ]
+AdaptiveOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="on|both|off",
+        help="Adaptive verification: verify only the drafts likely to be accepted (vLLM on a GPU: "
+        "enable_adaptive_verification; embedded: the confidence head or vLLM's estimator on the "
+        "drafter's logits). 'on': instead of the fixed K; 'both': side by side with it.",
+    ),
+]
 RepeatsOpt = Annotated[
     int | None,
     typer.Option(
@@ -453,6 +462,7 @@ def bench(
     ] = None,
     sweep_k: SweepKOpt = None,
     confidence_threshold: ThresholdOpt = None,
+    adaptive: AdaptiveOpt = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
@@ -496,6 +506,7 @@ def bench(
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
         confidence_thresholds=confidence_threshold
         and parse_float_list(confidence_threshold, "--confidence-threshold"),
+        adaptive=adaptive,
         vllm_args=vllm_arg or [],
         base_url=base_url,
         dataset_split=dataset_split,

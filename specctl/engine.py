@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from specctl.acceptance import AcceptanceEstimator
 from specctl.counters import SpecCounters
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
 from specctl.verifier import Verifier, record_layers
@@ -56,32 +57,79 @@ def default_num_speculative_tokens(drafter: Any) -> int:
     return drafter.export_config().speculative_tokens
 
 
+@dataclass
+class _Drafting:
+    """How each step drafts: K, the aux layers the drafter reads, its propose function, and the cut.
+
+    threshold None: every draft is verified. Else the drafts are cut where their survival (the
+    running product of per-position acceptance confidences) falls below it: confidences from the
+    drafter's head (`propose_with_confidence`, DSpark), or -- `estimator` set -- predicted from its
+    logits (`propose_with_logits`, specctl.acceptance: vLLM's estimator), which then learns from
+    what the verifier kept (`verified`)."""
+
+    K: int
+    aux_layer_ids: tuple[int, ...]
+    propose: Any
+    threshold: float | None = None
+    estimator: AcceptanceEstimator | None = None
+    scored: tuple[torch.Tensor, torch.Tensor] | None = None  # (features, predictions) of the last cut
+
+    def drafts(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:
+        """The [<= k] drafts to verify after ids[-1]."""
+        proposal = self.propose(ids, aux, k, state=state)
+        if self.threshold is None:
+            return proposal
+        if self.estimator is not None:
+            drafts, logits = proposal
+            features, confidence = self.estimator.confidences(logits)  # [k], [k]
+        else:
+            drafts, confidence = proposal
+            if confidence is None:
+                raise ValueError("confidence_threshold: this drafter was built without its confidence head")
+        n = confident_draft_length(confidence, self.threshold)
+        if self.estimator is not None:
+            self.scored = features[:n], confidence[:n]
+        return drafts[:n]
+
+    def verified(self, accepted: int) -> None:
+        """The verifier kept `accepted` of the drafts `drafts` returned last."""
+        if self.estimator is not None and self.scored is not None:
+            self.estimator.observe(*self.scored, accepted)
+            self.scored = None
+
+
 def _proposer(
-    drafter: Any | None, num_speculative_tokens: int | None, confidence_threshold: float | None
-) -> tuple[int, tuple[int, ...], Any]:
-    """(K, the aux layers the drafter reads, its propose function); K 0 for plain decoding."""
+    drafter: Any | None,
+    num_speculative_tokens: int | None,
+    confidence_threshold: float | None,
+    adaptive_threshold: float | None = None,
+    estimator: AcceptanceEstimator | None = None,
+) -> _Drafting:
+    """How the drafter drafts (K 0 for plain decoding): its fixed K, DSpark's confidence cut, or
+    adaptive verification (the confidence head where the drafter has one, else vLLM's estimator)."""
     if drafter is None:
-        return 0, (), None
+        return _Drafting(0, (), None)
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    if confidence_threshold is not None and adaptive_threshold is not None:
+        raise ValueError("pass confidence_threshold or adaptive_threshold, not both")
     K = num_speculative_tokens or default_num_speculative_tokens(drafter)
-    propose = drafter.propose
+    aux = tuple(drafter.verifier.aux_layer_ids)
+    if adaptive_threshold is not None:
+        if getattr(drafter, "confidence_head", None) is not None:  # DSpark: its own head, as vLLM does
+            return _Drafting(K, aux, drafter.propose_with_confidence, adaptive_threshold)
+        if getattr(drafter, "propose_with_logits", None) is None:
+            raise ValueError("adaptive_threshold needs a drafter reporting its logits (propose_with_logits)")
+        if estimator is not None and estimator.num_positions < K:
+            raise ValueError(f"the acceptance estimator covers {estimator.num_positions} positions, K is {K}")
+        estimator = estimator or AcceptanceEstimator(K)
+        return _Drafting(K, aux, drafter.propose_with_logits, adaptive_threshold, estimator)
     if confidence_threshold is not None:
         propose = getattr(drafter, "propose_with_confidence", None)
         if propose is None:
             raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
-    return K, tuple(drafter.verifier.aux_layer_ids), propose
-
-
-def _cut(proposal: Any, confidence_threshold: float | None) -> torch.Tensor:
-    """The drafts to verify: all of them, or (with a threshold) the prefix whose survival
-    probability stays above it (`propose_with_confidence` gives (drafts, confidences))."""
-    if confidence_threshold is None:
-        return proposal
-    drafts, confidence = proposal
-    if confidence is None:
-        raise ValueError("confidence_threshold: this drafter was built without its confidence head")
-    return drafts[: confident_draft_length(confidence, confidence_threshold)]
+        return _Drafting(K, aux, propose, confidence_threshold)
+    return _Drafting(K, aux, drafter.propose)
 
 
 def _accept(
@@ -111,6 +159,8 @@ def generate(
     num_speculative_tokens: int | None = None,
     eos_token_ids: Iterable[int] = (),
     confidence_threshold: float | None = None,
+    adaptive_threshold: float | None = None,
+    estimator: AcceptanceEstimator | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with the verifier, speculating
     with `drafter` (None = plain decoding, one token per verifier pass).
@@ -120,6 +170,10 @@ def generate(
     per step, fewer when fewer tokens remain. `confidence_threshold` turns on the dynamic
     draft length of drafters that report per-position confidences (`propose_with_confidence`,
     DSpark): a block is cut where its survival probability falls below the threshold.
+    `adaptive_threshold` is adaptive verification for any drafter: the same cut, with the
+    confidence head where the drafter has one, else with acceptances predicted from the drafter's
+    logits by `estimator` (specctl.acceptance, vLLM's online estimator; None: a fresh one for this
+    request). Greedy outputs stay plain decoding's: a cut only shortens what is verified.
     """
     model = verifier.model if isinstance(verifier, Verifier) else verifier
     if max_new_tokens < 1:
@@ -130,7 +184,8 @@ def generate(
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
     eos = {int(t) for t in eos_token_ids}
-    K, aux_layer_ids, propose = _proposer(drafter, num_speculative_tokens, confidence_threshold)
+    drafting = _proposer(drafter, num_speculative_tokens, confidence_threshold, adaptive_threshold, estimator)
+    K, aux_layer_ids = drafting.K, drafting.aux_layer_ids
     counters = SpecCounters(accepted_per_position=[0] * K)
 
     from transformers import DynamicCache
@@ -156,8 +211,7 @@ def generate(
             k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
             drafts = ids[:0]
             if k > 0:
-                proposal = propose(ids[:n], aux_buffer[: n - 1], k, state=draft_state)
-                drafts = _cut(proposal, confidence_threshold).to(device)  # [k]
+                drafts = drafting.drafts(ids[:n], aux_buffer[: n - 1], k, draft_state).to(device)  # [<= k]
                 k = drafts.numel()
             logits = model(
                 input_ids=(torch.cat([pending, drafts]) if k else pending)[None],
@@ -168,6 +222,7 @@ def generate(
             accepted, next_token = _accept(drafts, logits, temperature, top_p, generator)
             if k > 0:
                 counters.record(k, accepted)
+                drafting.verified(accepted)
             if accepted < k:
                 cache.crop(-(k - accepted))  # negative = remove that many entries
             if aux_layer_ids:

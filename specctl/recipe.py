@@ -385,6 +385,7 @@ class ExportSection(Section):
 
 
 LinearKernel = Literal["auto", "torch", "onednn-prepacked"]
+AdaptiveMode = Literal["off", "on", "both"]  # bench.adaptive: fixed K only, adaptive only, side by side
 
 
 class BenchSection(Section):
@@ -453,6 +454,25 @@ class BenchSection(Section):
         description="Dynamic draft length for drafters with a confidence head (DSpark): verify only "
         "the drafts whose running product of confidences stays >= T. Several values are swept, "
         "beside each drafter's fixed K. Embedded backend only.",
+    )
+    adaptive: AdaptiveMode = Field(
+        "off",
+        description="Adaptive verification (`bench --adaptive`): each step verifies only the drafts "
+        "likely to be accepted. `on` measures each drafter adaptive instead of at a fixed K, `both` "
+        "side by side with its fixed K (a sweep: the report compares them per concurrency). vLLM "
+        "backends pass speculative_config enable_adaptive_verification (vLLM on a GPU, >= 0.32); the "
+        "embedded engine cuts at `adaptive_threshold`, DSpark by its confidence head, other drafters "
+        "by vLLM's acceptance estimator on their logits.",
+    )
+    adaptive_threshold: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="Embedded engine, adaptive verification: verify the drafts whose estimated "
+        "survival (running product of per-draft acceptance probabilities) stays >= this. Low: a "
+        "draft is worth verifying while its survival beats what one more verified row costs as a "
+        "share of a step (about 0.02-0.08 on a CPU); DSpark's T 0.1 beat 0.2 and 0.4 "
+        "(docs/benchmarking.md).",
     )
     linear_kernel: LinearKernel = Field(
         "auto",

@@ -1206,14 +1206,23 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
 
 
 def test_recommend_takes_the_fastest_and_ties_go_to_the_smaller_k_then_no_threshold():
-    none = lambda points: [((k, None), tps) for k, tps in points]  # noqa: E731
-    assert recommend(none([(1, 10.0), (2, 12.5), (3, 11.0)])) == (2, None)
-    assert recommend(none([(4, 12.0), (1, 9.0), (3, 12.0), (2, 12.0)])) == (2, None)
-    assert recommend(iter(none([(5, 1.0)]))) == (5, None)
+    none = lambda points: [((k, None, False), tps) for k, tps in points]  # noqa: E731
+    assert recommend(none([(1, 10.0), (2, 12.5), (3, 11.0)])) == (2, None, False)
+    assert recommend(none([(4, 12.0), (1, 9.0), (3, 12.0), (2, 12.0)])) == (2, None, False)
+    assert recommend(iter(none([(5, 1.0)]))) == (5, None, False)
     # a confidence threshold wins when it is faster; on a tie, no threshold, then the lower one
-    assert recommend([((8, None), 10.0), ((8, 0.3), 11.0), ((4, None), 10.5)]) == (8, 0.3)
-    assert recommend([((8, 0.5), 11.0), ((8, None), 11.0), ((8, 0.3), 11.0)]) == (8, None)
-    assert recommend([((8, 0.5), 11.0), ((8, 0.3), 11.0)]) == (8, 0.3)
+    fixed = lambda k, t: (k, t, False)  # noqa: E731
+    assert recommend([(fixed(8, None), 10.0), (fixed(8, 0.3), 11.0), (fixed(4, None), 10.5)]) == (
+        8,
+        0.3,
+        False,
+    )
+    assert recommend([(fixed(8, 0.5), 11.0), (fixed(8, None), 11.0), (fixed(8, 0.3), 11.0)]) == (
+        8,
+        None,
+        False,
+    )
+    assert recommend([(fixed(8, 0.5), 11.0), (fixed(8, 0.3), 11.0)]) == (8, 0.3, False)
     with pytest.raises(ValueError):
         recommend([])
 
@@ -1262,6 +1271,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
             "1": {
                 "num_speculative_tokens": 3,
                 "confidence_threshold": None,
+                "adaptive": False,
                 "acceptance_length": pytest.approx(1 + 18 / 10),
                 "draft_tokens_per_accepted": pytest.approx(30 / 18),
                 "output_tokens_per_s": pytest.approx(36.0),
@@ -1277,6 +1287,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
             "4": {
                 "num_speculative_tokens": 2,
                 "confidence_threshold": None,
+                "adaptive": False,
                 "acceptance_length": pytest.approx(1 + 14 / 10),
                 "draft_tokens_per_accepted": pytest.approx(20 / 14),
                 "output_tokens_per_s": pytest.approx(70.0),

@@ -397,6 +397,74 @@ def test_confidence_cut_needs_a_confidence_drafter(verifier, reference):
         )
 
 
+# ---------------------------------------------------------------- adaptive verification
+
+
+class LogitsDrafter(ScriptedDrafter):
+    """Scripted drafts with the logits a drafter would report: sharp (10 on the draft, 0 elsewhere)
+    where the draft is right, flat where it is wrong -- what the estimator can tell apart."""
+
+    def propose_with_logits(self, input_ids, aux_hidden_states, num_tokens, state=None):
+        drafts = self.propose(input_ids, aux_hidden_states, num_tokens)
+        logits = torch.zeros(num_tokens, self.vocab_size)
+        for i in range(self.first_wrong[-1]):
+            logits[i, drafts[i]] = 10.0
+        return drafts, logits
+
+
+def test_adaptive_cut_drafts_fewer_tokens_per_accepted_token(verifier, reference):
+    """Right for 2 positions (sharp logits), wrong after (flat): fixed K=5 verifies 5 drafts to keep
+    2; the estimator's cold-start survival .87, .76, .03 cuts at 2 (threshold .5), same output."""
+    K = 5
+    make = lambda: LogitsDrafter(PROMPT + reference, verifier.config.vocab_size, wrong=lambda s, i: i >= 2)  # noqa: E731
+    fixed = generate(verifier, make(), PROMPT, NEW, num_speculative_tokens=K)
+    adaptive = generate(verifier, make(), PROMPT, NEW, num_speculative_tokens=K, adaptive_threshold=0.5)
+    assert adaptive.tokens == fixed.tokens == reference
+    f, a = fixed.counters, adaptive.counters
+    assert f.acceptance_length == a.acceptance_length == 3.0 and f.num_drafts == a.num_drafts
+    assert a.accepted_per_position[:2] == [a.num_drafts] * 2  # every verified draft was kept
+    assert a.num_draft_tokens == a.num_accepted_tokens  # 1 drafted token per accepted one
+    assert f.num_draft_tokens >= 2 * f.num_accepted_tokens  # fixed K: 5 drafted per 2 accepted
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_adaptive_is_lossless_with_every_registered_drafter(name, verifier, reference):
+    drafter = build_drafter(name, verifier)
+    full = generate(verifier, drafter, PROMPT, NEW, num_speculative_tokens=3)
+    cut = generate(verifier, drafter, PROMPT, NEW, num_speculative_tokens=3, adaptive_threshold=0.3)
+    assert cut.tokens == full.tokens == reference
+    assert cut.counters.num_draft_tokens <= full.counters.num_draft_tokens
+    ids, aux = torch.tensor(PROMPT), torch.randn(len(PROMPT) - 1, len(AUX_IDS), 64)
+    drafts, logits = drafter.propose_with_logits(ids, aux, 3)
+    assert drafts.tolist() == drafter.propose(ids, aux, 3).tolist() and logits.shape[0] == 3
+    if name == "dspark":  # its confidence head decides, as in vLLM
+        head = generate(verifier, drafter, PROMPT, NEW, num_speculative_tokens=3, confidence_threshold=0.3)
+        assert head.counters == cut.counters
+
+
+def test_adaptive_estimator_lives_across_requests(verifier, reference):
+    from specctl.acceptance import AcceptanceEstimator
+
+    est = AcceptanceEstimator(4)
+    drafter = LogitsDrafter(PROMPT + reference, verifier.config.vocab_size, wrong=lambda s, i: i >= 1)
+    generate(verifier, drafter, PROMPT, 20, num_speculative_tokens=4, adaptive_threshold=0.5, estimator=est)
+    assert est.steps > 0 and est.stats.n[0] == est.steps  # every verified draft was graded
+    with pytest.raises(ValueError, match="not both"):
+        generate(verifier, drafter, PROMPT, 4, adaptive_threshold=0.5, confidence_threshold=0.5)
+    with pytest.raises(ValueError, match="logits"):
+        generate(verifier, fixed_drafter([1, 2]), PROMPT, 4, num_speculative_tokens=2, adaptive_threshold=0.5)
+    with pytest.raises(ValueError, match="positions"):
+        generate(
+            verifier,
+            drafter,
+            PROMPT,
+            4,
+            num_speculative_tokens=5,
+            adaptive_threshold=0.1,
+            estimator=est,
+        )
+
+
 # ---------------------------------------------------------------- counters
 
 

@@ -68,6 +68,7 @@ class EmbeddedBackend:
         self.generate_fn, self.load_drafter_fn = generate_fn, load_drafter_fn
         self.loaded: dict[Path, Any] = {}  # every drafter stays loaded: methods take turns
         self.warmed: set[Method] = set()
+        self.estimators: dict[Method, Any] = {}  # adaptive configurations' acceptance estimators
 
     def _drafter(self, method: Method) -> Any:
         if method.drafter is None:
@@ -81,8 +82,15 @@ class EmbeddedBackend:
 
     @property
     def engine_info(self) -> dict[str, Any]:
-        """The report's provenance.engine: the dtype and matmul kernel every forward ran with."""
-        return {"dtype": str(self.verifier.dtype).removeprefix("torch."), "linear_kernel": self.kernel}
+        """The report's provenance.engine: the dtype and matmul kernel every forward ran with, and
+        (bench.adaptive on) the survival threshold adaptive configurations were cut at."""
+        info: dict[str, Any] = {
+            "dtype": str(self.verifier.dtype).removeprefix("torch."),
+            "linear_kernel": self.kernel,
+        }
+        if self.settings.adaptive != "off":
+            info["adaptive_threshold"] = self.settings.adaptive_threshold
+        return info
 
     def _run(self, method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
         s = self.settings
@@ -97,12 +105,24 @@ class EmbeddedBackend:
             num_speculative_tokens=method.num_speculative_tokens or None,
             eos_token_ids=self.stop_ids,
             # only when set: an engine (or a test's stand-in) without dynamic draft length still runs
-            **(
-                {}
-                if method.confidence_threshold is None
-                else {"confidence_threshold": method.confidence_threshold}
-            ),
+            **self._cut(method, drafter),
         )
+
+    def _cut(self, method: Method, drafter: Any) -> dict[str, Any]:
+        """The engine's draft-cut arguments for a configuration: DSpark's confidence threshold, or
+        adaptive verification at bench.adaptive_threshold with the configuration's estimator (one
+        per configuration for the whole run, as vLLM keeps one per engine)."""
+        if method.confidence_threshold is not None:
+            return {"confidence_threshold": method.confidence_threshold}
+        if not method.adaptive:
+            return {}
+        if method not in self.estimators:
+            from specctl.acceptance import AcceptanceEstimator
+            from specctl.engine import default_num_speculative_tokens
+
+            K = method.num_speculative_tokens or default_num_speculative_tokens(drafter)
+            self.estimators[method] = AcceptanceEstimator(K)
+        return {"adaptive_threshold": self.settings.adaptive_threshold, "estimator": self.estimators[method]}
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
         drafter = self._drafter(method)

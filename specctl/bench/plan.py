@@ -81,6 +81,9 @@ class Method:
     verifier: str | None = None  # the verifier the drafter records (speculators_config.verifier)
     # dynamic draft length: verify only the drafts whose confidence product stays >= this (None = all K)
     confidence_threshold: float | None = None
+    # adaptive verification: vLLM's enable_adaptive_verification, or the embedded engine's cut at
+    # bench.adaptive_threshold (the confidence head, else vLLM's estimator on the drafter's logits)
+    adaptive: bool = False
     # the drafter's own config, parsed once from its config.json by `drafter_method`: the K limit
     # and the confidence head are read from it, not from the file again (None without a drafter)
     drafter_config: DrafterConfig | None = field(default=None, compare=False, repr=False)
@@ -290,6 +293,8 @@ def display_name(method: Method, sweeping: bool) -> str:
         name = f"{name} K={method.num_speculative_tokens}"
     if method.confidence_threshold is not None:
         name = f"{name} T={method.confidence_threshold:g}"
+    if method.adaptive:
+        name = f"{name} adaptive"
     return name
 
 
@@ -314,6 +319,8 @@ def speculative_config(method: Method) -> dict[str, Any] | None:
     if method.drafter is not None:
         cfg["model"] = str(Path(method.drafter).resolve())
     cfg["num_speculative_tokens"] = method.num_speculative_tokens
+    if method.adaptive:
+        cfg["enable_adaptive_verification"] = True
     return cfg
 
 
@@ -437,6 +444,32 @@ def plan_thresholds(
         out += [replace(m, confidence_threshold=t) for t in sorted(set(thresholds))]
     notes = [f"{name}: no confidence head, --confidence-threshold does not apply" for name in unable]
     return out, notes
+
+
+# ---------------------------------------------------------------- adaptive verification
+
+
+def plan_adaptive(configs: Sequence[Method], mode: str) -> tuple[list[Method], list[str]]:
+    """Expand the configurations over adaptive verification (bench.adaptive), and one line per
+    method it does not apply to.
+
+    mode `off`: as they are; `on`: each drafter's configurations become adaptive; `both`: each
+    adaptive one follows its fixed-K twin, so the report compares them at every K and level.
+    Plain decoding, ngram (vLLM adapts the draft of model drafters only) and a configuration
+    already cut by a confidence threshold (`--drafter DIR@K,T`, --confidence-threshold) stay as
+    they are."""
+    if mode == "off":
+        return list(configs), []
+    out: list[Method] = []
+    unable: dict[str, None] = {}
+    for m in configs:
+        if m.drafter is None or m.confidence_threshold is not None:
+            out.append(m)
+            if m.algo == NGRAM:
+                unable[m.name] = None
+            continue
+        out += [m, replace(m, adaptive=True)] if mode == "both" else [replace(m, adaptive=True)]
+    return out, [f"{name}: --adaptive does not apply (no drafter model)" for name in unable]
 
 
 # ---------------------------------------------------------------- the verifier

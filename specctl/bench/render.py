@@ -25,11 +25,13 @@ from specctl.redact import redact_tree
 
 
 def k_cell(r: dict[str, Any]) -> str:
-    """K, and the confidence threshold that cut its drafts when there was one ("8, T 0.3")."""
+    """K, and the confidence threshold that cut its drafts when there was one ("8, T 0.3"), or
+    adaptive verification ("8, adaptive": K is then the most drafts a step verifies)."""
     if r["algo"] == PLAIN:
         return "-"
     t = r.get("confidence_threshold")
-    return str(r["num_speculative_tokens"]) if t is None else f"{r['num_speculative_tokens']}, T {t:g}"
+    k = str(r["num_speculative_tokens"]) if t is None else f"{r['num_speculative_tokens']}, T {t:g}"
+    return f"{k}, adaptive" if r.get("adaptive") else k
 
 
 def rates(values: list[float]) -> str:
@@ -246,6 +248,7 @@ def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
         for level, r in levels.items():
             t = r.get("confidence_threshold")
             cut = "" if t is None else f", confidence threshold {t:g}"
+            cut += ", adaptive verification" if r.get("adaptive") else ""
             where = engine_name(r.get("measured_on", d["backend"]))
             text = (
                 f"{level_phrase(level)}, {name}: K={r['num_speculative_tokens']}{cut}, measured on {where} "
@@ -281,6 +284,62 @@ def _against_plain(name: str, r: dict[str, Any]) -> str:
     return f"; {rank(name, e, 'no-spec', plain)}{serve}"
 
 
+ADAPTIVE_HEADERS = [
+    "concurrency",
+    "method",
+    "fixed K",
+    "fixed tok/s",
+    "fixed drafted per accepted",
+    "adaptive K",
+    "adaptive tok/s",
+    "adaptive drafted per accepted",
+    "adaptive / fixed tok/s",
+]
+ADAPTIVE_NOTE = (
+    "Each drafter's fastest fixed-K configuration against its fastest adaptive one (K: the most "
+    "drafts a step verifies), at each concurrency. Adaptive verification verifies only the drafts "
+    "likely to be accepted (vLLM: enable_adaptive_verification; embedded engine: a cut where the "
+    "estimated survival falls below bench.adaptive_threshold), so it drafts fewer tokens per "
+    "accepted one; it pays off where verifying a draft costs more than its chance of acceptance "
+    "brings -- at high concurrency, or on a CPU."
+)
+
+
+def _fastest(points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return max(points, key=lambda p: p["output_tokens_per_s"] or 0.0, default=None)
+
+
+def adaptive_rows(d: dict[str, Any]) -> list[list[str]]:
+    """Fixed K against adaptive verification, per drafter and concurrency level: one row where the
+    sweep measured both (bench.adaptive both); none otherwise."""
+    points = d["sweep"]["points"] if "sweep" in d else []
+    rows = []
+    keys = dict.fromkeys((p["concurrency"], p["name"]) for p in points if p.get("adaptive"))
+    for level, name in sorted(keys, key=lambda key: key[0]):
+        mine = [p for p in points if (p["concurrency"], p["name"]) == (level, name)]
+        fixed = _fastest([p for p in mine if not p.get("adaptive") and p.get("confidence_threshold") is None])
+        adaptive = _fastest([p for p in mine if p.get("adaptive")])
+        if fixed is None or adaptive is None:
+            continue
+        ratio = None
+        if fixed["output_tokens_per_s"] and adaptive["output_tokens_per_s"] is not None:
+            ratio = adaptive["output_tokens_per_s"] / fixed["output_tokens_per_s"]
+        rows.append(
+            [
+                str(level),
+                name,
+                str(fixed["num_speculative_tokens"]),
+                fmt(fixed["output_tokens_per_s"], 1),
+                fmt(fixed.get("draft_tokens_per_accepted")),
+                str(adaptive["num_speculative_tokens"]),
+                fmt(adaptive["output_tokens_per_s"], 1),
+                fmt(adaptive.get("draft_tokens_per_accepted")),
+                fmt(ratio, 2, "x"),
+            ]
+        )
+    return rows
+
+
 def shows_sweep(d: dict[str, Any]) -> bool:
     """A K sweep to show: a remote server has one configuration (its own), so its concurrency
     levels are the latency table's rows, with nothing to recommend."""
@@ -314,6 +373,14 @@ def rich_sweep(report: BenchReport | dict[str, Any]):
         if arg:  # one unbroken line, so it can be copied into a vllm serve command
             parts.append(Text(f"    {arg}", no_wrap=True, overflow="ignore"))
     parts += [Text(f"skipped: {line}", style="yellow") for line in d["sweep"]["skipped"]]
+    compared = adaptive_rows(d)
+    if compared:
+        versus = Table(title="Fixed K vs adaptive verification (fastest of each)", title_justify="left")
+        for i, h in enumerate(ADAPTIVE_HEADERS):
+            versus.add_column(h, justify="left" if i == 1 else "right", style="bold" if i == 1 else None)
+        for row in compared:
+            versus.add_row(*row)
+        parts.append(versus)
     return Group(*parts)
 
 
@@ -519,6 +586,10 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         for text, arg in recommendation_lines(d):
             lines.append(f"- {text}" + (f"\n\n  ```\n  {arg}\n  ```" if arg else ""))
         lines += [f"- skipped: {line}" for line in d["sweep"]["skipped"]]
+        compared = adaptive_rows(d)
+        if compared:
+            lines += ["", "## Fixed K vs adaptive verification", "", ADAPTIVE_NOTE, ""]
+            lines += _md_table(ADAPTIVE_HEADERS, compared)
         if image:
             lines += ["", "![output tokens/s and tau against K](sweep.png)"]
     if d["requirements"]:
@@ -610,7 +681,11 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(levels), squeeze=False)
     series = list(
-        dict.fromkeys((p["name"], p.get("confidence_threshold")) for p in s["points"] if p["algo"] != PLAIN)
+        dict.fromkeys(
+            (p["name"], p.get("confidence_threshold"), bool(p.get("adaptive")))
+            for p in s["points"]
+            if p["algo"] != PLAIN
+        )
     )
     for col, level in enumerate(levels):
         top, bottom = axes[0][col], axes[1][col]
@@ -618,19 +693,25 @@ def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
         for p in here:
             if p["algo"] == PLAIN:
                 top.axhline(p["output_tokens_per_s"], color="0.5", linestyle="--", label="no-spec")
-        for i, (name, t) in enumerate(series):
-            mine = (p for p in here if (p["name"], p.get("confidence_threshold")) == (name, t))
+        for i, (name, t, adaptive) in enumerate(series):
+            key = (name, t, adaptive)
+            mine = (
+                p for p in here if (p["name"], p.get("confidence_threshold"), bool(p.get("adaptive"))) == key
+            )
             pts = sorted(mine, key=lambda p: p["num_speculative_tokens"])
             if not pts:
                 continue
-            label = name if t is None else f"{name} T={t:g}"
+            label = (name if t is None else f"{name} T={t:g}") + (" adaptive" if adaptive else "")
             ks = [p["num_speculative_tokens"] for p in pts]
             top.plot(ks, [p["output_tokens_per_s"] for p in pts], marker="o", color=f"C{i}", label=label)
             taus = [p["acceptance_length"] for p in pts]
             if None not in taus:
                 bottom.plot(ks, taus, marker="o", color=f"C{i}", label=label)
             best = s["recommended"].get(name, {}).get(level)
-            if best is not None and best.get("confidence_threshold") == t:
+            if best is not None and (best.get("confidence_threshold"), bool(best.get("adaptive"))) == (
+                t,
+                adaptive,
+            ):
                 top.plot(
                     best["num_speculative_tokens"], best["output_tokens_per_s"], "*", ms=15, color=f"C{i}"
                 )

@@ -452,6 +452,7 @@ def _method_dict(method: Method) -> dict[str, Any]:
         "algo": method.algo,
         "num_speculative_tokens": method.num_speculative_tokens,
         "confidence_threshold": method.confidence_threshold,
+        "adaptive": method.adaptive,
         "drafter": str(method.drafter) if method.drafter else None,
     }
 
@@ -459,30 +460,32 @@ def _method_dict(method: Method) -> dict[str, Any]:
 # ---------------------------------------------------------------- the K sweep
 
 
-Setting = tuple[int, float | None]  # (K, confidence threshold or None): one configuration of a drafter
+# (K, confidence threshold or None, adaptive verification): one configuration of a drafter
+Setting = tuple[int, float | None, bool]
 
 
 def recommend(points: Iterable[tuple[Setting, float]]) -> Setting:
-    """The (K, threshold) of the (setting, output tokens/s) point with the highest tokens/s.
+    """The (K, threshold, adaptive) of the (setting, output tokens/s) point with the highest tokens/s.
 
     A tie goes to the smaller K (the same speed for less drafting work and fewer speculative
     KV-cache slots per request, which leaves more room for other requests), then to no threshold
-    (nothing to tune), then to the lower one.
+    (nothing to tune), then to the lower one, then to fixed K over adaptive (nothing to turn on).
     """
     measured = list(points)
     if not measured:
         raise ValueError("no measured setting to recommend from")
-    (k, t), _ = min(measured, key=lambda p: (-p[1], p[0][0], p[0][1] is not None, p[0][1] or 0.0))
-    return k, t
+    setting, _ = min(measured, key=lambda p: (-p[1], p[0][0], p[0][1] is not None, p[0][1] or 0.0, p[0][2]))
+    return setting
 
 
 def _setting(method: Method) -> Setting:
-    return method.num_speculative_tokens, method.confidence_threshold
+    return method.num_speculative_tokens, method.confidence_threshold, method.adaptive
 
 
 def point_setting(point: dict[str, Any]) -> Setting:
-    """The (K, threshold) of a point or result as the report writes it (older reports have no T)."""
-    return point["num_speculative_tokens"], point.get("confidence_threshold")
+    """The (K, threshold, adaptive) of a point or result as the report writes it (older reports
+    have no T and no adaptive)."""
+    return point["num_speculative_tokens"], point.get("confidence_threshold"), bool(point.get("adaptive"))
 
 
 def best_results(points: Sequence[Point], level: int | Level) -> list[MethodResult]:
@@ -538,9 +541,10 @@ def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str,
             grouped.setdefault((p["name"], level_key(p)), []).append(p)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for (name, level), group in grouped.items():
-        k, t = recommend((point_setting(p), p["output_tokens_per_s"]) for p in group)
-        best = next(p for p in group if point_setting(p) == (k, t))
-        method = Method(name, best["algo"], k, Path(best["drafter"]) if best["drafter"] else None)
+        k, t, adaptive = recommend((point_setting(p), p["output_tokens_per_s"]) for p in group)
+        best = next(p for p in group if point_setting(p) == (k, t, adaptive))
+        drafter = Path(best["drafter"]) if best["drafter"] else None
+        method = Method(name, best["algo"], k, drafter, adaptive=adaptive)
         try:
             spec = speculative_config(method) if backend in VLLM_BACKENDS else None
         except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
@@ -548,6 +552,7 @@ def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str,
         out.setdefault(name, {})[level] = {
             "num_speculative_tokens": k,
             "confidence_threshold": t,
+            "adaptive": adaptive,
             "acceptance_length": best["acceptance_length"],
             "draft_tokens_per_accepted": best.get("draft_tokens_per_accepted"),
             "output_tokens_per_s": best["output_tokens_per_s"],

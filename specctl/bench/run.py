@@ -43,6 +43,7 @@ from specctl.bench.plan import (
     exported_drafters,
     group_prompts,
     no_drafter_message,
+    plan_adaptive,
     plan_methods,
     plan_sweep,
     plan_thresholds,
@@ -143,6 +144,9 @@ def plan_run(
     thresholds = settings.confidence_thresholds
     sweeping = sweep_k is not False or len(levels) > 1 or bool(rates) or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
+    configs, not_adaptive = plan_adaptive(configs, settings.adaptive)
+    unable += not_adaptive
+    sweeping = sweeping or settings.adaptive == "both"
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
@@ -154,6 +158,8 @@ def plan_run(
             f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
             "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
         )
+    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
+        refuse_adaptive(backend)
     if backend in ("vllm", "vllm-offline"):
         from specctl.vllm.check import refuse_serving
 
@@ -184,6 +190,28 @@ def plan_run(
         backend,
         recipe_yaml,
     )
+
+
+def refuse_adaptive(backend: str) -> None:
+    """--adaptive where it cannot be measured: one line (exit 2) before any engine starts. A
+    running server adapts as it was started; vLLM on CPU (its V1 model runner) and vLLM older than
+    the versions read have no adaptive verification (specctl.vllm.capabilities)."""
+    if backend == REMOTE:
+        raise UsageError(
+            "--adaptive: --base-url benches the server as it runs; start it with "
+            '"enable_adaptive_verification": true in its --speculative-config, or use --backend vllm'
+        )
+    if backend in ("vllm", "vllm-offline"):
+        from specctl.vllm import capabilities
+
+        version, on_cpu = capabilities.installed_vllm()
+        instead = "measure --adaptive on the embedded engine (--backend embedded)"
+        if capabilities.has(capabilities.Need.ADAPTIVE, version, on_cpu) is None:
+            raise UsageError(
+                f"--adaptive: enable_adaptive_verification needs vLLM >= 0.32 on a GPU; this is "
+                f"{version or 'no vLLM'}: {instead}"
+            )
+        capabilities.refuse([capabilities.Need.ADAPTIVE], version, on_cpu, instead, where="--adaptive")
 
 
 def _drafter_methods(
@@ -287,6 +315,7 @@ def run_bench(
     ngram: int | None = None,
     sweep_k: bool | Sequence[int] = False,
     confidence_thresholds: Sequence[float] | None = None,
+    adaptive: str | None = None,
     vllm_args: Sequence[str] = (),
     ready_timeout_s: float | None = None,
     base_url: str | None = None,
@@ -309,7 +338,8 @@ def run_bench(
     at its recommended K at the lowest level; so does `request_rate` (server backends): requests
     arrive as a Poisson process at each rate, one level per rate. `confidence_thresholds` adds a
     dynamic draft length for drafters with a confidence head (plan_thresholds; several values are
-    swept).
+    swept). `adaptive` (bench.adaptive: off, on, both) measures adaptive verification instead of,
+    or beside, each drafter's fixed K (plan_adaptive).
     `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
     server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
     else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
@@ -345,6 +375,7 @@ def run_bench(
         ready_timeout_s=ready_timeout_s,
         confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
         request_rate=list(request_rate) if request_rate else None,
+        adaptive=adaptive,
     )
 
     def say(msg: str, **kw: Any) -> None:

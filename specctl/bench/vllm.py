@@ -178,7 +178,8 @@ def to_measurement(
 
 
 def run_label(method: Method, sweeping: bool, started: int = 0) -> str:
-    """What names a configuration's log: a sweep starts one engine per K, the K keeps each log;
+    """What names a configuration's log: a sweep starts one engine per K (and per fixed K or
+    adaptive verification), the K keeps each log;
     a configuration whose engine `started` before (bench --engine-rounds) gets -round<N>, so
     no round's log is written over another's."""
     label = (
@@ -186,6 +187,7 @@ def run_label(method: Method, sweeping: bool, started: int = 0) -> str:
         if sweeping and method.algo != PLAIN
         else method.name
     )
+    label += "-adaptive" if method.adaptive else ""  # beside its fixed-K twin (bench --adaptive both)
     return f"{label}-round{started + 1}" if started else label
 
 

@@ -241,6 +241,8 @@ class Drafter(Protocol):
     the same drafts with or without it. Optional: propose_with_confidence(same) -> ([K] drafts,
     [K] per-position acceptance confidences or None); the engine then cuts the block where the
     product of confidences drops below its threshold (DSpark's dynamic draft length).
+    propose_with_logits(same) -> ([K] drafts, [K, Vd] the draft logits each is the argmax of):
+    adaptive verification predicts each draft's acceptance from them (specctl.acceptance).
 
     export_state() -> the tensors of model.safetensors, named and shaped as the file holds them;
     export_config() -> config.json, typed; load_export_state(tensors) loads a file's tensors (the

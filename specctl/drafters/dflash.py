@@ -651,8 +651,21 @@ class DFlashDrafter(nn.Module):
         state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """Greedy draft: [K] verifier token ids following input_ids[-1]."""
+        return self.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
+
+    @torch.no_grad()
+    def propose_with_logits(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy draft [K] and the draft logits [K, Vd] it is the argmax of (adaptive
+        verification estimates each draft's acceptance from them, as vLLM does)."""
         hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens, state)
-        return draft_to_target(self.draft_logits(hidden).argmax(-1), self.d2t)
+        logits = self.draft_logits(hidden)  # [K, Vd]
+        return draft_to_target(logits.argmax(-1), self.d2t), logits
 
     # ---- export (speculators format, as vLLM's qwen3_dflash.py loads it)
 

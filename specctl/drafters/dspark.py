@@ -220,20 +220,41 @@ class DSparkDrafter(DFlashDrafter):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy draft [K] (verifier ids), sampled left to right with the Markov bias starting
         from the anchor, and per-position acceptance confidences [K] (None without the head)."""
+        tokens, _, hidden, embeds = self._markov_draft(input_ids, aux_hidden_states, num_tokens, state)
+        if self.confidence_head is None:
+            return tokens, None
+        return tokens, torch.sigmoid(self.confidence_head(hidden, embeds).float())
+
+    @torch.no_grad()
+    def propose_with_logits(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy draft [K] and the Markov-biased logits [K, Vd] each draft is the argmax of: what
+        adaptive verification reads from a DSpark drafter built without its confidence head."""
+        tokens, logits, _, _ = self._markov_draft(input_ids, aux_hidden_states, num_tokens, state)
+        return tokens, logits
+
+    def _markov_draft(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int, state: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(drafts [K], their logits [K, Vd], hidden [K, H], Markov embeddings [K, r]): the
+        drafts left to right, each biased by the Markov head on the token before it."""
         hidden = self.propose_hidden(input_ids, aux_hidden_states, num_tokens, state)  # [K, H]
         base = self.draft_logits(hidden)  # [K, Vd]
         prev = input_ids[-1:]
-        tokens, embeds = [], []
+        tokens, embeds, rows = [], [], []
         for i in range(num_tokens):
             markov_embed = self.markov_head.embed(prev)  # [1, r]
             logits = base[i : i + 1] + self.markov_head.bias(markov_embed).to(base.dtype)
             prev = draft_to_target(logits.argmax(-1), self.d2t)
             tokens.append(prev)
             embeds.append(markov_embed)
-        tokens = torch.cat(tokens)
-        if self.confidence_head is None:
-            return tokens, None
-        return tokens, torch.sigmoid(self.confidence_head(hidden, torch.cat(embeds)).float())
+            rows.append(logits)
+        return torch.cat(tokens), torch.cat(rows), hidden, torch.cat(embeds)
 
     @torch.no_grad()
     def propose(

@@ -517,7 +517,19 @@ class Eagle3Drafter(Eagle3Backbone):
         num_tokens: int,
         state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """K greedy drafts after input_ids[-1], as vLLM's EAGLE-3 proposer computes them.
+        """K greedy drafts after input_ids[-1], as vLLM's EAGLE-3 proposer computes them."""
+        return self.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
+
+    @torch.no_grad()
+    def propose_with_logits(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K greedy drafts [K] after input_ids[-1] and the draft logits [K, Vd] each was the argmax
+        of (adaptive verification estimates acceptance from them, as vLLM does).
 
         With `state` (one dict per request, kept by the caller between proposals) the context
         rows' K/V are kept, as in vLLM's drafter KV cache, and only rows not seen before are
@@ -543,7 +555,7 @@ class Eagle3Drafter(Eagle3Backbone):
             first_step = partial(
                 self._attend, cache, True, self.context_visible(positions[0], N, causal=True)
             )
-        drafts = []
+        drafts, logits = [], []
         for s in range(num_tokens):
             # step 0: the context pass (causal); later: the newest row (at N-1+s), after all the context
             later = self.context_visible(torch.tensor([N - 1 + s], device=device), N, causal=False)
@@ -552,10 +564,11 @@ class Eagle3Drafter(Eagle3Backbone):
             if s == 0 and state is not None:
                 state.update(context_rows=N, context_kv=[layer_cache[0] for layer_cache in cache])
             out, hidden = out[:, -1:], hidden[:, -1:]
-            drafts.append(self.to_target_ids(self.lm_head(out)[0, 0].argmax()))
+            logits.append(self.lm_head(out)[0, 0])  # [Vd]
+            drafts.append(self.to_target_ids(logits[-1].argmax()))
             tokens = drafts[-1].view(1, 1)
             positions = torch.full((1, 1), N + s, device=device)
-        return torch.stack(drafts)
+        return torch.stack(drafts), torch.stack(logits)
 
     def export_config(self) -> Format:
         c = self.config

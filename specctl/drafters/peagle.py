@@ -347,7 +347,19 @@ class PEagleDrafter(Eagle3Backbone):
         num_tokens: int,
         state: dict[str, Any] | None = None,
     ) -> torch.Tensor:
-        """K greedy drafts in one pass: anchor row N-1 plus mask slots 1..K-1 (vLLM parallel drafting).
+        """K greedy drafts in one pass (propose_with_logits)."""
+        return self.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
+
+    @torch.no_grad()
+    def propose_with_logits(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K greedy drafts [K] and their draft logits [K, Vd], in one pass: anchor row N-1 plus
+        mask slots 1..K-1 (vLLM parallel drafting).
 
         At the anchor N-1 the P-EAGLE layout is plain causal attention over [real rows 0..N-1,
         depth rows 1..K-1]: every real row is visible, depth row d sees depth rows 1..d. So with
@@ -382,7 +394,7 @@ class PEagleDrafter(Eagle3Backbone):
         if state is not None:
             state.update(context_rows=N, context_kv=real_kv)
         logits = self.lm_head(out[0, n - 1 :])  # [K, Vd]: the anchor row, then depth rows 1..K-1
-        return self.to_target_ids(logits.argmax(-1))
+        return self.to_target_ids(logits.argmax(-1)), logits
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """As EAGLE-3, with mask_hidden as the speculators library writes it: [1, 1, n_aux*H]
