@@ -387,6 +387,12 @@ SweepKOpt = Annotated[
 ]
 
 
+BaselineOpt = Annotated[
+    Path | None, typer.Option(help="An EAGLE-3 drafter directory: the reference of 'vs EAGLE-3'.")
+]
+BackendOpt = Annotated[
+    str | None, typer.Option(help="embedded | vllm | vllm-offline (default: the recipe's bench.backend).")
+]
 DrafterOpt = Annotated[
     list[Path] | None,
     typer.Option(
@@ -420,12 +426,8 @@ def bench(
         str | None, typer.Argument(help="Recipe YAML or built-in name (default: quickstart).")
     ] = None,
     drafter: DrafterOpt = None,
-    baseline: Annotated[
-        Path | None, typer.Option(help="An EAGLE-3 drafter directory: the reference of 'vs EAGLE-3'.")
-    ] = None,
-    backend: Annotated[
-        str | None, typer.Option(help="embedded | vllm | vllm-offline (default: the recipe's bench.backend).")
-    ] = None,
+    baseline: BaselineOpt = None,
+    backend: BackendOpt = None,
     base_url: BaseUrlOpt = None,
     dataset: DatasetOpt = None,
     dataset_split: DatasetSplitOpt = None,
