@@ -323,7 +323,7 @@ def publish(run: Path, recipe_path: Path, dest: Path) -> list[Path]:
         if (run / rel).is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             copied.append(Path(shutil.copyfile(run / rel, dest / rel)))
-    for bench in BENCHES:  # the figures, beside the page that links them
+    for bench in BENCHES[:2]:  # the test benches' figures, beside the page that links them
         if (run / bench / "acceptance.png").is_file():
             shutil.copyfile(run / bench / "acceptance.png", dest.parent / f"acceptance-{bench}.png")
     recipe = load_recipe(recipe_path)
@@ -782,7 +782,7 @@ def dev_section(published: Path) -> list[str]:
         "",
         f"{report['num_prompts']} prompts ({report['dataset']}), one pass: a choice, not a result. "
         "Each drafter was measured on the test prompts at the K starred here.",
-        *table[1:],
+        *table[2:],  # the sweep table without its own introduction
     ]
 
 

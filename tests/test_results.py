@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -513,3 +514,12 @@ def test_the_page_shows_intervals_and_ranks_only_outside_them(recipe, tmp_path):
     assert faster in page
     assert "- dflash and eagle3 tie (speedup over no-spec 1.31x [1.25-1.37] vs 1.29x [1.20-1.33])." in page
     assert "dflash is faster than eagle3" not in page
+
+
+def test_the_committed_page_rerenders_from_its_committed_run_files():
+    """docs/results.md is what `make results` rendered from docs/results/run, and nothing else:
+    rendered again here, from those files alone, it is the same text."""
+    root = Path(__file__).resolve().parents[1]
+    published = root / "docs" / "results" / "run"
+    assert (published / "source.json").is_file() and (published / "bench" / "report.json").is_file()
+    assert render(published) == (root / "docs" / "results.md").read_text()
