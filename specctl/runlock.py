@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -87,6 +88,7 @@ def lock_path(target: Path) -> Path:
 
 
 _HELD: set[str] = set()  # tokens of the locks this process holds now (threads included)
+_CREATING = threading.Lock()
 
 
 def local_alive(held: Holder) -> bool:
@@ -150,7 +152,9 @@ def acquire(path: Path, stage: str, say: Callable[[str], None] = note, wait: boo
     path.parent.mkdir(parents=True, exist_ok=True)
     mine, waiting = Holder.me(), False
     while True:
-        if create_once(path, mine.encode(), durable=False):
+        with _CREATING:  # create_once's temp name is per process: one thread at a time uses it
+            created = create_once(path, mine.encode(), durable=False)
+        if created:
             _HELD.add(mine.token)
             return mine
         raw = _read(path)

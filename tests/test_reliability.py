@@ -781,10 +781,14 @@ def test_kill_9_during_export_then_rerun_matches_uninterrupted(
     checkpoint = fault_run.reference / "checkpoints" / f"step-{LAST}"
     output, reference = tmp_path / "export", tmp_path / "reference"
 
+    def files(out: Path) -> dict[str, bytes]:
+        """The export's files, its own path in the model card's serve line written as OUT."""
+        return {p.name: p.read_bytes().replace(str(out).encode(), b"OUT") for p in out.iterdir()}
+
     def export(out: Path, *args: str) -> dict[str, bytes]:
         code, _, err = run_main(monkeypatch, capfd, "export", str(checkpoint), "--output", str(out), *args)
         assert code == 0, err
-        return {p.name: p.read_bytes() for p in out.iterdir()}
+        return files(out)
 
     old = export(output)  # bfloat16
     new = export(reference, "--dtype", "float32")
@@ -802,7 +806,7 @@ def test_kill_9_during_export_then_rerun_matches_uninterrupted(
     if where == "between-renames":  # the one instant OUTPUT is missing: the old export waits beside it
         assert not output.exists() and [p.name for p in tmp_path.glob(".export.old-*")]
     else:
-        assert {p.name: p.read_bytes() for p in output.iterdir()} == (new if where == "after-swap" else old)
+        assert files(output) == (new if where == "after-swap" else old)
         validate_export(output)
 
     assert export(output, "--dtype", "float32") == new
