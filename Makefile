@@ -68,6 +68,8 @@ DEMO_RUN := runs/demo
 # recommendation): which K pays depends on the CPU's verify curve (AMX bf16: flat; AVX2 float32: 1.4x
 # at 8 rows), and at the demo's budget the drafters accept under 3% of drafts past position 3, so a
 # larger K only adds verify work. The vLLM bench serves the exported K, as a deployment would.
+# The sweep decodes one round (bench.repeats' default gave it 3: 8 x 64 x 7 is under its bound, and
+# the 2026-12-05 demo's sweep took 7.0 min instead of about 2.3, the demo 22 min with the install).
 DEMO_SWEEP_K ?= 1,2,3
 demo: install
 	$(PY) -m specctl collect-hidden-states $(DEMO_RECIPE)
@@ -75,7 +77,7 @@ demo: install
 	  $(PY) -m specctl train $(DEMO_RECIPE) --algo $$algo || exit 1; \
 	done
 	$(PY) -m specctl export $(DEMO_RUN)
-	$(PY) -m specctl bench $(DEMO_RECIPE) --sweep-k $(DEMO_SWEEP_K) --baseline $(DEMO_RUN)/drafters/eagle3/export
+	$(PY) -m specctl bench $(DEMO_RECIPE) --sweep-k $(DEMO_SWEEP_K) --repeats 1 --baseline $(DEMO_RUN)/drafters/eagle3/export
 	if $(PY) -c "import vllm" 2>/dev/null; then \
 	  $(PY) -m specctl bench $(DEMO_RECIPE) --backend vllm-offline \
 	    --baseline $(DEMO_RUN)/drafters/eagle3/export --output $(DEMO_RUN)/bench-vllm; \
