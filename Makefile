@@ -69,7 +69,8 @@ DEMO_RUN := runs/demo
 # at 8 rows), and at the demo's budget the drafters accept under 3% of drafts past position 3, so a
 # larger K only adds verify work. The vLLM bench serves the exported K, as a deployment would.
 # The sweep decodes one round (bench.repeats' default gave it 3: 8 x 64 x 7 is under its bound, and
-# the 2026-12-05 demo's sweep took 7.0 min instead of about 2.3, the demo 22 min with the install).
+# at 3 rounds the 2026-12-05 demo's sweep took 7.0 min and the demo 20.7 with the install; at one
+# round, fresh clone at fef9d42: the sweep 2.4 min, the demo 17.0).
 DEMO_SWEEP_K ?= 1,2,3
 demo: install
 	$(PY) -m specctl collect-hidden-states $(DEMO_RECIPE)
