@@ -35,8 +35,8 @@ from specctl.distributed import DistContext
 from specctl.errors import CheckpointError
 from specctl.features import finalize_store, open_features, shard_name, write_shard
 from specctl.recipe import load_recipe
+from specctl.speculators.validate import validate_export
 from specctl.train import run_training
-from specctl.validate import validate_export
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
@@ -730,11 +730,11 @@ def test_disk_full_during_export_leaves_no_partial_export(monkeypatch, capfd, tm
 # kill -9 runs no cleanup, so neither can this: os.kill, not an exception.
 KILL_EXPORT_AT = """
 import os, runpy, shutil, signal, sys
-import specctl.durable as durable, specctl.export as export
+import specctl.durable as durable, specctl.speculators.io as files_io
 where, sys.argv = sys.argv[1], ["specctl", *sys.argv[2:]]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 real_save, real_fsync, real_rename, real_rmtree = (
-    export.save_file, durable.fsync_files, os.rename, shutil.rmtree)
+    files_io.save_file, durable.fsync_files, os.rename, shutil.rmtree)
 renames = []
 
 def save_file(state, filename, metadata=None):  # half of model.safetensors on disk
@@ -759,7 +759,7 @@ def rmtree(path, *args, **kwargs):
         die()
     real_rmtree(path, *args, **kwargs)
 
-export.save_file, durable.fsync_files, os.rename, shutil.rmtree = save_file, fsync_files, rename, rmtree
+files_io.save_file, durable.fsync_files, os.rename, shutil.rmtree = save_file, fsync_files, rename, rmtree
 runpy.run_module("specctl", run_name="__main__")
 """
 
