@@ -726,6 +726,9 @@ def test_disk_full_during_export_leaves_no_partial_export(monkeypatch, capfd, tm
     assert {dtype for _, dtype in headers.values() if dtype.is_floating_point} == {torch.float32}
 
 
+# the model card's provenance line, to the minute (specctl.card._provenance)
+EXPORTED_AT = rb"- exported \d{4}-\d\d-\d\d \d\d:\d\d UTC"
+
 # `python -m specctl ARGS` that SIGKILLs itself at one instant of the export's directory swap.
 # kill -9 runs no cleanup, so neither can this: os.kill, not an exception.
 KILL_EXPORT_AT = """
@@ -782,8 +785,12 @@ def test_kill_9_during_export_then_rerun_matches_uninterrupted(
     output, reference = tmp_path / "export", tmp_path / "reference"
 
     def files(out: Path) -> dict[str, bytes]:
-        """The export's files, its own path in the model card's serve line written as OUT."""
-        return {p.name: p.read_bytes().replace(str(out).encode(), b"OUT") for p in out.iterdir()}
+        """The export's files, its own path in the model card's serve line written as OUT and the
+        card's export minute as WHEN (two exports a minute boundary apart differ there only)."""
+        return {
+            p.name: re.sub(EXPORTED_AT, b"- exported WHEN", p.read_bytes().replace(str(out).encode(), b"OUT"))
+            for p in out.iterdir()
+        }
 
     def export(out: Path, *args: str) -> dict[str, bytes]:
         code, _, err = run_main(monkeypatch, capfd, "export", str(checkpoint), "--output", str(out), *args)
