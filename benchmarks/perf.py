@@ -695,9 +695,9 @@ def bench_engine(
     from specctl.bench.prompts import load_prompts
     from specctl.drafters import DRAFTERS
     from specctl.engine import generate
-    from specctl.export import load_drafter
     from specctl.kernels import PREPACKED, apply_kernel
     from specctl.recipe import load_recipe, resolve_recipe_path
+    from specctl.speculators.io import load_drafter
     from specctl.verifier import load_verifier
 
     recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from specctl.origin import FeatureOrigin, read_origin
-from specctl.validate import ExportDir
+from specctl.speculators.validate import ExportDir
 
 CARD_FILE = "README.md"
 MARKER = "<!-- written by specctl export; a README.md without this line is the user's and is kept -->"

@@ -293,7 +293,7 @@ def drafter_from_checkpoint(checkpoint: Path) -> tuple[nn.Module, Any, dict[str,
 
     from accelerate import init_empty_weights
 
-    from specctl.validate import meta_weights
+    from specctl.speculators.validate import meta_weights
     from specctl.verifier import verifier_reference
 
     meta = read_meta(checkpoint)

@@ -1,16 +1,16 @@
-"""The export stage: write trained drafters in the speculators format vLLM loads, and load them back.
+"""The export stage: trained drafters written as speculators directories vLLM loads, re-exports.
 
-An export is a directory with `config.json` (the drafter's typed `export_config()`, see
-specctl.format) and `model.safetensors` (its `export_state()`: floating tensors cast to the export
-dtype, `d2t` int64 and `t2d` bool kept as they are), its model card `README.md` (specctl.card) and,
-exported from a training run, the verifier's tokenizer files (what hub users and `vllm serve
-DRAFTER_DIR`-style tools look for beside a model). The verifier's embeddings, and its LM head when
-the drafter drafts over the full vocabulary, are not in the file: vLLM shares them from the
-verifier, and `load_drafter` borrows them from it too.
+An export is a directory with the drafter's own two files (`config.json`, `model.safetensors`:
+specctl.speculators.io writes and reads them), its model card `README.md` (specctl.card), the
+`origin.json` of the features it was trained on and, exported from a training run, the verifier's
+tokenizer files (what hub users and `vllm serve DRAFTER_DIR`-style tools look for beside a model).
+This stage adds what goes around the two files: where they come from (a training checkpoint, or an
+export re-cast to another dtype), the card, the atomic swap into the output directory, and the
+`--check`.
 
-The jobs beside this one: specctl.validate (is a directory a loadable export), specctl.vllm.check
-(`--check`: vLLM's own parser), specctl.hub (`--push-to-hub`); rebuilding a drafter from a training
-checkpoint is specctl.checkpoint.drafter_from_checkpoint.
+The jobs beside this one: specctl.speculators (the format: typed config, validation, reading and
+writing), specctl.vllm.check (`--check`: vLLM's own parser), specctl.hub (`--push-to-hub`);
+rebuilding a drafter from a training checkpoint is specctl.checkpoint.drafter_from_checkpoint.
 """
 
 from __future__ import annotations
@@ -21,48 +21,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from specctl.card import CARD_FILE, model_card, written_by_specctl
-from specctl.drafters import DRAFTERS, VerifierWeights
-from specctl.drafters.vocab import t2d_from_d2t
+from specctl.drafters import DRAFTERS
 from specctl.durable import Owner, disk_full, recover_dir, replace_dir
-from specctl.errors import SpecctlError, first_line
-from specctl.format import SpeculatorsConfig
-from specctl.hub import human_bytes
+from specctl.errors import SpecctlError
 from specctl.origin import FeatureOrigin, origin_of_meta, write_origin
 from specctl.recipe import VerifierSection
 from specctl.runlock import run_lock
-from specctl.validate import (
+from specctl.speculators.io import drafter_files, dtype_name, export_dtype, read_files
+from specctl.speculators.io import load_drafter as load_drafter  # the path docs/serving.md named
+from specctl.speculators.validate import (
     CONFIG_FILE,
-    SHAREABLE,
     WEIGHTS_FILE,
     ExportDir,
     is_export_dir,
-    load_tensors,
     validate_export,
 )
-from specctl.verifier import (
-    Verifier,
-    load_verifier,
-    locate_verifier,
-    read_tokenizer_and_config,
-    verifier_weights,
-)
+from specctl.units import human_bytes
+from specctl.verifier import locate_verifier, read_tokenizer_and_config
 from specctl.vllm.check import CheckResult, check_result, refuse_check
-
-EXPORT_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
 
 
 @dataclass
@@ -90,16 +69,6 @@ class ExportResult:
 
 
 # ---------------------------------------------------------------- writing
-
-
-def export_dtype(name: str) -> torch.dtype:
-    if name not in EXPORT_DTYPES:
-        raise SpecctlError(f"export dtype {name!r}: choose bfloat16, float16 or float32")
-    return EXPORT_DTYPES[name]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # an export directory proves itself by a speculators config.json (ours or anyone's); a model
@@ -150,21 +119,11 @@ def save_drafter(
     written directory is validated before it replaces anything at `output`; a README.md the user
     wrote there is kept, a card specctl wrote is rewritten.
     """
-    import json
-
     output = Path(output)
-    torch_dtype = export_dtype(dtype)
-    config: SpeculatorsConfig = drafter.export_config()
-    config.dtype = _dtype_name(torch_dtype)
-    text = json.dumps(config.to_json(), indent=2) + "\n"
-    state = {
-        name: (t.to(torch_dtype) if t.is_floating_point() else t).detach().cpu().contiguous()
-        for name, t in drafter.export_state().items()
-    }
+    files = drafter_files(drafter, dtype)
 
     def write(tmp: Path) -> None:
-        (tmp / CONFIG_FILE).write_text(text)
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        files.write(tmp)
         if origin is not None:
             write_origin(tmp, origin)
         try:
@@ -210,24 +169,16 @@ def convert_export(
     """Re-export an export directory: its weights cast to `dtype` (default: as they are) and
     written to `output` (default: in place), config.json's dtype updated; validated before it
     replaces anything, like every export. Works on third-party directories too."""
-    import json
-
     export = validate_export(source)
     if check_vllm:
         refuse_check(export.spec, export.path)  # before anything is written
     target = Path(output) if output is not None else export.path
-    torch_dtype = export_dtype(dtype) if dtype is not None else None
-    config = json.loads((export.path / CONFIG_FILE).read_text())
-    tensors = load_tensors(export.files)
-    if torch_dtype is not None:
-        tensors = {n: t.to(torch_dtype) if t.is_floating_point() else t for n, t in tensors.items()}
-        config["dtype"] = _dtype_name(torch_dtype)
-    state = {n: t.contiguous() for n, t in tensors.items()}
-    text = json.dumps(config, indent=2) + "\n"
+    files = read_files(export)
+    if dtype is not None:
+        files = files.cast(export_dtype(dtype))
 
     def write(tmp: Path) -> None:
-        (tmp / CONFIG_FILE).write_text(text)
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        files.write(tmp)
         for f in export.path.iterdir():  # a tokenizer, the user's README.md: kept (the weights are rewritten)
             if (
                 f.is_file()
@@ -244,87 +195,10 @@ def convert_export(
     with run_lock(target, "export"):
         _replace_dir(target, write)
         written = validate_export(target, check_values=False)
-    floating = sorted({_dtype_name(d) for _, d in written.headers.values() if d.is_floating_point})
+    floating = sorted({dtype_name(d) for _, d in written.headers.values() if d.is_floating_point})
     size = sum(f.stat().st_size for f in target.iterdir() if f.is_file())
     check = check_result(written, check_vllm)
     return ExportResult(export.spec.name, export.path, None, target, ", ".join(floating), size, check, True)
-
-
-# ---------------------------------------------------------------- loading
-
-
-def _borrowed_weights(export: ExportDir, verifier: Verifier | VerifierWeights | None) -> VerifierWeights:
-    if verifier is None:
-        name = export.config.verifier_name
-        if not name:
-            raise SpecctlError(
-                f"{export.path / CONFIG_FILE}: records no speculators_config.verifier.name_or_path; "
-                "pass the verifier"
-            )
-        verifier = load_verifier(VerifierSection(name_or_path=name))
-    weights = verifier if isinstance(verifier, VerifierWeights) else verifier_weights(verifier)
-    want = (export.config.layer.vocab_size, export.config.layer.hidden_size)
-    for what in ("embed_tokens", "lm_head"):
-        got = tuple(getattr(weights, what).shape)
-        if got != want:
-            raise SpecctlError(
-                f"{export.path / CONFIG_FILE}: the drafter needs a verifier with [vocab, hidden] "
-                f"{list(want)}, "
-                f"but the verifier given has {what} {list(got)}; pass the verifier it was trained for"
-            )
-    return weights
-
-
-def _own_copies(export: ExportDir, weights: VerifierWeights) -> dict[str, torch.Tensor]:
-    """The verifier-shaped tensors the file ships that differ from the verifier's (compared at the
-    file's precision, as vLLM compares in its serving dtype): the drafter uses those as its own,
-    as vLLM keeps a distinct embed_tokens. An LM head the drafter borrows has no own variant."""
-    own = {}
-    for name, values in load_tensors(export.files, export.shared).items():
-        reference = getattr(weights, SHAREABLE[name])
-        if torch.equal(values, reference.detach().cpu().to(values.dtype)):
-            continue
-        if name != "embed_tokens.weight":
-            raise SpecctlError(
-                f"{export.files[name]}: tensor {name!r} differs from the verifier's; the {export.spec.name} "
-                f"drafter borrows the verifier's {SHAREABLE[name]}, it cannot use its own"
-            )
-        own[name] = values
-    return own
-
-
-def load_drafter(
-    path: str | Path,
-    verifier: Verifier | VerifierWeights | None = None,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
-) -> tuple[nn.Module, SpeculatorsConfig]:
-    """Rebuild a drafter from a speculators directory (ours or third-party) for the embedded engine.
-
-    The verifier tensors it borrows (embeddings, final norm, LM head) come from `verifier` when
-    given (a loaded Verifier or its VerifierWeights, to avoid loading it twice), else from the
-    verifier config.json records (hub id, local directory, or a built-in model by its hub id).
-    Returns (module in eval mode on `device` and in `dtype`, default the borrowed tensors' device
-    and dtype, i.e. the verifier's: vLLM runs a drafter in its verifier's dtype too, and a float32
-    drafter beside a bf16 verifier reads twice the weight bytes per proposal, which bounds its cost
-    at batch 1 (docs/performance.md, "The drafter's share of a step").
-    """
-    export = validate_export(path)
-    weights = _borrowed_weights(export, verifier)
-    tensors = load_tensors(export.files, [n for n in export.files if n not in export.shared])
-    if export.derive_t2d:
-        tensors["t2d"] = t2d_from_d2t(tensors["d2t"], export.config.layer.vocab_size)
-    own = _own_copies(export, weights)
-    try:
-        module = export.spec.from_export(export.config, tensors, weights)
-    except (KeyError, ValueError, TypeError, RuntimeError) as e:  # validated above: a drafter bug if hit
-        raise SpecctlError(
-            f"{export.path}: the {export.spec.name} drafter could not load it ({first_line(e)})"
-        ) from None
-    if "embed_tokens.weight" in own:
-        module.adopt_embeddings(own["embed_tokens.weight"].to(weights.embed_tokens.dtype))
-    module = module.to(device or weights.embed_tokens.device, dtype or weights.embed_tokens.dtype)
-    return module.eval(), export.config
 
 
 # ---------------------------------------------------------------- from training checkpoints
@@ -369,7 +243,7 @@ def export_drafter(
 
     checkpoint = Path(checkpoint)
     module, recipe, meta = drafter_from_checkpoint(checkpoint)
-    name = _dtype_name(export_dtype(dtype or recipe.export.dtype))
+    name = dtype_name(export_dtype(dtype or recipe.export.dtype))
     output = Path(output) if output is not None else default_output(checkpoint)
     origin = origin_of_meta(meta, checkpoint / "meta.json")
     # the verifier the drafter was trained against (meta.json), read as the recipe reads it

@@ -10,26 +10,17 @@ from pathlib import Path
 
 from specctl.card import CARD_FILE, model_card, written_by_specctl
 from specctl.errors import SpecctlError, UsageError, first_line
-from specctl.validate import validate_export
+from specctl.speculators.validate import validate_export
+from specctl.units import human_bytes
 
 __all__ = [
     "CARD_FILE",
     "PushPlan",
     "check_repo_id",
-    "human_bytes",
     "model_card",
     "push_to_hub",
     "upload_files",
 ]
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:,.0f} {unit}" if unit == "B" else f"{size:,.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 @dataclass

@@ -100,3 +100,91 @@ def test_shared_code_names_no_algorithm_but_the_baseline():
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.value!r}")
     assert found == []
+
+
+# The pipeline's stages, each a module prefix (a package once issue 48 item 6 makes them packages).
+# A stage may use the shared bottom (recipe, verifier, engine, drafters, speculators, ...), never
+# another stage: what two stages share moves down (the speculators format is the worked case).
+STAGES = {
+    "collect": ("specctl.collect", "specctl.collect_vllm"),
+    "train": ("specctl.train", "specctl.checkpoint", "specctl.optim", "specctl.tracking", "specctl.curves"),
+    "export": ("specctl.export", "specctl.hub", "specctl.card"),
+    "bench": ("specctl.bench",),
+    "cli": ("specctl.cli",),
+}
+
+
+def within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def reaches(graph: dict[str, set[str]], sources: list[str], banned: tuple[str, ...]) -> list[str]:
+    """For each source that imports a banned module, directly or through others, one import chain
+    ("a -> b -> c") that shows it; [] when none does. Breadth-first, so each chain is a shortest."""
+    found = []
+    for source in sources:
+        parent: dict[str, str | None] = {source: None}
+        queue = [source]
+        while queue:
+            module = queue.pop(0)
+            if module != source and within(module, banned):
+                chain = [module]
+                while parent[chain[-1]] is not None:
+                    chain.append(parent[chain[-1]])
+                found.append(" -> ".join(reversed(chain)))
+                break
+            for imported in sorted(graph.get(module, ())):
+                if imported not in parent:
+                    parent[imported] = module
+                    queue.append(imported)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def test_the_reach_check_finds_direct_and_indirect_imports():
+    graph = {
+        "specctl.bench.run": {"specctl.bench.embedded"},
+        "specctl.bench.embedded": {"specctl.engine", "specctl.export"},
+        "specctl.engine": set(),
+        "specctl.export": {"specctl.speculators.io"},
+        "specctl.speculators.io": {"specctl.verifier"},
+        "specctl.verifier": {"specctl.train"},
+        "specctl.train": set(),
+        "specctl.trainer_notes": set(),  # a prefix of a stage's name is not that stage
+    }
+    bench = ["specctl.bench.run", "specctl.bench.embedded"]
+    assert reaches(graph, bench, STAGES["export"]) == [
+        "specctl.bench.run -> specctl.bench.embedded -> specctl.export",
+        "specctl.bench.embedded -> specctl.export",
+    ]
+    assert reaches(graph, ["specctl.speculators.io"], STAGES["train"]) == [
+        "specctl.speculators.io -> specctl.verifier -> specctl.train"
+    ]
+    graph["specctl.verifier"] = {"specctl.trainer_notes"}
+    assert reaches(graph, ["specctl.speculators.io"], STAGES["train"]) == []
+    graph["specctl.bench.embedded"] = {"specctl.engine", "specctl.speculators.io"}
+    assert reaches(graph, bench, STAGES["export"]) == []
+
+
+def test_bench_reaches_no_other_stage():
+    """bench loads exports through specctl.speculators, not through the export stage, and reads
+    nothing of collect or train: a bench runs on a directory, not on a training run's internals."""
+    graph = import_graph()
+    bench = [m for m in graph if within(m, STAGES["bench"])]
+    assert bench and all(any(within(m, p) for m in graph) for p in STAGES.values())
+    banned = STAGES["export"] + STAGES["collect"] + STAGES["train"] + STAGES["cli"]
+    assert reaches(graph, bench, banned) == []
+
+
+def test_the_speculators_format_reaches_no_stage():
+    """specctl.speculators is the bottom every stage reads the format through: it imports none."""
+    graph = import_graph()
+    package = [m for m in graph if within(m, ("specctl.speculators",))]
+    assert {"specctl.speculators.config", "specctl.speculators.validate", "specctl.speculators.io"} <= set(
+        package
+    )
+    assert reaches(graph, package, tuple(p for prefixes in STAGES.values() for p in prefixes)) == []

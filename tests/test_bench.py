@@ -1621,12 +1621,12 @@ def test_planning_reads_each_config_once(tmp_path, monkeypatch):
     """A drafter's config.json is parsed once, where its Method is made: the K sweep and the
     thresholds ask the config the Method carries, so a file rewritten after planning cannot make
     two stages of one plan disagree."""
-    import specctl.validate
+    import specctl.speculators.validate
 
     s = _write_drafter(tmp_path / "s", "dspark", 4, "v")
     reads = []
-    real = specctl.validate.read_config
-    monkeypatch.setattr(specctl.validate, "read_config", lambda p: reads.append(p) or real(p))
+    real = specctl.speculators.validate.read_config
+    monkeypatch.setattr(specctl.speculators.validate, "read_config", lambda p: reads.append(p) or real(p))
     methods, _ = plan_methods([s], None)
     configs, _ = plan_sweep(methods, True)
     configs, _ = plan_thresholds(configs, [0.2, 0.4], sweeping=True)

@@ -27,10 +27,11 @@ from specctl.drafters import DRAFTERS, VerifierWeights
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import umask
 from specctl.errors import SpecctlError
-from specctl.export import convert_export, export_drafters, find_checkpoints, load_drafter, save_drafter
+from specctl.export import convert_export, export_drafters, find_checkpoints, save_drafter
 from specctl.hub import push_to_hub
 from specctl.recipe import dump_recipe, recipe_from_dict
-from specctl.validate import CONFIG_FILE, WEIGHTS_FILE, validate_export
+from specctl.speculators.io import load_drafter
+from specctl.speculators.validate import CONFIG_FILE, WEIGHTS_FILE, validate_export
 from specctl.verifier import spec_from_config, verifier_reference
 from specctl.vllm.check import check_export, vllm_available
 
@@ -641,7 +642,7 @@ def test_export_is_atomic(verifier, tmp_path, monkeypatch):
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("specctl.export.save_file", disk_full)
+    monkeypatch.setattr("specctl.speculators.io.save_file", disk_full)
     unchanged = "disk full writing the export, the export already there is unchanged"
     with pytest.raises(SpecctlError, match=unchanged):
         save_drafter(build_drafter(verifier, "dflash", seed=2), path, "float32")
@@ -816,7 +817,7 @@ def test_model_card_says_what_how_and_measured(verifier, tmp_path):
 )
 def test_export_directory_errors_and_reexport(exports, tmp_path):
     from specctl.export import convert_export, names_export
-    from specctl.validate import load_tensors
+    from specctl.speculators.validate import load_tensors
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -15,9 +15,10 @@ from test_export import AUX, HIDDEN, MASK_ID, VOCAB, borrowed, propose_inputs, t
 
 from specctl.drafters import DRAFTERS
 from specctl.drafters.targets import build_draft_vocab
-from specctl.export import load_drafter, save_drafter
-from specctl.format import FormatError, LayerConfig, SpeculatorsConfig, rope_fields, window_fields
-from specctl.validate import validate_export
+from specctl.export import save_drafter
+from specctl.speculators.config import FormatError, LayerConfig, SpeculatorsConfig, rope_fields, window_fields
+from specctl.speculators.io import load_drafter
+from specctl.speculators.validate import validate_export
 from specctl.verifier import spec_from_config
 
 DRAFT_VOCAB = 100

@@ -30,8 +30,8 @@ from specctl.origin import (
     sample_offsets,
 )
 from specctl.recipe import Recipe, recipe_from_dict
+from specctl.speculators.validate import validate_export
 from specctl.train import run_training
-from specctl.validate import validate_export
 
 AUX = (1, 2, 3)
 

@@ -35,8 +35,8 @@ from specctl.distributed import DistContext
 from specctl.errors import CheckpointError
 from specctl.features import finalize_store, open_features, shard_name, write_shard
 from specctl.recipe import load_recipe
+from specctl.speculators.validate import validate_export
 from specctl.train import run_training
-from specctl.validate import validate_export
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
@@ -726,15 +726,18 @@ def test_disk_full_during_export_leaves_no_partial_export(monkeypatch, capfd, tm
     assert {dtype for _, dtype in headers.values() if dtype.is_floating_point} == {torch.float32}
 
 
+# the model card's provenance line, to the minute (specctl.card._provenance)
+EXPORTED_AT = rb"- exported \d{4}-\d\d-\d\d \d\d:\d\d UTC"
+
 # `python -m specctl ARGS` that SIGKILLs itself at one instant of the export's directory swap.
 # kill -9 runs no cleanup, so neither can this: os.kill, not an exception.
 KILL_EXPORT_AT = """
 import os, runpy, shutil, signal, sys
-import specctl.durable as durable, specctl.export as export
+import specctl.durable as durable, specctl.speculators.io as files_io
 where, sys.argv = sys.argv[1], ["specctl", *sys.argv[2:]]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 real_save, real_fsync, real_rename, real_rmtree = (
-    export.save_file, durable.fsync_files, os.rename, shutil.rmtree)
+    files_io.save_file, durable.fsync_files, os.rename, shutil.rmtree)
 renames = []
 
 def save_file(state, filename, metadata=None):  # half of model.safetensors on disk
@@ -759,7 +762,7 @@ def rmtree(path, *args, **kwargs):
         die()
     real_rmtree(path, *args, **kwargs)
 
-export.save_file, durable.fsync_files, os.rename, shutil.rmtree = save_file, fsync_files, rename, rmtree
+files_io.save_file, durable.fsync_files, os.rename, shutil.rmtree = save_file, fsync_files, rename, rmtree
 runpy.run_module("specctl", run_name="__main__")
 """
 
@@ -782,8 +785,12 @@ def test_kill_9_during_export_then_rerun_matches_uninterrupted(
     output, reference = tmp_path / "export", tmp_path / "reference"
 
     def files(out: Path) -> dict[str, bytes]:
-        """The export's files, its own path in the model card's serve line written as OUT."""
-        return {p.name: p.read_bytes().replace(str(out).encode(), b"OUT") for p in out.iterdir()}
+        """The export's files, its own path in the model card's serve line written as OUT and the
+        card's export minute as WHEN (two exports a minute boundary apart differ there only)."""
+        return {
+            p.name: re.sub(EXPORTED_AT, b"- exported WHEN", p.read_bytes().replace(str(out).encode(), b"OUT"))
+            for p in out.iterdir()
+        }
 
     def export(out: Path, *args: str) -> dict[str, bytes]:
         code, _, err = run_main(monkeypatch, capfd, "export", str(checkpoint), "--output", str(out), *args)

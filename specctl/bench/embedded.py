@@ -60,7 +60,7 @@ class EmbeddedBackend:
         if generate_fn is None:
             from specctl.engine import generate as generate_fn
         if load_drafter_fn is None:
-            from specctl.export import load_drafter
+            from specctl.speculators.io import load_drafter
 
             def load_drafter_fn(path: Path, verifier: Any) -> Any:
                 return load_drafter(path, verifier=verifier)

@@ -208,7 +208,7 @@ def drafter_setting(text: str | Path) -> tuple[Path, int | None, float | None]:
 def drafter_method(path: str | Path) -> Method:
     """A Method for a speculators-format directory (ours or a third party's), at the K (and
     threshold) a `DIR@K[,T]` suffix pins (drafter_setting)."""
-    from specctl.validate import read_config
+    from specctl.speculators.validate import read_config
 
     directory, k, threshold = drafter_setting(path)
     if not directory.exists():
@@ -532,7 +532,7 @@ def check_drafters(methods: Sequence[Method], section: VerifierSection) -> None:
     """Every drafter readable -- config.json parsed, weights' headers read (a truncated file
     fails here), tensors as the config describes -- and shaped for the verifier, before anything
     decodes: a bad drafter must not cost the plain-decoding run first."""
-    from specctl.validate import validate_export
+    from specctl.speculators.validate import validate_export
 
     config = verifier_config(section)
     for m in methods:

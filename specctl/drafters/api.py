@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specctl.drafters.vocab import t2d_from_d2t
-from specctl.format import SpeculatorsConfig, rope_fields, window_fields
+from specctl.speculators.config import SpeculatorsConfig, rope_fields, window_fields
 from specctl.vllm.capabilities import Need
 
 LOSSES = ("kl", "ce")  # train.loss: kl = match the verifier's distribution, ce = its argmax

@@ -64,7 +64,7 @@ from specctl.drafters.targets import (
     full_stats_needed,
 )
 from specctl.drafters.vocab import kept_ids, t2d_from_d2t
-from specctl.format import SpeculatorsConfig, base_fields
+from specctl.speculators.config import SpeculatorsConfig, base_fields
 from specctl.vllm.capabilities import Need
 
 # ---------------------------------------------------------------- configuration

@@ -61,7 +61,7 @@ from specctl.drafters.targets import (
     full_stats_needed,
 )
 from specctl.drafters.vocab import check_d2t, t2d_from_d2t
-from specctl.format import SpeculatorsConfig, base_fields
+from specctl.speculators.config import SpeculatorsConfig, base_fields
 from specctl.vllm.capabilities import Need
 
 LayerStyle = Literal["llama", "qwen3"]

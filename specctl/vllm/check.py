@@ -15,7 +15,7 @@ from typing import Any
 
 from specctl.drafters import DrafterSpec
 from specctl.errors import SpecctlError, UsageError, first_line
-from specctl.validate import CONFIG_FILE, ExportDir, read_json, validate_export
+from specctl.speculators.validate import CONFIG_FILE, ExportDir, read_json, validate_export
 from specctl.vllm import capabilities
 from specctl.vllm.defects import k_norm_warning
 

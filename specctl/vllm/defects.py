@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from specctl.validate import ExportDir, load_tensors, validate_export
+from specctl.speculators.validate import ExportDir, load_tensors, validate_export
 from specctl.vllm.capabilities import installed_vllm, version_tuple  # noqa: F401  (callers import them here)
 
 K_NORM_FIRST = (0, 25, 0)  # the first vLLM whose DFlash model stacks the k_norm weights

@@ -1,7 +1,7 @@
 """Is this directory a speculators export the drafter it describes can load? Refuse it otherwise.
 
 Every directory specctl writes or reads goes through `validate_export` first: config.json parses
-into the algorithm's typed config (specctl.format), the drafter it describes is built on the meta
+into the algorithm's typed config (specctl.speculators.config), the drafter it describes is built on the meta
 device (no memory, no init cost), and the file's tensor names, shapes and dtypes must be exactly
 the ones that drafter exports. A corrupt or hand-edited directory is refused with the file and the
 tensor or field that is wrong, never half-loaded.
@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from specctl.drafters import DRAFTERS, DrafterSpec, VerifierWeights
 from specctl.drafters.vocab import d2t_problem, kept_ids
 from specctl.errors import SpecctlError, first_line
-from specctl.format import FormatError, SpeculatorsConfig
+from specctl.speculators.config import FormatError, SpeculatorsConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
