@@ -740,7 +740,7 @@ def bench_engine(
     for export in sorted(run_dir.glob("drafters/*/export")):
         drafter, _ = load_drafter(export, verifier=verifier)
         apply_kernel(drafter, kernel)
-        with timed(drafter, "propose") as propose_s, timed(model, "forward") as verify_s:
+        with timed(drafter, "propose_with_logits") as propose_s, timed(model, "forward") as verify_s:
             speedup = tokens_per_s(engine(drafter)) / plain_tps
         figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)
         # what a step costs besides the verify: speedup ~ tau / (verify_k / verify_1 + this)
