@@ -3,6 +3,7 @@
 Writes one flat JSON object (runs/bench-perf.json by default). Machines here are noisy, so
 every target is a ratio to a baseline measured in the same process, never an absolute time.
 Usage: python -m benchmarks.perf [--output FILE] [--only collect,...]  (`--only data`: generation, HF vs vLLM)
+       python -m benchmarks.perf --smoke  (every section on a tiny random verifier in seconds; `make test`)
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from statistics import mean
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specctl.durable import write_atomic
 
 if TYPE_CHECKING:
-    from specctl.drafters import VerifierSpec, VerifierWeights
+    from specctl.drafters import Drafter, VerifierSpec, VerifierWeights
     from specctl.recipe import TrainSection
 
 PERF_WORDS = [
@@ -86,8 +87,9 @@ def _conversations(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def bench_collect(workdir: Path, num_samples: int = 24) -> dict[str, float]:
-    """collect-hidden-states vs a plain HF forward (output_hidden_states=True) on the same samples."""
+def bench_collect(workdir: Path, num_samples: int = 24, verifier: str | None = None) -> dict[str, float]:
+    """collect-hidden-states vs a plain HF forward (output_hidden_states=True) on the same samples,
+    with the recipe's default verifier (`verifier`: another model's path)."""
     from specctl.collect import collect
     from specctl.data import load_samples
     from specctl.recipe import recipe_from_dict
@@ -99,6 +101,7 @@ def bench_collect(workdir: Path, num_samples: int = 24) -> dict[str, float]:
             "output_dir": str(workdir),
             "data": {"source": str(_conversations(workdir / "chats.jsonl", num_samples)), "max_length": 1024},
             "features": {"batch_tokens": 4096},
+            **({"verifier": {"name_or_path": verifier}} if verifier else {}),
         }
     )
     verifier = load_verifier(recipe.verifier)
@@ -284,8 +287,11 @@ def _train_quickstart_drafter(
         return measure_train_step(drafter, batch, steps, device, dtype=dtype, train=recipe.train)
 
 
-def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: int = 3) -> dict[str, float]:
-    """Each quickstart-<algo> drafter (SmolLM2 verifier, CPU-sized config) on synthetic features.
+def bench_train(
+    workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: int = 3, overrides: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Each quickstart-<algo> drafter (SmolLM2 verifier, CPU-sized config) on synthetic features
+    (`overrides`: `--set` assignments on the quickstart recipes).
 
     Baselines in the same run: the verifier's own forward over the same tokens
     (`train_ratio_vs_verifier_forward.<algo>`), and the same step in float32
@@ -298,7 +304,7 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import capture_hidden_states, load_verifier, recipe_verifier_spec, verifier_weights
 
-    base = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    base = load_recipe(resolve_recipe_path("quickstart.yaml"), overrides)
     verifier = load_verifier(base.verifier)
     spec = recipe_verifier_spec(verifier, base)
     aux_ids = spec.aux_layer_ids
@@ -317,7 +323,9 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
         "train_compute_dtype_is_bf16": float(auto == torch.bfloat16),
     }
     for algo in DRAFTERS:
-        run = partial(_train_quickstart_drafter, algo, spec, weights, batch, steps, verifier.device)
+        run = partial(
+            _train_quickstart_drafter, algo, spec, weights, batch, steps, verifier.device, overrides=overrides
+        )
         m = run(auto)
         figures[f"train_positions_per_s.{algo}"] = round(m["positions_per_s"], 1)
         figures[f"train_tokens_per_s.{algo}"] = round(m["tokens_per_s"], 1)
@@ -330,9 +338,8 @@ def bench_train(workdir: Path, seq_len: int = 512, batch_size: int = 4, steps: i
         speedup = one["tokens_per_cpu_s"] / fp32["tokens_per_cpu_s"]
         figures[f"train_speedup_vs_float32.{algo}"] = round(speedup, 3)
         if "max_anchors" in DRAFTERS[algo].config_cls.model_fields:  # block drafters: the peer's density
-            sparse = run(
-                auto, threads=1, overrides=(f"drafter.{algo}.max_anchors={PEER_ANCHORS_PER_SEQUENCE}",)
-            )
+            peer = f"drafter.{algo}.max_anchors={PEER_ANCHORS_PER_SEQUENCE}"
+            sparse = run(auto, threads=1, overrides=(*overrides, peer))
             figures[f"train_tokens_per_s_per_thread_peer_density.{algo}"] = round(
                 sparse["tokens_per_cpu_s"], 1
             )
@@ -595,7 +602,7 @@ def linear_kernel_costs(
     }
 
 
-def bench_verify(workdir: Path) -> dict[str, float]:
+def bench_verify(workdir: Path, overrides: tuple[str, ...] = (), rounds: int = 9) -> dict[str, float]:
     """The verify curve: what a SmolLM2 forward over n = 1..16 new tokens costs, in the engine's
     dtype (`verifier.dtype` of the quickstart recipe) with the engine's matmul kernel
     (`bench.linear_kernel`), and beside it with F.linear (`.f_linear`) when that kernel is the
@@ -609,7 +616,7 @@ def bench_verify(workdir: Path) -> dict[str, float]:
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import load_verifier
 
-    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"), overrides)
     verifier = load_verifier(recipe.verifier)
     dtype = next(verifier.model.parameters()).dtype
     kernel = resolve_kernel(recipe.bench.linear_kernel, verifier.device, dtype)  # as bench runs it
@@ -620,7 +627,7 @@ def bench_verify(workdir: Path) -> dict[str, float]:
         extra["bfloat16"] = copy.deepcopy(verifier.model).to(torch.bfloat16)  # F.linear: bench's auto there
     apply_kernel(verifier.model, kernel)
     models = {str(dtype).removeprefix("torch."): verifier.model, **extra}
-    curves = verify_costs(models)
+    curves = verify_costs(models, rounds=rounds)
     figures: dict[str, float] = {"verify_linear_kernel_prepacked": float(kernel == PREPACKED)}
     for i, (name, curve) in enumerate(curves.items()):
         suffix = "" if i == 0 else f".{name}"  # the engine's own dtype first, unsuffixed
@@ -682,7 +689,11 @@ def timed(obj: object, name: str) -> Iterator[list[float]]:
 
 
 def bench_engine(
-    workdir: Path, run_dir: Path = Path("runs/quickstart"), num_prompts: int = 3, max_new_tokens: int = 64
+    workdir: Path,
+    run_dir: Path = Path("runs/quickstart"),
+    num_prompts: int = 3,
+    max_new_tokens: int = 64,
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """The embedded engine on SmolLM2, batch 1, greedy, the built-in prompts.
 
@@ -700,7 +711,7 @@ def bench_engine(
     from specctl.speculators.io import load_drafter
     from specctl.verifier import load_verifier
 
-    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"), overrides)
     verifier = load_verifier(recipe.verifier)
     # the dev prompts: a kernel is chosen by these figures, never on what the bench reports
     prompts, _ = load_prompts("builtin", verifier.tokenizer, num_prompts, split="dev")
@@ -724,7 +735,7 @@ def bench_engine(
         )
         return out.shape[1] - len(ids)
 
-    def engine(drafter: object | None) -> Callable[[list[int]], int]:
+    def engine(drafter: Drafter | None) -> Callable[[list[int]], int]:
         return lambda ids: len(generate(verifier, drafter, ids, max_new_tokens).tokens)
 
     hf_tps = tokens_per_s(hf)  # transformers' own kernels
@@ -740,7 +751,7 @@ def bench_engine(
     for export in sorted(run_dir.glob("drafters/*/export")):
         drafter, _ = load_drafter(export, verifier=verifier)
         apply_kernel(drafter, kernel)
-        with timed(drafter, "propose") as propose_s, timed(model, "forward") as verify_s:
+        with timed(drafter, "propose_with_logits") as propose_s, timed(model, "forward") as verify_s:
             speedup = tokens_per_s(engine(drafter)) / plain_tps
         figures[f"engine_speedup.{drafter.algo}"] = round(speedup, 3)
         # what a step costs besides the verify: speedup ~ tau / (verify_k / verify_1 + this)
@@ -836,7 +847,10 @@ def _answer_prompts(path: Path) -> Path:
 
 
 def bench_data(
-    workdir: Path, max_new_tokens: int = 64, engines: tuple[str, ...] = ("hf", "vllm")
+    workdir: Path,
+    max_new_tokens: int = 64,
+    engines: tuple[str, ...] = ("hf", "vllm"),
+    overrides: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """The data stage's generation through HF generate and through vLLM, on SmolLM2: the same 72
     prompts, the same max tokens and (greedy) sampling, each engine at the recipe defaults (HF:
@@ -851,11 +865,11 @@ def bench_data(
     from transformers import AutoTokenizer
 
     from specctl.data import prepare_data
-    from specctl.data.engines import vllm_unavailable
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import locate_verifier
+    from specctl.vllm.support import vllm_support
 
-    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"))
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"), overrides)
     source, _ = locate_verifier(recipe.verifier.name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(source)
     chats = _answer_prompts(workdir / "prompts.jsonl")
@@ -865,7 +879,7 @@ def bench_data(
         if engine == "vllm":
             from transformers import AutoConfig
 
-            why = vllm_unavailable(AutoConfig.from_pretrained(source))
+            why = vllm_support(AutoConfig.from_pretrained(source)).why_not
             if why:
                 print(f"data: no vllm figures ({why})")
                 continue
@@ -893,6 +907,7 @@ def bench_data(
         figures["generate_ratio_vllm_vs_hf"] = round(vllm / hf, 2) if hf else 0.0
         same = sum(a == b for a, b in zip(answers["hf"], answers["vllm"], strict=True))
         figures["generate_same_answers_vllm_vs_hf"] = round(same / len(answers["hf"]), 3)
+    return figures
 
 
 def bench_optim(
@@ -966,18 +981,119 @@ BENCHES: dict[str, Callable[[Path], dict[str, float]]] = {
 }
 
 
+# ---------------------------------------------------------------- --smoke: the tooling held by `make test`
+
+SMOKE_VOCAB = 320  # 259 byte ids and the chat specials fit; small enough for every LM head to be cheap
+
+
+def smoke_verifier(out: Path) -> Path:
+    """A random Llama (hidden 64, 8 layers: EAGLE-3's default aux layers 2, 4, 5 are distinct) with
+    the byte-level chat tokenizer, saved as an HF directory every section can load in place of
+    SmolLM2: no download, loads in a second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks.rehearse import byte_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=SMOKE_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    byte_tokenizer().save_pretrained(out)
+    return out
+
+
+def smoke_run(overrides: tuple[str, ...]) -> Path:
+    """What the quickstart pipeline leaves for `engine` and `features`, made in seconds: prepared data
+    and features of a few synthetic chats, and an untrained tiny export of every drafter (the
+    engine's figures then mean nothing; the code paths are the real ones)."""
+    from specctl.collect import collect
+    from specctl.drafters import DRAFTERS
+    from specctl.export import save_drafter
+    from specctl.recipe import load_recipe, resolve_recipe_path
+    from specctl.verifier import load_verifier, recipe_verifier_spec, verifier_weights
+
+    recipe = load_recipe(resolve_recipe_path("quickstart.yaml"), overrides)
+    verifier = load_verifier(recipe.verifier)
+    collect(recipe, verifier=verifier, progress=False)
+    spec, weights = recipe_verifier_spec(verifier, recipe), verifier_weights(verifier)
+    for name, algo in DRAFTERS.items():
+        torch.manual_seed(0)
+        drafter = algo.build(algo.config_cls(**algo.tiny), spec, weights, None, "kl")
+        save_drafter(drafter, recipe.run_dir / "drafters" / name / "export", dtype="float32")
+    return recipe.run_dir
+
+
+def smoke_arguments(workdir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each section's arguments at its smallest: one tiny verifier for all, one step, a few tokens."""
+    verifier = smoke_verifier(workdir / "verifier")
+    overrides = (f"verifier.name_or_path={verifier}", "drafter.draft_vocab_size=null")
+    run_args = (
+        f"data.source={_conversations(workdir / 'chats.jsonl', 8)}",
+        "data.max_length=256",
+        f"output_dir={workdir / 'runs'}",
+        "name=smoke",
+    )
+    small_train = ("train.max_steps=2", "train.warmup_steps=0", "train.eval_every=2", "train.save_every=2")
+    run_dir = smoke_run((*overrides, *run_args)) if {"engine", "features"} & set(names) else None
+    return {
+        "collect": {"num_samples": 4, "verifier": str(verifier)},
+        "train": {"seq_len": 64, "batch_size": 1, "steps": 1, "overrides": overrides},
+        "seq": {
+            "seq_lens": (32, 64),
+            "hidden_size": 32,
+            "num_layers": 1,
+            "vocab_size": 128,
+            "tokens_per_measure": 32,
+        },
+        "engine": {"run_dir": run_dir, "num_prompts": 1, "max_new_tokens": 8, "overrides": overrides},
+        "verify": {"overrides": overrides, "rounds": 1},
+        "features": {
+            "run_dir": run_dir,
+            "algos": ("eagle3",),
+            "overrides": (*overrides, *run_args[:2], *small_train, "train.batch_tokens=512"),
+        },
+        "data": {"max_new_tokens": 4, "engines": ("hf",), "overrides": overrides},
+        "optim": {"shapes": ((8, 12),)},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="runs/bench-perf.json")
+    parser.add_argument("--output", default=None, help="default: runs/bench-perf.json (--smoke: -smoke.json)")
     parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated: " + ",".join(BENCHES))
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every section on a tiny random verifier at its smallest sizes, in seconds: checks that the "
+        "tooling runs (make test); the figures mean nothing and are not merged into earlier ones",
+    )
     args = parser.parse_args(argv)
-    out = Path(args.output)
-    figures: dict[str, float] = json.loads(out.read_text()) if out.is_file() else {}
-    for name in args.only.split(","):
-        with tempfile.TemporaryDirectory(prefix=f"specctl-perf-{name}-") as tmp:
-            start = time.perf_counter()
-            figures.update(BENCHES[name](Path(tmp)))
-            print(f"{name}: done in {time.perf_counter() - start:.0f} s")
+    names = args.only.split(",")
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        parser.error(f"--only: unknown section(s) {unknown}; choose from {', '.join(BENCHES)}")
+    out = Path(args.output or ("runs/bench-perf-smoke.json" if args.smoke else "runs/bench-perf.json"))
+    figures: dict[str, float] = json.loads(out.read_text()) if out.is_file() and not args.smoke else {}
+    with tempfile.TemporaryDirectory(prefix="specctl-perf-smoke-") as smoke:
+        start = time.perf_counter()
+        kwargs = smoke_arguments(Path(smoke), names) if args.smoke else {}
+        if args.smoke:
+            print(f"smoke inputs: made in {time.perf_counter() - start:.0f} s")
+        for name in names:
+            with tempfile.TemporaryDirectory(prefix=f"specctl-perf-{name}-") as tmp:
+                start = time.perf_counter()
+                figures.update(BENCHES[name](Path(tmp), **kwargs.get(name, {})))
+                print(f"{name}: done in {time.perf_counter() - start:.0f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(figures, indent=1, sort_keys=True) + "\n")
     print(json.dumps(figures, indent=1, sort_keys=True))

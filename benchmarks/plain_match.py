@@ -51,16 +51,19 @@ class Drafts:
     def export_config(self):
         return type("Export", (), {"speculative_tokens": self.k})()
 
-    def propose(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict) -> torch.Tensor:
+    def propose_with_logits(
+        self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict
+    ) -> tuple[torch.Tensor, None]:
+        """The engine's greedy drafting reads the drafts only: no logits."""
         drafts = torch.randint(0, self.vocab_size, (k,), generator=self.generator)
         if self.plain is None:
-            return drafts
+            return drafts, None
         start = ids.numel() - self.prompt_len  # output tokens so far
         keep = torch.rand(k, generator=self.generator) >= self.noise
         for i in range(k):
             if keep[i] and start + i < len(self.plain):
                 drafts[i] = self.plain[start + i]
-        return drafts
+        return drafts, None
 
 
 @contextmanager

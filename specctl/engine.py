@@ -2,7 +2,7 @@
 
 One request at a time (batch 1), pure PyTorch + transformers, CPU or GPU. A step is
 
-    drafter.propose(tokens so far, aux features of the verified positions, K) -> K drafts
+    greedy_propose(drafter, tokens so far, aux features of the verified positions, K) -> K drafts
     verifier forward over [last token, K drafts] on its KV cache -> K+1 next-token distributions
     accept a prefix of the drafts (greedy or rejection sampling, specctl.sampling), append the
     verifier's own next token, crop the rejected drafts from the KV cache
@@ -26,14 +26,16 @@ accepted.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from specctl.acceptance import AcceptanceEstimator
 from specctl.counters import SpecCounters
+from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
 from specctl.verifier import Verifier, record_layers
 
@@ -52,7 +54,7 @@ class GenerationResult:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def default_num_speculative_tokens(drafter: Any) -> int:
+def default_num_speculative_tokens(drafter: Drafter) -> int:
     """K the drafter was exported for: `speculative_tokens` of its speculators config."""
     return drafter.export_config().speculative_tokens
 
@@ -69,7 +71,7 @@ class _Drafting:
 
     K: int
     aux_layer_ids: tuple[int, ...]
-    propose: Any
+    propose: Callable[..., Any] | None  # (ids, aux, k, state=) -> drafts, or (drafts, confidences | logits)
     threshold: float | None = None
     estimator: AcceptanceEstimator | None = None
     scored: tuple[torch.Tensor, torch.Tensor] | None = None  # (features, predictions) of the last cut
@@ -81,6 +83,10 @@ class _Drafting:
             return proposal
         if self.estimator is not None:
             drafts, logits = proposal
+            if logits is None:
+                raise ValueError(
+                    "adaptive_threshold needs a drafter that reports its logits (propose_with_logits)"
+                )
             features, confidence = self.estimator.confidences(logits)  # [k], [k]
         else:
             drafts, confidence = proposal
@@ -99,7 +105,7 @@ class _Drafting:
 
 
 def _proposer(
-    drafter: Any | None,
+    drafter: Drafter | None,
     num_speculative_tokens: int | None,
     confidence_threshold: float | None,
     adaptive_threshold: float | None = None,
@@ -115,21 +121,19 @@ def _proposer(
         raise ValueError("pass confidence_threshold or adaptive_threshold, not both")
     K = num_speculative_tokens or default_num_speculative_tokens(drafter)
     aux = tuple(drafter.verifier.aux_layer_ids)
+    confident = isinstance(drafter, ConfidenceDrafter)
     if adaptive_threshold is not None:
-        if getattr(drafter, "confidence_head", None) is not None:  # DSpark: its own head, as vLLM does
+        if confident and drafter.confidence_head is not None:  # DSpark: its own head, as vLLM does
             return _Drafting(K, aux, drafter.propose_with_confidence, adaptive_threshold)
-        if getattr(drafter, "propose_with_logits", None) is None:
-            raise ValueError("adaptive_threshold needs a drafter reporting its logits (propose_with_logits)")
         if estimator is not None and estimator.num_positions < K:
             raise ValueError(f"the acceptance estimator covers {estimator.num_positions} positions, K is {K}")
         estimator = estimator or AcceptanceEstimator(K)
         return _Drafting(K, aux, drafter.propose_with_logits, adaptive_threshold, estimator)
     if confidence_threshold is not None:
-        propose = getattr(drafter, "propose_with_confidence", None)
-        if propose is None:
+        if not confident:
             raise ValueError("confidence_threshold needs a drafter with a confidence head (DSpark)")
-        return _Drafting(K, aux, propose, confidence_threshold)
-    return _Drafting(K, aux, drafter.propose)
+        return _Drafting(K, aux, drafter.propose_with_confidence, confidence_threshold)
+    return _Drafting(K, aux, partial(greedy_propose, drafter))
 
 
 def _accept(
@@ -150,7 +154,7 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def generate(
     verifier: Verifier | Any,
-    drafter: Any | None,
+    drafter: Drafter | None,
     prompt_ids: Sequence[int] | torch.Tensor,
     max_new_tokens: int,
     temperature: float = 0.0,

@@ -44,7 +44,7 @@ from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum
 from specctl.drafters import DRAFTERS
-from specctl.drafters.api import VerifierSpec, VerifierWeights
+from specctl.drafters.api import VerifierSpec, VerifierWeights, as_module
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import write_atomic
 from specctl.errors import DataError, FeatureStoreError, RecipeError, SpecctlError, UsageError
@@ -495,7 +495,8 @@ def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
     source = open_source(recipe, ctx, progress)
     d2t = draft_vocab(recipe, source.spec.vocab_size)
     torch.manual_seed(cfg.seed)
-    drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
+    built = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
+    drafter = as_module(built)
     if cfg.activation_checkpointing:
         distributed.checkpoint_layers(drafter)
     model = distributed.wrap(drafter.to(ctx.device), ctx, cfg.parallelism)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from specctl.drafters import register
 from specctl.drafters.api import DrafterSpec
 from specctl.drafters.dflash import BlockConfig, DFlashDrafter, config_from_format
 from specctl.drafters.dflash import Format as DFlashFormat
@@ -37,16 +36,14 @@ def build(config, verifier, weights, d2t, loss):
     return BlockwiseDrafter(config, verifier, weights, d2t, loss)
 
 
-SPEC = register(
-    DrafterSpec(
-        name="blockwise",
-        config_cls=Config,
-        format_cls=Format,
-        build=build,
-        config_from_format=lambda config: config_from_format(config, Config),
-        speculators_model_type="blockwise",
-        architectures=BlockwiseDrafter.architectures,
-        vllm_method=None,
-        tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
-    )
+SPEC = DrafterSpec(
+    name="blockwise",
+    config_cls=Config,
+    format_cls=Format,
+    build=build,
+    config_from_format=lambda config: config_from_format(config, Config),
+    speculators_model_type="blockwise",
+    architectures=BlockwiseDrafter.architectures,
+    vllm_method=None,
+    tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
 )

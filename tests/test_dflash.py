@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from specctl.drafters import DRAFTERS
-from specctl.drafters.api import VerifierSpec, VerifierWeights
+from specctl.drafters.api import VerifierSpec, VerifierWeights, greedy_propose
 from specctl.drafters.dflash import (
     BlockRows,
     Config,
@@ -173,7 +173,7 @@ def mean_accepted(drafter: DFlashDrafter, batch, num_tokens: int) -> float:
     ):
         first = int(mask.nonzero()[0])  # the first answer token comes from prefill: the first anchor
         for n in range(first, seq.shape[0] - num_tokens):
-            drafts = drafter.propose(seq[: n + 1], aux[:n], num_tokens)
+            drafts = greedy_propose(drafter, seq[: n + 1], aux[:n], num_tokens)
             accepted += int((drafts == seq[n + 1 : n + 1 + num_tokens]).int().cumprod(0).sum())
             steps += 1
     return accepted / steps
@@ -511,18 +511,20 @@ def test_propose_is_the_training_prediction_at_that_anchor():
         ids, positions = block_queries(batch["input_ids"], torch.tensor([[N]]), 4, MASK_ID)
         hidden = m.run_blocks(ids, positions, m.context_kv(batch["aux_hidden_states"][:, :N]), None)[0, 0]
         expected = m.draft_logits(hidden[1:]).argmax(-1)
-    got = m.propose(batch["input_ids"][0, : N + 1], batch["aux_hidden_states"][0, :N], K)
+    got = greedy_propose(m, batch["input_ids"][0, : N + 1], batch["aux_hidden_states"][0, :N], K)
     assert got.tolist() == expected.tolist() and got.dtype == torch.int64
     # the anchor's own features are not context: changing them leaves the proposal alone
     aux = batch["aux_hidden_states"][0].clone()
     aux[N:] = 0
-    assert m.propose(batch["input_ids"][0, : N + 1], aux[:N], K).tolist() == got.tolist()
+    assert greedy_propose(m, batch["input_ids"][0, : N + 1], aux[:N], K).tolist() == got.tolist()
     # fewer tokens: vLLM's query block shrinks to 1 + K slots, so predictions may differ
-    assert m.propose(batch["input_ids"][0, : N + 1], batch["aux_hidden_states"][0, :N], 2).shape == (2,)
+    assert greedy_propose(m, batch["input_ids"][0, : N + 1], batch["aux_hidden_states"][0, :N], 2).shape == (
+        2,
+    )
     with pytest.raises(ValueError):
-        m.propose(batch["input_ids"][0, : N + 1], batch["aux_hidden_states"][0, :N], K + 1)
+        greedy_propose(m, batch["input_ids"][0, : N + 1], batch["aux_hidden_states"][0, :N], K + 1)
     with pytest.raises(ValueError):
-        m.propose(batch["input_ids"][0, :N], batch["aux_hidden_states"][0, :N], K)
+        greedy_propose(m, batch["input_ids"][0, :N], batch["aux_hidden_states"][0, :N], K)
 
 
 @pytest.mark.parametrize("loss", ["kl", "ce"])
@@ -612,7 +614,7 @@ def test_reduced_draft_vocabulary():
         assert m.lm_head.weight.requires_grad == train_head
         assert (m.lm_head.weight.grad is not None and m.lm_head.weight.grad.abs().sum() > 0) == train_head
     batch = random_batch()
-    drafted = m.propose(batch["input_ids"][0, :11], batch["aux_hidden_states"][0, :10], 3)
+    drafted = greedy_propose(m, batch["input_ids"][0, :11], batch["aux_hidden_states"][0, :10], 3)
     assert t2d[drafted].all()
     state = m.export_state()
     assert {"lm_head.weight", "d2t", "t2d"} <= set(state)
@@ -746,7 +748,7 @@ def test_export_round_trip(reduced):
     batch = random_batch()
     torch.testing.assert_close(r(batch)[0], m(batch)[0], rtol=0, atol=0)
     args = (batch["input_ids"][0, :15], batch["aux_hidden_states"][0, :14], 3)
-    assert torch.equal(r.propose(*args), m.propose(*args))
+    assert torch.equal(greedy_propose(r, *args), greedy_propose(m, *args))
     # a foreign speculators config (no specctl record) rebuilds the same network
     foreign = {k: v for k, v in config_json.items() if k != "specctl"}
     state = m.export_state()
@@ -756,7 +758,7 @@ def test_export_round_trip(reduced):
         .from_export(DRAFTERS["dflash"].format_cls.from_json(foreign), state, tiny_weights())
         .eval()
     )
-    assert torch.equal(f.propose(*args), m.propose(*args))
+    assert torch.equal(greedy_propose(f, *args), greedy_propose(m, *args))
 
 
 @pytest.mark.vllm
@@ -927,7 +929,7 @@ def differing_blocks(served: Served, drafter: DFlashDrafter) -> list[tuple[int, 
     out = []
     for request, anchor_pos, drafts in served.steps:
         seqs, aux = served.seqs[request], served.aux[request]
-        if drafter.propose(seqs[: anchor_pos + 1], aux[:anchor_pos], 4).tolist() != drafts:
+        if greedy_propose(drafter, seqs[: anchor_pos + 1], aux[:anchor_pos], 4).tolist() != drafts:
             out.append((request, anchor_pos))
     return out
 

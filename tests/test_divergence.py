@@ -156,8 +156,9 @@ class RandomDrafts:
     def export_config(self):
         return type("Export", (), {"speculative_tokens": self.k})()
 
-    def propose(self, ids, aux, k, state):
-        return torch.randint(0, self.vocab_size, (k,), generator=self.generator)
+    def propose_with_logits(self, ids, aux, k, state):
+        """Random drafts; no logits (the engine drafts greedily from the drafts alone)."""
+        return torch.randint(0, self.vocab_size, (k,), generator=self.generator), None
 
 
 @pytest.mark.integration

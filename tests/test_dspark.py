@@ -20,6 +20,7 @@ from test_dflash import (
 )
 
 from specctl.drafters import DRAFTERS
+from specctl.drafters.api import greedy_propose
 from specctl.drafters.dflash import block_queries
 from specctl.drafters.dspark import Config, DSparkDrafter, confident_prefix_length, total_variation
 from specctl.drafters.targets import build_draft_vocab, targets_from_logits
@@ -93,7 +94,7 @@ def test_propose_matches_a_manual_sequential_loop():
             want.append(int(prev))
             conf.append(torch.sigmoid(m.confidence_head(hidden[i : i + 1], emb)))
     drafts, confidence = m.propose_with_confidence(ids, aux, K)
-    assert drafts.tolist() == want and torch.equal(m.propose(ids, aux, K), drafts)
+    assert drafts.tolist() == want and torch.equal(greedy_propose(m, ids, aux, K), drafts)
     torch.testing.assert_close(confidence, torch.cat(conf))
 
 
@@ -283,7 +284,7 @@ def test_export_round_trip(reduced):
         .eval()
     )
     assert f.config.markov_rank == 8 and f.config.block_size == m.config.block_size
-    assert torch.equal(f.propose(*args), d1)
+    assert torch.equal(greedy_propose(f, *args), d1)
 
 
 @pytest.fixture(scope="module")

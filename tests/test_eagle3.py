@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specctl.drafters import DRAFTERS
-from specctl.drafters.api import VerifierSpec, VerifierWeights
+from specctl.drafters.api import VerifierSpec, VerifierWeights, greedy_propose
 from specctl.drafters.eagle3 import SPEC, Config, build, shift_left, ttt_attention
 from specctl.drafters.targets import build_draft_vocab, draft_to_target, verifier_logits
 
@@ -254,7 +254,7 @@ def embedded_acceptance(drafter, data: dict[str, torch.Tensor], prompt_len: int,
     for b in range(ids.shape[0]):
         n = prompt_len + 1  # the prefill already produced one token
         while n < end:
-            proposal = drafter.propose(ids[b, :n], aux[b, : n - 1], k)
+            proposal = greedy_propose(drafter, ids[b, :n], aux[b, : n - 1], k)
             a = 0
             while a < k and proposal[a] == ids[b, n + a]:
                 accepted[a] += 1
@@ -504,7 +504,7 @@ def test_training_step_equals_serving_step(verifier, batch):
     ).eval()
     ids, aux = batch["input_ids"][0], batch["aux_hidden_states"][0]
     for t in (0, 5, 12):
-        drafts = drafter.propose(ids[: t + 2], aux[: t + 1], 4)
+        drafts = greedy_propose(drafter, ids[: t + 2], aux[: t + 1], 4)
         assert drafts.shape == (4,) and drafts.dtype == torch.long
         # teacher-force the drafts themselves: x_{t+1+s} := draft s for s >= 1
         forced = ids.clone()
@@ -557,7 +557,7 @@ def test_reduced_vocab_and_loss_kinds(verifier, batch, loss_kind):
                     draft = draft_to_target(drafter.lm_head(out[b, t]).argmax(), d2t)
                     correct += int(draft == target[b, t + 1 + s].argmax())
         assert metrics["correct"][s] == correct
-    drafts = drafter.propose(batch["input_ids"][0, :9], batch["aux_hidden_states"][0, :8], 3)
+    drafts = greedy_propose(drafter, batch["input_ids"][0, :9], batch["aux_hidden_states"][0, :8], 3)
     assert t2d[drafts].all()
     assert torch.equal(drafter.export_state()["d2t"], d2t)
     assert drafter.export_config().to_json()["draft_vocab_size"] == 40
@@ -615,7 +615,9 @@ def test_export_round_trip(verifier, batch, reduced):
         b, mb = rebuilt(batch)
     assert torch.equal(a, b) and torch.equal(ma["correct"], mb["correct"])
     ids, aux = batch["input_ids"][1], batch["aux_hidden_states"][1]
-    assert torch.equal(drafter.propose(ids[:11], aux[:10], 3), rebuilt.propose(ids[:11], aux[:10], 3))
+    assert torch.equal(
+        greedy_propose(drafter, ids[:11], aux[:10], 3), greedy_propose(rebuilt, ids[:11], aux[:10], 3)
+    )
     with pytest.raises(ValueError, match="missing"):
         from_export(cfg, {k: v for k, v in drafter.export_state().items() if k != "fc.weight"}, weights)
 

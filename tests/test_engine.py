@@ -13,7 +13,7 @@ from test_sampling import chi_square_p_value
 
 from specctl.counters import SpecCounters
 from specctl.drafters import DRAFTERS
-from specctl.drafters.api import VerifierWeights
+from specctl.drafters.api import ConfidenceDrafter, Drafter, VerifierWeights, greedy_propose
 from specctl.engine import default_num_speculative_tokens, generate
 from specctl.sampling import apply_temperature_top_p
 from specctl.verifier import capture_hidden_states, spec_from_config
@@ -85,7 +85,12 @@ def build_drafter(name: str, model, **config):
 class ScriptedDrafter:
     """Test double: proposes the verifier's known greedy continuation, with the draft at
     (proposal step, position) replaced by another token wherever `wrong` says so. Checks what
-    the engine hands it: the verified sequence and one feature row per verified position."""
+    the engine hands it: the verified sequence and one feature row per verified position.
+    A whole `ConfidenceDrafter` (without a head module: adaptive verification reads its logits);
+    the members the engine never calls raise."""
+
+    algo = "scripted"
+    confidence_head = None
 
     def __init__(self, sequence: list[int], vocab_size: int, wrong=lambda step, i: False, confidence=None):
         self.verifier = SimpleNamespace(aux_layer_ids=AUX_IDS)
@@ -96,8 +101,8 @@ class ScriptedDrafter:
         self.features: list[torch.Tensor] = []  # aux_hidden_states of each call
         self.first_wrong: list[int] = []  # per call: index of the first wrong draft (= K when none)
 
-    def propose(
-        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int, state=None
+    def drafts(
+        self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, num_tokens: int
     ) -> torch.Tensor:
         N = aux_hidden_states.shape[0]
         assert input_ids.tolist() == self.sequence[: N + 1]
@@ -111,9 +116,18 @@ class ScriptedDrafter:
             [(t + 1) % self.vocab_size if w else t for t, w in zip(truth, wrong, strict=True)]
         )
 
+    def propose_with_logits(self, input_ids, aux_hidden_states, num_tokens, state=None):
+        drafts = self.drafts(input_ids, aux_hidden_states, num_tokens)
+        return drafts, torch.nn.functional.one_hot(drafts, self.vocab_size).float()
+
     def propose_with_confidence(self, input_ids, aux_hidden_states, num_tokens, state=None):
-        drafts = self.propose(input_ids, aux_hidden_states, num_tokens)
+        drafts = self.drafts(input_ids, aux_hidden_states, num_tokens)
         return drafts, None if self.confidence is None else torch.tensor(self.confidence[:num_tokens])
+
+    def _unused(self, *args):
+        raise NotImplementedError("a scripted drafter neither trains nor has a file")
+
+    forward = export_state = export_config = load_export_state = adopt_embeddings = _unused
 
 
 def scripted(verifier, reference, **kw) -> ScriptedDrafter:
@@ -280,7 +294,7 @@ def fixed_drafter(tokens: list[int], aux_layer_ids: tuple[int, ...] = AUX_IDS) -
     """Test double that always proposes the same tokens (a one-hot q)."""
     return SimpleNamespace(
         verifier=SimpleNamespace(aux_layer_ids=aux_layer_ids),
-        propose=lambda ids, aux, k, state=None: torch.tensor(tokens[:k]),
+        propose_with_logits=lambda ids, aux, k, state=None: (torch.tensor(tokens[:k]), None),
     )
 
 
@@ -405,7 +419,7 @@ class LogitsDrafter(ScriptedDrafter):
     where the draft is right, flat where it is wrong -- what the estimator can tell apart."""
 
     def propose_with_logits(self, input_ids, aux_hidden_states, num_tokens, state=None):
-        drafts = self.propose(input_ids, aux_hidden_states, num_tokens)
+        drafts = self.drafts(input_ids, aux_hidden_states, num_tokens)
         logits = torch.zeros(num_tokens, self.vocab_size)
         for i in range(self.first_wrong[-1]):
             logits[i, drafts[i]] = 10.0
@@ -436,7 +450,10 @@ def test_adaptive_is_lossless_with_every_registered_drafter(name, verifier, refe
     assert cut.counters.num_draft_tokens <= full.counters.num_draft_tokens
     ids, aux = torch.tensor(PROMPT), torch.randn(len(PROMPT) - 1, len(AUX_IDS), 64)
     drafts, logits = drafter.propose_with_logits(ids, aux, 3)
-    assert drafts.tolist() == drafter.propose(ids, aux, 3).tolist() and logits.shape[0] == 3
+    assert torch.equal(greedy_propose(drafter, ids, aux, 3), drafts) and logits.shape[0] == 3
+    assert isinstance(drafter, Drafter)  # the contract, checked at runtime
+    if isinstance(drafter, ConfidenceDrafter):  # its confidence path drafts the same greedy tokens
+        assert torch.equal(drafter.propose_with_confidence(ids, aux, 3)[0], drafts)
     if name == "dspark":  # its confidence head decides, as in vLLM
         head = generate(verifier, drafter, PROMPT, NEW, num_speculative_tokens=3, confidence_threshold=0.3)
         assert head.counters == cut.counters
@@ -512,8 +529,8 @@ def test_propose_with_state_equals_recomputing_the_context(verifier, algo):
     state: dict = {}
     N, drafts = 5, []
     while N < 60:
-        cached = drafter.propose(ids[: N + 1], aux[:N], K, state=state)
-        fresh = drafter.propose(ids[: N + 1], aux[:N], K)
+        cached = greedy_propose(drafter, ids[: N + 1], aux[:N], K, state=state)
+        fresh = greedy_propose(drafter, ids[: N + 1], aux[:N], K)
         assert cached.tolist() == fresh.tolist(), (algo, N)
         drafts.append(cached.tolist())
         N += int(torch.randint(1, 5, (1,), generator=g))
@@ -525,6 +542,6 @@ def test_a_state_from_a_longer_prefix_is_refused(verifier):
     drafter = build_drafter("dflash", verifier)
     ids, aux = torch.randint(0, 300, (20,)), torch.randn(19, len(AUX_IDS), 64)
     state: dict = {}
-    drafter.propose(ids, aux, 2, state=state)
+    greedy_propose(drafter, ids, aux, 2, state=state)
     with pytest.raises(ValueError, match="new state per request"):
-        drafter.propose(ids[:10], aux[:9], 2, state=state)
+        greedy_propose(drafter, ids[:10], aux[:9], 2, state=state)

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from specctl.checkpoint import META_FILE, save_checkpoint
 from specctl.distributed import DistContext
 from specctl.drafters import DRAFTERS, VerifierWeights
+from specctl.drafters.api import greedy_propose
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import umask
 from specctl.errors import SpecctlError
@@ -160,7 +161,7 @@ def test_round_trip_is_exact(verifier, exports, algo, reduced):
     for name in ours:
         assert theirs[name].dtype == ours[name].dtype and torch.equal(theirs[name], ours[name]), name
     ids, aux = propose_inputs()
-    assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 3), greedy_propose(drafter, ids, aux, 3))
     # the verifier's tensors are borrowed, never written: vLLM shares them
     assert "embed_tokens.weight" not in theirs
     assert ("lm_head.weight" in theirs) == ("lm_head.weight" in ours)
@@ -197,7 +198,7 @@ def test_a_drafter_computes_in_its_verifiers_dtype(verifier, exports, algo):
     floats = {p.dtype for p in [*loaded.parameters(), *loaded.buffers()] if p.is_floating_point()}
     assert floats == {torch.bfloat16}
     ids, aux = propose_inputs()
-    drafts = loaded.propose(ids, aux.bfloat16(), 3)
+    drafts = greedy_propose(loaded, ids, aux.bfloat16(), 3)
     assert drafts.shape == (3,) and drafts.dtype == torch.long
     assert {p.dtype for p in load_drafter(path, weights)[0].parameters()} == {torch.float32}
 
@@ -208,7 +209,7 @@ def test_load_drafter_finds_the_verifier_config_json_records(verifier, exports):
     assert config["speculators_config"]["verifier"]["name_or_path"] == str(verifier["path"])
     loaded, _ = load_drafter(path)  # loads the tiny verifier from its directory
     ids, aux = propose_inputs(1)
-    assert torch.equal(loaded.propose(ids, aux, 4), drafter.propose(ids, aux, 4))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 4), greedy_propose(drafter, ids, aux, 4))
 
 
 @fault(
@@ -244,7 +245,7 @@ def test_third_party_layout_loads(verifier, exports, algo, tmp_path):
     assert result.shared_from_verifier == ["embed_tokens.weight"]
     loaded, _ = load_drafter(path, verifier["weights"])
     ids, aux = propose_inputs(2)
-    assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 3), greedy_propose(drafter, ids, aux, 3))
 
     # embeddings of its own (the speculators trainer trains P-EAGLE's): vLLM keeps them apart
     # from the verifier's, and so does the drafter, in drafting and in a re-export
@@ -257,7 +258,7 @@ def test_third_party_layout_loads(verifier, exports, algo, tmp_path):
     reference = build_drafter(verifier, algo, reduced=True)
     reference.load_export_state(drafter.export_state())
     reference.adopt_embeddings(own)
-    assert torch.equal(loaded.propose(ids, aux, 3), reference.propose(ids, aux, 3))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 3), greedy_propose(reference, ids, aux, 3))
     again, _ = load_drafter(save_drafter(loaded, tmp_path / "again", "float32"), verifier["weights"])
     assert torch.equal(again.embed_tokens, own)
     if (
@@ -287,7 +288,7 @@ def test_sharded_directory_loads(verifier, exports, tmp_path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     loaded, _ = load_drafter(path, verifier["weights"])
     ids, aux = propose_inputs(3)
-    assert torch.equal(loaded.propose(ids, aux, 5), drafter.propose(ids, aux, 5))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 5), greedy_propose(drafter, ids, aux, 5))
     (path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(SpecctlError, match="model-00002-of-00002.safetensors: missing"):
         validate_export(path)

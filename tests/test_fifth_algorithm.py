@@ -106,3 +106,27 @@ def test_registering_a_clashing_name_is_refused(monkeypatch):
     twin = dataclasses.replace(spec, format_cls=type("Other", (spec.format_cls,), {}))
     with pytest.raises(ValueError, match="clashes with the registered 'dflash'"):
         register(twin)
+
+
+def test_a_module_joins_by_exporting_its_spec():
+    """The variant calls no register function: discovery collects the SPEC it exports (and nothing
+    from a module without one)."""
+    script = "import specctl.drafters as d; print(sorted(d.DRAFTERS))"
+    env = {**os.environ, "SPECCTL_DRAFTERS": f"{VARIANT},specctl.drafters.vocab"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == str(sorted([*DRAFTERS, "blockwise"]))
+
+
+def test_a_build_that_returns_no_module_is_refused_in_one_line():
+    import torch
+
+    from specctl.drafters.api import as_module
+    from specctl.errors import SpecctlError
+
+    with pytest.raises(SpecctlError, match="returned a dict, not a torch nn.Module"):
+        as_module({})
+    module = torch.nn.Linear(2, 2)
+    assert as_module(module) is module

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from test_export import AUX, HIDDEN, MASK_ID, VOCAB, borrowed, propose_inputs, tiny_verifier_model
 
 from specctl.drafters import DRAFTERS
+from specctl.drafters.api import greedy_propose
 from specctl.drafters.targets import build_draft_vocab
 from specctl.export import save_drafter
 from specctl.speculators.config import FormatError, LayerConfig, SpeculatorsConfig, rope_fields, window_fields
@@ -205,7 +206,7 @@ def test_export_round_trip_keeps_windows_layers_and_tensors(verifier, algo, tmp_
     for name, t in drafter.export_state().items():
         assert torch.equal(loaded.export_state()[name], t), name
     ids, aux = propose_inputs()
-    assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 3), greedy_propose(drafter, ids, aux, 3))
 
 
 # ---------------------------------------------------------------- files in the peer's layout
@@ -244,10 +245,10 @@ def test_a_file_in_the_peer_layout_is_read_as_vllm_runs_it(verifier, algo, tmp_p
     assert torch.equal(loaded.embed_tokens, embeddings)  # shared when equal, its own when trained
     ids, aux = propose_inputs(4)
     k = min(3, c.max_speculative_tokens() or 3)
-    assert torch.equal(loaded.propose(ids, aux, k), drafter.propose(ids, aux, k))
+    assert torch.equal(greedy_propose(loaded, ids, aux, k), greedy_propose(drafter, ids, aux, k))
     # and specctl writes it back in the same layout, which reads back the same
     again, _ = load_drafter(save_drafter(loaded, tmp_path / "again", "float32"), weights)
-    assert torch.equal(again.propose(ids, aux, k), drafter.propose(ids, aux, k))
+    assert torch.equal(greedy_propose(again, ids, aux, k), greedy_propose(drafter, ids, aux, k))
 
 
 def test_older_specctl_exports_still_load(verifier, tmp_path):
@@ -273,7 +274,7 @@ def test_older_specctl_exports_still_load(verifier, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     loaded, _ = load_drafter(path, borrowed(verifier["model"]))
     ids, aux = propose_inputs(5)
-    assert torch.equal(loaded.propose(ids, aux, 3), drafter.propose(ids, aux, 3))
+    assert torch.equal(greedy_propose(loaded, ids, aux, 3), greedy_propose(drafter, ids, aux, 3))
 
 
 # ---------------------------------------------------------------- the adapter's pure pieces

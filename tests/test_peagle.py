@@ -24,6 +24,7 @@ from test_eagle3 import (
     vllm_acceptance,
 )
 
+from specctl.drafters.api import greedy_propose
 from specctl.drafters.layers import Attention, shared_key_bias
 from specctl.drafters.peagle import (
     SPEC,
@@ -345,7 +346,7 @@ def test_training_rows_equal_serving_pass(verifier, batch):
     with torch.no_grad():
         out_real, out_depth = drafter.rows_forward(ids, aux, anchor, depth, present)
     for t in (0, 6, 15, 21):
-        drafts = drafter.propose(ids[0, : t + 2], aux[0, : t + 1], 5)
+        drafts = greedy_propose(drafter, ids[0, : t + 2], aux[0, : t + 1], 5)
         assert drafts.shape == (5,) and drafts.dtype == torch.long
         where = [((anchor[0] == t) & (depth[0] == d) & present[0]).nonzero()[0, 0] for d in range(1, 5)]
         rows = [out_real[0, t]] + [out_depth[0, m] for m in where]
@@ -384,7 +385,7 @@ def test_reduced_vocab_and_loss_kinds(verifier, batch, loss_kind):
         draft = draft_to_target(drafter.lm_head(out_depth[bi, m]).argmax(), d2t)
         correct[d] += int(draft == target[bi, a + 1 + d].argmax())
     assert torch.equal(metrics["correct"], correct)
-    drafts = drafter.propose(batch["input_ids"][0, :9], batch["aux_hidden_states"][0, :8], 3)
+    drafts = greedy_propose(drafter, batch["input_ids"][0, :9], batch["aux_hidden_states"][0, :8], 3)
     assert t2d[drafts].all()
     assert torch.equal(drafter.export_state()["d2t"], d2t)
 
@@ -442,7 +443,9 @@ def test_export_round_trip(verifier, batch):
         b, mb = rebuilt(batch)
     assert torch.equal(a, b) and torch.equal(ma["correct"], mb["correct"])
     ids, aux = batch["input_ids"][1], batch["aux_hidden_states"][1]
-    assert torch.equal(drafter.propose(ids[:11], aux[:10], 3), rebuilt.propose(ids[:11], aux[:10], 3))
+    assert torch.equal(
+        greedy_propose(drafter, ids[:11], aux[:10], 3), greedy_propose(rebuilt, ids[:11], aux[:10], 3)
+    )
     with pytest.raises(ValueError, match="mask_token_id"):
         from_export({k: v for k, v in cfg.items() if k != "mask_token_id"}, tensors, weights)
 

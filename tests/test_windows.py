@@ -21,6 +21,7 @@ from test_eagle3 import tiny_verifier as tiny_llama
 from test_peagle import reference_block_attention
 
 from specctl.drafters import DRAFTERS
+from specctl.drafters.api import greedy_propose
 from specctl.drafters.dflash import (
     BlockRows,
     block_context_mask,
@@ -229,10 +230,10 @@ def test_eagle3_training_step_equals_serving_step_with_windows(llama, batch):
     for t in (0, 7, 14):
         state: dict = {}
         if t:  # a cached prefix first, as a request's earlier proposal leaves it
-            drafter.propose(ids[: t + 1], aux[:t], 3, state=state)
-        drafts = drafter.propose(ids[: t + 2], aux[: t + 1], 3, state=state)
+            greedy_propose(drafter, ids[: t + 1], aux[:t], 3, state=state)
+        drafts = greedy_propose(drafter, ids[: t + 2], aux[: t + 1], 3, state=state)
         assert torch.equal(
-            drafts, drafter.propose(ids[: t + 2], aux[: t + 1], 3)
+            drafts, greedy_propose(drafter, ids[: t + 2], aux[: t + 1], 3)
         )  # with or without the cache
         forced = ids.clone()
         forced[t + 2 : t + 4] = drafts[:2]
@@ -241,7 +242,7 @@ def test_eagle3_training_step_equals_serving_step_with_windows(llama, batch):
         trained = torch.stack([drafter.lm_head(out[0, t]).argmax() for out in outs])
         assert torch.equal(trained, drafts), (t, trained, drafts)
     with pytest.raises(ValueError, match="do not fit the sliding window"):
-        drafter.propose(ids[:10], aux[:9], 5)
+        greedy_propose(drafter, ids[:10], aux[:9], 5)
 
 
 def windowed_rows_forward(drafter, window, input_ids, aux_hidden_states, anchor, depth, present):
@@ -306,7 +307,7 @@ def test_peagle_training_rows_equal_serving_pass_with_windows(llama, batch):
     with torch.no_grad():
         out_real, out_depth = drafter.rows_forward(ids, aux, anchor, depth, present)
     for t in (0, 9, 18):
-        drafts = drafter.propose(ids[0, : t + 2], aux[0, : t + 1], 4)
+        drafts = greedy_propose(drafter, ids[0, : t + 2], aux[0, : t + 1], 4)
         where = [((anchor[0] == t) & (depth[0] == d) & present[0]).nonzero()[0, 0] for d in range(1, 4)]
         trained = torch.stack(
             [drafter.lm_head(r).argmax() for r in [out_real[0, t]] + [out_depth[0, m] for m in where]]
@@ -326,4 +327,4 @@ def test_a_window_longer_than_the_sequence_changes_nothing(llama, batch, algo):
     with torch.no_grad():
         torch.testing.assert_close(windowed(batch)[0], full(batch)[0], rtol=1e-6, atol=1e-6)
     ids, aux = batch["input_ids"][0, :15], batch["aux_hidden_states"][0, :14]
-    assert torch.equal(windowed.propose(ids, aux, 2), full.propose(ids, aux, 2))
+    assert torch.equal(greedy_propose(windowed, ids, aux, 2), greedy_propose(full, ids, aux, 2))

@@ -17,6 +17,7 @@ from specctl.bench.plan import Groups, Method
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
 from specctl.counters import SpecCounters
+from specctl.drafters.api import Drafter
 from specctl.kernels import apply_kernel
 from specctl.recipe import BenchSection, VerifierSection
 
@@ -46,7 +47,7 @@ class EmbeddedBackend:
         settings: BenchSection,
         on_done: Callable[[int], None] | None = None,
         generate_fn: Callable[..., Any] | None = None,
-        load_drafter_fn: Callable[..., Any] | None = None,
+        load_drafter_fn: Callable[..., tuple[Drafter, Any]] | None = None,
     ):
         from specctl.data.generate import stop_token_ids
         from specctl.verifier import load_verifier
@@ -62,15 +63,15 @@ class EmbeddedBackend:
         if load_drafter_fn is None:
             from specctl.speculators.io import load_drafter
 
-            def load_drafter_fn(path: Path, verifier: Any) -> Any:
+            def load_drafter_fn(path: Path, verifier: Any) -> tuple[Drafter, Any]:
                 return load_drafter(path, verifier=verifier)
 
         self.generate_fn, self.load_drafter_fn = generate_fn, load_drafter_fn
-        self.loaded: dict[Path, Any] = {}  # every drafter stays loaded: methods take turns
+        self.loaded: dict[Path, Drafter] = {}  # every drafter stays loaded: methods take turns
         self.warmed: set[Method] = set()
         self.estimators: dict[Method, Any] = {}  # adaptive configurations' acceptance estimators
 
-    def _drafter(self, method: Method) -> Any:
+    def _drafter(self, method: Method) -> Drafter | None:
         if method.drafter is None:
             return None
         if method.drafter not in self.loaded:
@@ -92,7 +93,9 @@ class EmbeddedBackend:
             info["adaptive_threshold"] = self.settings.adaptive_threshold
         return info
 
-    def _run(self, method: Method, drafter: Any, index: int, prompt: BenchPrompt, max_new_tokens: int) -> Any:
+    def _run(
+        self, method: Method, drafter: Drafter | None, index: int, prompt: BenchPrompt, max_new_tokens: int
+    ) -> Any:
         s = self.settings
         return self.generate_fn(
             self.verifier,
@@ -108,7 +111,7 @@ class EmbeddedBackend:
             **self._cut(method, drafter),
         )
 
-    def _cut(self, method: Method, drafter: Any) -> dict[str, Any]:
+    def _cut(self, method: Method, drafter: Drafter | None) -> dict[str, Any]:
         """The engine's draft-cut arguments for a configuration: DSpark's confidence threshold, or
         adaptive verification at bench.adaptive_threshold with the configuration's estimator (one
         per configuration for the whole run, as vLLM keeps one per engine)."""

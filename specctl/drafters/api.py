@@ -2,8 +2,9 @@
 
 The trainer, exporter, engine and bench only ever see these types: a `DrafterSpec` (everything
 algorithm-specific a shared module may need: recipe section, checkpoint format, vLLM method, K
-limit, test size, published shape) and the methods of a drafter module (`Drafter`). Everything
-else about an algorithm stays in its file.
+limit, test size, published shape) and the methods of a drafter module (`Drafter`, and
+`ConfidenceDrafter` for one with a confidence head). Everything else about an algorithm stays in
+its file, which exports its spec as a module-level `SPEC` (specctl.drafters collects it).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specctl.drafters.vocab import t2d_from_d2t
+from specctl.errors import SpecctlError
 from specctl.speculators.config import SpeculatorsConfig, rope_fields, window_fields
 from specctl.vllm.capabilities import Need
 
@@ -222,8 +224,10 @@ class VerifierWeights:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@runtime_checkable
 class Drafter(Protocol):
-    """What every drafter module offers (an `nn.Module` in practice).
+    """What engine, train, export and bench use of a drafter module (an `nn.Module` in practice:
+    the trainer wraps it, the bench applies its matmul kernel to it).
 
     forward(batch) -> (loss, metrics). batch (right-padded, one row per sample):
         input_ids          [B, T]        int64
@@ -234,15 +238,13 @@ class Drafter(Protocol):
     metrics holds at least `correct` [K] and `count` [K] (per draft position, summed over
     the batch, computed against the verifier's argmax) so validation can form tau_hat.
 
-    propose(input_ids [N+1], aux_hidden_states [N, n_aux, H], num_tokens K, state=None) -> [K]
-    int64 drafts the K tokens that follow input_ids[-1] given the verifier's features of the
-    first N tokens. `state` is a dict the caller keeps per request (the verified prefix only
-    grows between calls); a drafter may cache its work on that prefix there, and must give
-    the same drafts with or without it. Optional: propose_with_confidence(same) -> ([K] drafts,
-    [K] per-position acceptance confidences or None); the engine then cuts the block where the
-    product of confidences drops below its threshold (DSpark's dynamic draft length).
-    propose_with_logits(same) -> ([K] drafts, [K, Vd] the draft logits each is the argmax of):
-    adaptive verification predicts each draft's acceptance from them (specctl.acceptance).
+    propose_with_logits(input_ids [N+1], aux_hidden_states [N, n_aux, H], num_tokens K, state=None)
+    -> ([K] int64 drafts, [K, Vd] the draft logits each is the argmax of): the K tokens that follow
+    input_ids[-1] given the verifier's features of the first N tokens. `state` is a dict the caller
+    keeps per request (the verified prefix only grows between calls); a drafter may cache its work
+    on that prefix there, and must give the same drafts with or without it. The engine drafts
+    greedily with `greedy_propose`; adaptive verification predicts each draft's acceptance from the
+    logits (specctl.acceptance).
 
     export_state() -> the tensors of model.safetensors, named and shaped as the file holds them;
     export_config() -> config.json, typed; load_export_state(tensors) loads a file's tensors (the
@@ -256,13 +258,13 @@ class Drafter(Protocol):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
-    def propose(
+    def propose_with_logits(
         self,
         input_ids: torch.Tensor,
         aux_hidden_states: torch.Tensor,
         num_tokens: int,
         state: dict[str, Any] | None = None,
-    ) -> torch.Tensor: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def export_state(self) -> dict[str, torch.Tensor]: ...
 
@@ -273,11 +275,57 @@ class Drafter(Protocol):
     def adopt_embeddings(self, weight: torch.Tensor) -> None: ...
 
 
+@runtime_checkable
+class ConfidenceDrafter(Drafter, Protocol):
+    """A drafter that can report per-position acceptance confidences (DSpark): the engine cuts a
+    block where their running product falls below its threshold (a dynamic draft length).
+
+    propose_with_confidence(same as propose_with_logits) -> ([K] drafts, [K] confidences, or None
+    when this drafter was built without its head). `confidence_head` is None then, and adaptive
+    verification predicts acceptance from the logits instead, as for any drafter.
+    """
+
+    confidence_head: torch.nn.Module | None
+
+    def propose_with_confidence(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        num_tokens: int,
+        state: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def greedy_propose(
+    drafter: Drafter,
+    input_ids: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    num_tokens: int,
+    state: dict[str, Any] | None = None,
+) -> torch.Tensor:
+    """The [K] greedy drafts after input_ids[-1] (shapes: `Drafter.propose_with_logits`). One
+    function rather than a `propose` method per algorithm: every drafter's greedy draft is the
+    argmax its logits record, so each algorithm implements drafting once."""
+    return drafter.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
+
+
+def as_module(drafter: Drafter) -> torch.nn.Module:
+    """The drafter as the `nn.Module` it must be where torch acts on it as a whole (the trainer
+    wraps it for DDP/FSDP and optimises its parameters); the contract above types only what
+    specctl calls by name, so an algorithm whose `build` returns something else fails here, once."""
+    if not isinstance(drafter, torch.nn.Module):
+        raise SpecctlError(
+            f"the drafter's build returned a {type(drafter).__name__}, not a torch nn.Module; return the "
+            "module itself from the algorithm's build (specctl.drafters.api.DrafterSpec)"
+        )
+    return drafter
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """One algorithm, as registered in `specctl.drafters.DRAFTERS`: the whole surface shared code sees.
 
-    build(config, verifier, weights, d2t, loss) -> module
+    build(config, verifier, weights, d2t, loss) -> the drafter module (a `Drafter`)
         `d2t` is the draft->target offset table (None = full vocabulary), `loss` "kl" | "ce"
         (None: rebuilt from an export that does not record one, for drafting only).
     config_from_format(format config) -> the recipe section a checkpoint's config.json describes.
@@ -296,7 +344,7 @@ class DrafterSpec:
     name: str
     config_cls: type[DrafterConfig]
     format_cls: type[SpeculatorsConfig]
-    build: Callable[..., Any]
+    build: Callable[..., Drafter]
     config_from_format: Callable[[Any], DrafterConfig]
     speculators_model_type: str
     architectures: tuple[str, ...]
@@ -309,14 +357,14 @@ class DrafterSpec:
 
     def build_from_format(
         self, config: SpeculatorsConfig, weights: VerifierWeights, d2t: torch.Tensor | None
-    ) -> Any:
+    ) -> Drafter:
         """The module a config.json describes, with freshly initialised weights."""
         loss = config.specctl.loss if config.specctl is not None else None
         return self.build(self.config_from_format(config), verifier_from_format(config), weights, d2t, loss)
 
     def from_export(
         self, config: SpeculatorsConfig, tensors: dict[str, torch.Tensor], weights: VerifierWeights
-    ) -> Any:
+    ) -> Drafter:
         """Rebuild the module from a speculators directory's config and tensors. A file without
         t2d (vLLM ignores it) gets it rebuilt from d2t."""
         tensors = dict(tensors)

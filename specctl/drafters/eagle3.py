@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from specctl.drafters import register
 from specctl.drafters.api import (
     LOSSES,
     DrafterSpec,
@@ -510,17 +509,6 @@ class Eagle3Drafter(Eagle3Backbone):
         return attend_after_prefix(attn, q, k, v, windows[i])
 
     @torch.no_grad()
-    def propose(
-        self,
-        input_ids: torch.Tensor,
-        aux_hidden_states: torch.Tensor,
-        num_tokens: int,
-        state: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
-        """K greedy drafts after input_ids[-1], as vLLM's EAGLE-3 proposer computes them."""
-        return self.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
-
-    @torch.no_grad()
     def propose_with_logits(
         self,
         input_ids: torch.Tensor,
@@ -610,19 +598,17 @@ def config_from_format(config: Format) -> Config:
     )
 
 
-SPEC = register(
-    DrafterSpec(
-        name="eagle3",
-        config_cls=Config,
-        format_cls=Format,
-        build=build,
-        config_from_format=config_from_format,
-        speculators_model_type="eagle3",
-        architectures=Eagle3Drafter.architectures,
-        vllm_method={"method": "eagle3"},
-        vllm_needs=(Need.EAGLE3,),
-        tiny={"ttt_steps": 2, "num_speculative_tokens": 2},
-        published=lambda c: c.num_layers == 1 and c.ttt_steps >= 3,
-        parallel=False,
-    )
+SPEC = DrafterSpec(
+    name="eagle3",
+    config_cls=Config,
+    format_cls=Format,
+    build=build,
+    config_from_format=config_from_format,
+    speculators_model_type="eagle3",
+    architectures=Eagle3Drafter.architectures,
+    vllm_method={"method": "eagle3"},
+    vllm_needs=(Need.EAGLE3,),
+    tiny={"ttt_steps": 2, "num_speculative_tokens": 2},
+    published=lambda c: c.num_layers == 1 and c.ttt_steps >= 3,
+    parallel=False,
 )

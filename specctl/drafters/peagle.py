@@ -26,7 +26,6 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from specctl.drafters import register
 from specctl.drafters.api import DrafterSpec, VerifierSpec, VerifierWeights, WindowedConfig, specctl_record
 from specctl.drafters.eagle3 import Eagle3Backbone, LayerStyle, layer_settings, shift_left
 from specctl.drafters.eagle3 import Format as Eagle3Format
@@ -340,17 +339,6 @@ class PEagleDrafter(Eagle3Backbone):
         return loss, metrics
 
     @torch.no_grad()
-    def propose(
-        self,
-        input_ids: torch.Tensor,
-        aux_hidden_states: torch.Tensor,
-        num_tokens: int,
-        state: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
-        """K greedy drafts in one pass (propose_with_logits)."""
-        return self.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
-
-    @torch.no_grad()
     def propose_with_logits(
         self,
         input_ids: torch.Tensor,
@@ -451,18 +439,16 @@ def config_from_format(config: Format) -> Config:
     )
 
 
-SPEC = register(
-    DrafterSpec(
-        name="peagle",
-        config_cls=Config,
-        format_cls=Format,
-        build=build,
-        config_from_format=config_from_format,
-        speculators_model_type="peagle",
-        architectures=PEagleDrafter.architectures,
-        vllm_method={"method": "eagle3", "parallel_drafting": True},
-        vllm_needs=(Need.PEAGLE, Need.PARALLEL_DRAFTING),
-        tiny={"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
-        published=lambda c: c.num_layers == 4 and c.num_depths == 4,
-    )
+SPEC = DrafterSpec(
+    name="peagle",
+    config_cls=Config,
+    format_cls=Format,
+    build=build,
+    config_from_format=config_from_format,
+    speculators_model_type="peagle",
+    architectures=PEagleDrafter.architectures,
+    vllm_method={"method": "eagle3", "parallel_drafting": True},
+    vllm_needs=(Need.PEAGLE, Need.PARALLEL_DRAFTING),
+    tiny={"num_layers": 1, "num_depths": 3, "num_speculative_tokens": 3},
+    published=lambda c: c.num_layers == 4 and c.num_depths == 4,
 )
