@@ -7,12 +7,20 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import bench_with_flags
 from test_bench import _write_drafter, fake_engine, fake_generate  # noqa: F401  (fake_engine: a fixture)
 from test_vllm_capabilities import refused_before_start
 
-from specctl.bench.plan import NGRAM, display_name, plan_adaptive, plan_methods, speculative_config
+from specctl.bench.plan import (
+    NGRAM,
+    bench_settings,
+    display_name,
+    plan_adaptive,
+    plan_methods,
+    speculative_config,
+)
 from specctl.bench.report import recommend, recommendations
-from specctl.bench.run import plan_run, run_bench
+from specctl.bench.run import plan_run
 from specctl.errors import UsageError
 from specctl.vllm import capabilities
 
@@ -112,7 +120,7 @@ def test_run_bench_compares_fixed_k_and_adaptive(tmp_path, tiny_verifier_dir, fa
     d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))  # the fake keeps 3 of 4
     _adaptive_generate.asked = []
     out = tmp_path / "o"
-    run_bench(
+    bench_with_flags(
         drafters=[d],
         output=out,
         num_prompts=2,
@@ -159,11 +167,35 @@ def test_adaptive_is_refused_where_the_installed_vllm_lacks_it(tmp_path, monkeyp
     d = _write_drafter(tmp_path / "d", "dflash", 4, "v")
     overrides = {"backend": "vllm", "adaptive": "on"}
     if refused is None:
-        plan = plan_run(None, overrides, None, [d], None, None, False, [], None, tmp_path / "v", print)
+        plan = plan_run(
+            None,
+            bench_settings(None, **overrides)[0],
+            None,
+            [d],
+            None,
+            None,
+            False,
+            [],
+            None,
+            tmp_path / "v",
+            print,
+        )
         assert [m.adaptive for m in plan.configs] == [False, True]
         return
     with pytest.raises(UsageError, match=refused) as e:
-        plan_run(None, overrides, None, [d], None, None, False, [], None, tmp_path / "v", print)
+        plan_run(
+            None,
+            bench_settings(None, **overrides)[0],
+            None,
+            [d],
+            None,
+            None,
+            False,
+            [],
+            None,
+            tmp_path / "v",
+            print,
+        )
     assert str(e.value).startswith("--adaptive: ") and "--backend embedded" in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -192,7 +224,7 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
     with pytest.raises(UsageError, match="--base-url benches the server as it runs"):
         plan_run(
             None,
-            {"base_url": "http://127.0.0.1:9", "adaptive": "on"},
+            bench_settings(None, base_url="http://127.0.0.1:9", adaptive="on")[0],
             None,
             [],
             None,
@@ -204,7 +236,19 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
             print,
         )
     with pytest.raises(UsageError, match="--adaptive 'sometimes'"):
-        plan_run(None, {"adaptive": "sometimes"}, None, [d], None, None, False, [], None, tmp_path, print)
+        plan_run(
+            None,
+            bench_settings(None, adaptive="sometimes")[0],
+            None,
+            [d],
+            None,
+            None,
+            False,
+            [],
+            None,
+            tmp_path,
+            print,
+        )
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -234,7 +278,7 @@ def test_adaptive_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         exports.append(
             save_drafter(cls.build(config, spec, verifier_weights(verifier), None, "kl"), tmp_path / algo)
         )
-    report = run_bench(
+    report = bench_with_flags(
         drafters=exports,
         output=tmp_path / "bench",
         num_prompts=2,

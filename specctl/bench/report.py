@@ -41,6 +41,8 @@ from specctl.bench.intervals import (
 from specctl.bench.plan import PLAIN, Method, speculative_config
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, UsageError
+from specctl.recipe import BenchSection
+from specctl.redact import redact_tree
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ class BenchReport:
     # method name -> its outputs that differ from plain decoding's, explained (specctl.bench.divergence);
     # None: not analysed (sampling, no plain run, no ids, or a backend without a local verifier)
     divergences: dict[str, list[Divergence]] | None = None
+    # the bench settings the run read, whole (report.json's `settings`); None: a report built by hand
+    settings: BenchSection | None = None
 
     @property
     def first_level(self) -> Level:
@@ -429,6 +433,8 @@ def report_dict(report: BenchReport, intervals: bool = True) -> dict[str, Any]:
         "provenance": report.provenance,
         "divergence_summary": summary_line(report.divergences) if report.divergences is not None else None,
     }
+    if report.settings is not None:  # credentials in bench.base_url masked, as everywhere
+        out["settings"] = redact_tree(report.settings.model_dump(mode="json"))
     if report.sweep is not None:
         out["sweep"] = sweep_dict(report, resamples)
     return out
