@@ -577,16 +577,16 @@ def _print_bench(report, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        out.print(rich_table(report))
-        sweep = rich_sweep(report)
-        if sweep is not None:
-            out.print(sweep)
-        latency = rich_latency(report)
-        if latency is not None:
-            out.print(latency)
-        summary = report.to_dict().get("divergence_summary")
-        if summary:
-            out.print(f"divergences: {summary}", highlight=False, soft_wrap=True)
+        figures = report.figures()  # once for the three tables
+        for table in (
+            rich_table(report, figures),
+            rich_sweep(report, figures),
+            rich_latency(report, figures),
+        ):
+            if table is not None:
+                out.print(table)
+        if report.divergence_summary:
+            out.print(f"divergences: {report.divergence_summary}", highlight=False, soft_wrap=True)
         out.print(f"report: {report.output_dir}/report.md")
         for figure in ("acceptance.png", "sweep.png", "latency.png"):
             if report.output_dir is not None and (report.output_dir / figure).is_file():

@@ -1113,19 +1113,20 @@ def test_recommendations_follow_the_speedup_interval():
     """A recommended K slower than no-spec only when its speedup's interval lies below 1; one that
     holds 1 ties (the point figure alone would have said "slower" at 0.97x)."""
     from specctl.bench.render import recommendation_lines
+    from specctl.bench.report import Figures, PointFigures, Recommendation, ReportFigures
 
     def line(speedup, interval):
-        rec = {"num_speculative_tokens": 2, "output_tokens_per_s": 10.0, "acceptance_length": 2.0}
-        rec |= {"speedup": speedup, "intervals": {"speedup": interval}, "speculative_config": None}
-        return recommendation_lines({"backend": "vllm", "sweep": {"recommended": {"dflash": {"1": rec}}}})[0][
-            0
-        ]
+        figures = Figures(acceptance_length=2.0, output_tokens_per_s=10.0, speedup=speedup)
+        figures.intervals["speedup"] = None if interval is None else tuple(interval)
+        point = PointFigures(Method("dflash", "dflash", 2, Path("/d")), figures, None, 0, [], 1, None)
+        f = ReportFigures([], [], None, None, [point], {"dflash": {"1": Recommendation(point, None, "vllm")}})
+        return recommendation_lines(_sweep_report(), f)[0][0]
 
     assert line(0.97, [0.9, 1.05]).endswith("tau 2.00; dflash and no-spec tie)")
     assert "0.97x [0.90-1.05] no-spec" in line(0.97, [0.9, 1.05])
     assert line(0.85, [0.8, 0.9]).endswith("; no-spec is faster than dflash, serve without speculation)")
     assert line(1.3, [1.2, 1.4]).endswith("tau 2.00)")
-    assert line(0.85, None).endswith("; slower than no-spec, serve without speculation)")  # an older report
+    assert line(0.85, None).endswith("; slower than no-spec, serve without speculation)")  # no interval
 
 
 def test_cli_repeat_and_its_alias(monkeypatch, tmp_path):

@@ -5,6 +5,7 @@ an embedded run on real tiny drafters (lossless, never more drafts verified than
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import bench_with_flags
@@ -13,13 +14,14 @@ from test_vllm_capabilities import refused_before_start
 
 from specctl.bench.plan import (
     NGRAM,
+    Method,
     bench_settings,
     display_name,
     plan_adaptive,
     plan_methods,
     speculative_config,
 )
-from specctl.bench.report import recommend, recommendations
+from specctl.bench.report import Figures, PointFigures, recommend, recommendations
 from specctl.bench.run import plan_run
 from specctl.errors import UsageError
 from specctl.vllm import capabilities
@@ -70,31 +72,23 @@ def test_recommend_breaks_ties_toward_fixed_k():
 
 
 def _point(name, k, adaptive, tps, level=1, drafter="/x/d"):
-    return {
-        "name": name,
-        "algo": "dflash",
-        "num_speculative_tokens": k,
-        "confidence_threshold": None,
-        "adaptive": adaptive,
-        "drafter": drafter,
-        "concurrency": level,
-        "acceptance_length": 2.0,
-        "draft_tokens_per_accepted": 2.0,
-        "output_tokens_per_s": tps,
-        "speedup": tps / 10,
-    }
+    figures = Figures(
+        acceptance_length=2.0, draft_tokens_per_accepted=2.0, output_tokens_per_s=tps, speedup=tps / 10
+    )
+    method = Method(name, "dflash", k, Path(drafter), adaptive=adaptive)
+    return PointFigures(method, figures, None, 0, [], level, None)
 
 
 def test_the_recommended_speculative_config_carries_the_flag_only_from_vllm():
     points = [_point("d", 4, False, 20.0), _point("d", 4, True, 25.0), _point("d", 4, False, 30.0, 16)]
     points.append(_point("d", 4, True, 24.0, 16))
-    rec = recommendations(points, "vllm")["d"]
+    rec = {level: r.to_dict() for level, r in recommendations(points, "vllm")["d"].items()}
     assert rec["1"]["adaptive"] is True and rec["1"]["speculative_config"]["enable_adaptive_verification"]
     assert (
         rec["16"]["adaptive"] is False
         and "enable_adaptive_verification" not in rec["16"]["speculative_config"]
     )
-    embedded = recommendations(points, "embedded")["d"]["1"]
+    embedded = recommendations(points, "embedded")["d"]["1"].to_dict()
     assert embedded["adaptive"] is True and embedded["speculative_config"] is None
 
 

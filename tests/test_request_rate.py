@@ -148,7 +148,7 @@ def test_request_rate_sweep_against_a_running_server(tmp_path, fake_server, tiny
     assert want[-1] > 0.5 and max(abs(g - w) for g, w in zip(got, want, strict=True)) < 0.3
     burst = [b["received_s"] for b in by_rate[math.inf]]
     assert max(burst) - min(burst) < 0.3
-    assert [row[0] for row in latency_rows(d)] == ["2", "inf"]
+    assert [row[0] for row in latency_rows(report)] == ["2", "inf"]
     md = markdown(report)
     assert (
         "| request rate (req/s) |" in md
@@ -215,7 +215,7 @@ def test_request_rate_sweep_on_servers_specctl_starts(
     assert all(_ordered(p, name) for p in s["points"] for name in ("ttft", "tpot", "itl"))
     assert sorted(s["recommended"]["ngram"]) == ["4 req/s", "inf req/s"]
     assert [r["name"] for r in d["results"]] == ["no-spec", "ngram"]  # at the lowest rate
-    lines = [text for text, _ in recommendation_lines(d)]
+    lines = [text for text, _ in recommendation_lines(report)]
     assert lines[0].startswith("request rate 4 req/s, ngram: K=3")
     md = markdown(report)
     assert "K sweep" in md and "request rate 4.0" not in md
