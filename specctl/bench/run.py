@@ -155,20 +155,7 @@ def plan_run(
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
         settings = settings.model_copy(update={"repeats": repeats})
     skipped += unable  # warned and reported with the K a drafter cannot draft
-    cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
-    if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
-        raise UsageError(
-            f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
-            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
-        )
-    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
-        refuse_adaptive(backend)
-    if backend in ("vllm", "vllm-offline"):
-        from specctl.vllm.check import refuse_serving
-
-        for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
-            if m.drafter is not None:
-                refuse_serving(m.algo, m.drafter)
+    refuse_unmeasurable(backend, settings, methods, configs)
     section = None
     if chosen is not None:
         section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
@@ -193,6 +180,28 @@ def plan_run(
         backend,
         recipe_yaml,
     )
+
+
+def refuse_unmeasurable(
+    backend: str, settings: BenchSection, methods: Sequence[Method], configs: Sequence[Method]
+) -> None:
+    """One line (before any engine starts) for a configuration this backend cannot measure: a
+    confidence threshold off the embedded engine, adaptive verification where it has none, a
+    drafter the installed vLLM cannot serve."""
+    cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
+    if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
+        raise UsageError(
+            f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
+            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
+        )
+    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
+        refuse_adaptive(backend)
+    if backend in ("vllm", "vllm-offline"):
+        from specctl.vllm.check import refuse_serving
+
+        for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
+            if m.drafter is not None:
+                refuse_serving(m.algo, m.drafter)
 
 
 def refuse_adaptive(backend: str) -> None:
