@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 import specctl
+from specctl.cli_schema import SectionOptionsCommand, with_section_options
 from specctl.console import make_console
 
 app = typer.Typer(
@@ -324,58 +325,6 @@ BaseUrlOpt = Annotated[
         "to loopback or https only unless bench.allow_key_over_http.",
     ),
 ]
-DatasetOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="builtin, mt-bench, humaneval, gsm8k, spec-bench, speed-bench (local: SPEED_BENCH_DIR or "
-        "its directory), a hub dataset id, or a .jsonl/.json file (messages, ShareGPT, prompt, turns)."
-    ),
-]
-DatasetSplitOpt = Annotated[
-    str | None, typer.Option(help="Hub dataset split (default train) / SPEED-Bench subset.")
-]
-DatasetSubsetOpt = Annotated[str | None, typer.Option(help="Hub dataset configuration name.")]
-DatasetColumnOpt = Annotated[str | None, typer.Option(help="Column holding the prompt text or chat turns.")]
-ThresholdOpt = Annotated[
-    str | None,
-    typer.Option(
-        metavar="T,...",
-        help="Dynamic draft length for drafters with a confidence head (DSpark): verify only the "
-        "drafts whose confidence product stays >= T; several values are swept (embedded backend).",
-    ),
-]
-RequestRateOpt = Annotated[
-    str | None,
-    typer.Option(
-        help="Server backends: requests arrive as a Poisson process at each rate, req/s (inf: all at "
-        "once), e.g. 1,4,inf; one level per rate with TTFT/TPOT/ITL percentiles (bench.request_rate)."
-    ),
-]
-AdaptiveOpt = Annotated[
-    str | None,
-    typer.Option(
-        metavar="on|both|off",
-        help="Adaptive verification: verify only the drafts likely to be accepted (vLLM on a GPU: "
-        "enable_adaptive_verification; embedded: the confidence head or vLLM's estimator on the "
-        "drafter's logits). 'on': instead of the fixed K; 'both': side by side with it.",
-    ),
-]
-RepeatsOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--repeat",
-        "--repeats",
-        help="Rounds over all prompts (bench.repeats; default 3 for a short run, else 1): each figure "
-        "the median over rounds with a 95% interval.",
-    ),
-]
-EngineRoundsOpt = Annotated[
-    int | None,
-    typer.Option(
-        help="vllm / vllm-offline: split the prompts into N rounds, an engine per configuration per "
-        "round, the order reversed every other round (spreads a slow spell of the machine)."
-    ),
-]
 SweepKOpt = Annotated[
     str | None,
     typer.Option(
@@ -389,9 +338,6 @@ SweepKOpt = Annotated[
 
 BaselineOpt = Annotated[
     Path | None, typer.Option(help="An EAGLE-3 drafter directory: the reference of 'vs EAGLE-3'.")
-]
-BackendOpt = Annotated[
-    str | None, typer.Option(help="embedded | vllm | vllm-offline (default: the recipe's bench.backend).")
 ]
 DrafterOpt = Annotated[
     list[Path] | None,
@@ -420,59 +366,64 @@ def _bench_recipe(recipe: str | None, set_: list[str] | None, *, base_url: str |
     return load_recipe("quickstart", list(set_))
 
 
-@app.command()
+ConcurrencyOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="N,...",
+        help="Requests in flight (vLLM backends); a list such as 1,4,16 measures each (vllm): "
+        "bench.concurrency, one level per value.",
+    ),
+]
+RequireOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--require",
+        help="Fail unless a figure holds, e.g. 'dflash.acceptance_length>=2.5'; 'lossless': every "
+        "divergence from plain decoding is a near-tie (repeatable; added to bench.require).",
+    ),
+]
+
+
+def _bench_section():
+    """The recipe's bench section, which bench's options are generated from: imported when they
+    are needed (the schema imports the drafters, and with them torch)."""
+    from specctl.recipe import BenchSection
+
+    return BenchSection
+
+
+@app.command(cls=SectionOptionsCommand)
+@with_section_options(_bench_section)
 def bench(
     recipe: Annotated[
         str | None, typer.Argument(help="Recipe YAML or built-in name (default: quickstart).")
     ] = None,
     drafter: DrafterOpt = None,
     baseline: BaselineOpt = None,
-    backend: BackendOpt = None,
     base_url: BaseUrlOpt = None,
-    dataset: DatasetOpt = None,
-    dataset_split: DatasetSplitOpt = None,
-    dataset_subset: DatasetSubsetOpt = None,
-    dataset_column: DatasetColumnOpt = None,
-    num_prompts: Annotated[int | None, typer.Option(help="Prompts per method.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(help="Output tokens per prompt.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling.")] = None,
-    concurrency: Annotated[
-        str | None,
-        typer.Option(help="Requests in flight (vLLM backends); a list such as 1,4,16 measures each (vllm)."),
-    ] = None,
-    request_rate: RequestRateOpt = None,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = None,
-    repeats: RepeatsOpt = None,
-    engine_rounds: EngineRoundsOpt = None,
+    concurrency: ConcurrencyOpt = None,
     verifier: Annotated[
         str | None, typer.Option(help="Verifier instead of the recipe's / the drafters' own.")
     ] = None,
     output: Annotated[
         Path | None, typer.Option(help="Output directory (default: runs/<name>/bench).")
     ] = None,
-    require: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--require",
-            help="Fail unless a figure holds, e.g. 'dflash.acceptance_length>=2.5'; 'lossless': every "
-            "divergence from plain decoding is a near-tie.",
-        ),
-    ] = None,
+    require: RequireOpt = None,
     ngram: Annotated[
         int | None, typer.Option(help="Also run vLLM's n-gram speculation with K tokens (vLLM backends).")
     ] = None,
     sweep_k: SweepKOpt = None,
-    confidence_threshold: ThresholdOpt = None,
-    adaptive: AdaptiveOpt = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
     ] = None,
     json_: Annotated[bool, Flag("--json", help="Print report.json to stdout.")] = False,
     set_: SetOpt = None,
+    **settings: object,  # one option per field of the recipe's bench section (specctl.cli_schema)
 ) -> None:
     """Benchmark drafters against plain decoding and EAGLE-3: acceptance length and throughput.
+
+    The options below --set are the recipe's bench settings (docs/recipe.md), over the recipe's.
 
     Example: specctl bench recipes/quickstart.yaml --backend vllm --require 'dflash.acceptance_length>=2'
 
@@ -482,38 +433,27 @@ def bench(
 
     Example: specctl bench --backend vllm --ngram 3 --request-rate 1,4,inf --num-prompts 8
     """
-    from specctl.bench.arrivals import parse_rate_list
-    from specctl.bench.plan import parse_float_list, parse_int_list, parse_sweep_k
-    from specctl.bench.run import run_bench
+    from specctl.bench.plan import parse_int_list, parse_sweep_k, settings_from_flags
+    from specctl.bench.run import default_recipe, run_bench
+    from specctl.cli_schema import given_settings
 
+    section = _bench_section()
+    drafters = drafter or []
+    loaded = _bench_recipe(recipe, set_, base_url=base_url, drafters=bool(drafters or baseline))
+    loaded = default_recipe(loaded, drafters, baseline, base_url)
+    given = {**given_settings(section, settings), "base_url": base_url}
     report = run_bench(
-        _bench_recipe(recipe, set_, base_url=base_url, drafters=bool(drafter or baseline)),
-        drafters=drafter or [],
+        loaded,
+        settings_from_flags(loaded.bench if loaded is not None else section(), given),
+        drafters=drafters,
         baseline=baseline,
-        backend=backend,
-        dataset=dataset,
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
         verifier=verifier,
         output=output,
         requires=require or [],
-        top_p=top_p,
         concurrency=parse_int_list(concurrency, "--concurrency") if concurrency is not None else None,
-        request_rate=parse_rate_list(request_rate) if request_rate is not None else None,
-        seed=seed,
-        repeats=repeats,
-        engine_rounds=engine_rounds,
         ngram=ngram,
         sweep_k=parse_sweep_k(sweep_k) if sweep_k is not None else False,
-        confidence_thresholds=confidence_threshold
-        and parse_float_list(confidence_threshold, "--confidence-threshold"),
-        adaptive=adaptive,
         vllm_args=vllm_arg or [],
-        base_url=base_url,
-        dataset_split=dataset_split,
-        dataset_subset=dataset_subset,
-        dataset_column=dataset_column,
     )
     _print_bench(report, json_)
     if not report.ok:
@@ -637,16 +577,16 @@ def _print_bench(report, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        out.print(rich_table(report))
-        sweep = rich_sweep(report)
-        if sweep is not None:
-            out.print(sweep)
-        latency = rich_latency(report)
-        if latency is not None:
-            out.print(latency)
-        summary = report.to_dict().get("divergence_summary")
-        if summary:
-            out.print(f"divergences: {summary}", highlight=False, soft_wrap=True)
+        figures = report.figures()  # once for the three tables
+        for table in (
+            rich_table(report, figures),
+            rich_sweep(report, figures),
+            rich_latency(report, figures),
+        ):
+            if table is not None:
+                out.print(table)
+        if report.divergence_summary:
+            out.print(f"divergences: {report.divergence_summary}", highlight=False, soft_wrap=True)
         out.print(f"report: {report.output_dir}/report.md")
         for figure in ("acceptance.png", "sweep.png", "latency.png"):
             if report.output_dir is not None and (report.output_dir / figure).is_file():

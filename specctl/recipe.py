@@ -10,6 +10,7 @@ import difflib
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -388,9 +389,55 @@ LinearKernel = Literal["auto", "torch", "onednn-prepacked"]
 AdaptiveMode = Literal["off", "on", "both"]  # bench.adaptive: fixed K only, adaptive only, side by side
 
 
+def cli(*flags: str, metavar: str | None = None) -> dict[str, Any]:
+    """A field's command-line spelling, where it is not `--field-name` (specctl.cli_schema reads
+    it when it generates a command's options from a section): other flag names, a metavar.
+    `cli()` with no flag: the command declares the option itself (its type differs from the
+    field's, e.g. a list of levels for one setting) and applies it to the settings."""
+    return {"cli": {"flags": list(flags), "metavar": metavar}}
+
+
+COMMAND_DECLARES = cli()  # not generated: the command has its own option for this field
+
+
+def cli_spelling(name: str, f: FieldInfo) -> tuple[tuple[str, ...], str | None]:
+    """(flags, metavar) of field `name` on the command line: its own (`cli`), else `--field-name`;
+    no flags when the command declares the option itself (COMMAND_DECLARES)."""
+    extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+    spelling = extra.get("cli")
+    if not isinstance(spelling, dict):
+        return (f"--{name.replace('_', '-')}",), None
+    return tuple(spelling["flags"]), spelling["metavar"]
+
+
+def flag_of(model: type[BaseModel], name: str) -> str:
+    """The flag an error about field `name` names: `--confidence-threshold` for
+    confidence_thresholds, `--repeats` as it is (one of repeats' two spellings)."""
+    plain = f"--{name.replace('_', '-')}"
+    f = model.model_fields.get(name)
+    flags = cli_spelling(name, f)[0] if f is not None else ()
+    return plain if not flags or plain in flags else flags[0]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every request of a benchmark samples: the one value the embedded engine, the vLLM
+    engine options and the HTTP client read (BenchSection.sampling), rather than copies."""
+
+    max_new_tokens: int
+    temperature: float  # 0 = greedy
+    top_p: float
+    seed: int  # prompt i is sampled with seed + i
+
+    def prompt_seed(self, index: int) -> int:
+        return self.seed + index
+
+
 class BenchSection(Section):
     backend: Literal["embedded", "vllm", "vllm-offline"] = Field(
-        "embedded", description="embedded engine, a vLLM server per method, or vLLM's offline LLM."
+        "embedded",
+        description="`embedded` engine, a vLLM server per method (`vllm`), or vLLM's offline LLM "
+        "(`vllm-offline`).",
     )
     dataset: str = Field(
         "builtin",
@@ -415,6 +462,7 @@ class BenchSection(Section):
         ge=1,
         description="Concurrent requests (vLLM backend). With `request_rate`, the most in flight when "
         "set here or by --concurrency (vllm bench serve's --max-concurrency), else every prompt.",
+        json_schema_extra=COMMAND_DECLARES,  # `bench --concurrency 1,4,16`: a level each
     )
     request_rate: list[Annotated[float, Field(gt=0, allow_inf_nan=True)]] = Field(
         default_factory=list,
@@ -422,6 +470,7 @@ class BenchSection(Section):
         "rate, requests/s (`inf`: all at once), seeded by `seed`, as `vllm bench serve --request-rate`; one "
         "sweep level per rate, each with TTFT, TPOT and ITL percentiles. Empty: a closed loop at "
         "`concurrency`.",
+        json_schema_extra=cli("--request-rate", metavar="R,..."),
     )
     repeats: int | None = Field(
         None,
@@ -434,6 +483,7 @@ class BenchSection(Section):
         "engines). Unset: 3 when "
         "one round decodes at most 4096 tokens (prompts x max_new_tokens x configurations x "
         "concurrency levels), else 1. On a shared CPU a slow spell moved one pass by 20-40%.",
+        json_schema_extra=cli("--repeat", "--repeats"),
     )
     engine_rounds: int = Field(
         1,
@@ -443,17 +493,19 @@ class BenchSection(Section):
         "slow spell of a shared machine is spread over the configurations instead of falling on "
         "whichever ran then. Costs an engine start per configuration per round.",
     )
-    seed: int = Field(0, description="Sampling seed.")
+    seed: int = Field(0, description="Sampling seed (prompt i uses seed + i).")
     require: list[str] = Field(
         default_factory=list,
         description="Thresholds such as `dflash.acceptance_length>=2.5`; `lossless` fails the run on any "
         "output that leaves plain decoding's other than at a near-tie (greedy runs).",
+        json_schema_extra=COMMAND_DECLARES,  # `bench --require` (repeatable) adds to the recipe's
     )
     confidence_thresholds: list[float] = Field(
         default_factory=list,
         description="Dynamic draft length for drafters with a confidence head (DSpark): verify only "
         "the drafts whose running product of confidences stays >= T. Several values are swept, "
         "beside each drafter's fixed K. Embedded backend only.",
+        json_schema_extra=cli("--confidence-threshold", metavar="T,..."),
     )
     adaptive: AdaptiveMode = Field(
         "off",
@@ -485,6 +537,7 @@ class BenchSection(Section):
         None,
         description="Bench an OpenAI-compatible server that is already running (`http://host:port`) "
         "instead of `backend`: nothing is started; acceptance from its /metrics when it is vLLM.",
+        json_schema_extra=COMMAND_DECLARES,  # `bench --base-url URL`, normalized before use
     )
     allow_key_over_http: bool = Field(
         False,
@@ -497,6 +550,11 @@ class BenchSection(Section):
         description="Seconds a vLLM server may take to start (load the weights, answer /health) "
         "before its configuration counts as failed.",
     )
+
+    @property
+    def sampling(self) -> Sampling:
+        """The sampling part, as one value: what every backend's requests carry."""
+        return Sampling(self.max_new_tokens, self.temperature, self.top_p, self.seed)
 
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")

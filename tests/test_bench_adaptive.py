@@ -5,14 +5,24 @@ an embedded run on real tiny drafters (lossless, never more drafts verified than
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from conftest import bench_with_flags
 from test_bench import _write_drafter, fake_engine, fake_generate  # noqa: F401  (fake_engine: a fixture)
 from test_vllm_capabilities import refused_before_start
 
-from specctl.bench.plan import NGRAM, display_name, plan_adaptive, plan_methods, speculative_config
-from specctl.bench.report import recommend, recommendations
-from specctl.bench.run import plan_run, run_bench
+from specctl.bench.plan import (
+    NGRAM,
+    Method,
+    bench_settings,
+    display_name,
+    plan_adaptive,
+    plan_methods,
+    speculative_config,
+)
+from specctl.bench.report import Figures, PointFigures, recommend, recommendations
+from specctl.bench.run import plan_run
 from specctl.errors import UsageError
 from specctl.vllm import capabilities
 
@@ -62,31 +72,23 @@ def test_recommend_breaks_ties_toward_fixed_k():
 
 
 def _point(name, k, adaptive, tps, level=1, drafter="/x/d"):
-    return {
-        "name": name,
-        "algo": "dflash",
-        "num_speculative_tokens": k,
-        "confidence_threshold": None,
-        "adaptive": adaptive,
-        "drafter": drafter,
-        "concurrency": level,
-        "acceptance_length": 2.0,
-        "draft_tokens_per_accepted": 2.0,
-        "output_tokens_per_s": tps,
-        "speedup": tps / 10,
-    }
+    figures = Figures(
+        acceptance_length=2.0, draft_tokens_per_accepted=2.0, output_tokens_per_s=tps, speedup=tps / 10
+    )
+    method = Method(name, "dflash", k, Path(drafter), adaptive=adaptive)
+    return PointFigures(method, figures, None, 0, [], level, None)
 
 
 def test_the_recommended_speculative_config_carries_the_flag_only_from_vllm():
     points = [_point("d", 4, False, 20.0), _point("d", 4, True, 25.0), _point("d", 4, False, 30.0, 16)]
     points.append(_point("d", 4, True, 24.0, 16))
-    rec = recommendations(points, "vllm")["d"]
+    rec = {level: r.to_dict() for level, r in recommendations(points, "vllm")["d"].items()}
     assert rec["1"]["adaptive"] is True and rec["1"]["speculative_config"]["enable_adaptive_verification"]
     assert (
         rec["16"]["adaptive"] is False
         and "enable_adaptive_verification" not in rec["16"]["speculative_config"]
     )
-    embedded = recommendations(points, "embedded")["d"]["1"]
+    embedded = recommendations(points, "embedded")["d"]["1"].to_dict()
     assert embedded["adaptive"] is True and embedded["speculative_config"] is None
 
 
@@ -112,7 +114,7 @@ def test_run_bench_compares_fixed_k_and_adaptive(tmp_path, tiny_verifier_dir, fa
     d = _write_drafter(tmp_path / "d", "dflash", 4, str(tiny_verifier_dir))  # the fake keeps 3 of 4
     _adaptive_generate.asked = []
     out = tmp_path / "o"
-    run_bench(
+    bench_with_flags(
         drafters=[d],
         output=out,
         num_prompts=2,
@@ -159,11 +161,35 @@ def test_adaptive_is_refused_where_the_installed_vllm_lacks_it(tmp_path, monkeyp
     d = _write_drafter(tmp_path / "d", "dflash", 4, "v")
     overrides = {"backend": "vllm", "adaptive": "on"}
     if refused is None:
-        plan = plan_run(None, overrides, None, [d], None, None, False, [], None, tmp_path / "v", print)
+        plan = plan_run(
+            None,
+            bench_settings(None, **overrides)[0],
+            None,
+            [d],
+            None,
+            None,
+            False,
+            [],
+            None,
+            tmp_path / "v",
+            print,
+        )
         assert [m.adaptive for m in plan.configs] == [False, True]
         return
     with pytest.raises(UsageError, match=refused) as e:
-        plan_run(None, overrides, None, [d], None, None, False, [], None, tmp_path / "v", print)
+        plan_run(
+            None,
+            bench_settings(None, **overrides)[0],
+            None,
+            [d],
+            None,
+            None,
+            False,
+            [],
+            None,
+            tmp_path / "v",
+            print,
+        )
     assert str(e.value).startswith("--adaptive: ") and "--backend embedded" in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -192,7 +218,7 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
     with pytest.raises(UsageError, match="--base-url benches the server as it runs"):
         plan_run(
             None,
-            {"base_url": "http://127.0.0.1:9", "adaptive": "on"},
+            bench_settings(None, base_url="http://127.0.0.1:9", adaptive="on")[0],
             None,
             [],
             None,
@@ -204,7 +230,19 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
             print,
         )
     with pytest.raises(UsageError, match="--adaptive 'sometimes'"):
-        plan_run(None, {"adaptive": "sometimes"}, None, [d], None, None, False, [], None, tmp_path, print)
+        plan_run(
+            None,
+            bench_settings(None, adaptive="sometimes")[0],
+            None,
+            [d],
+            None,
+            None,
+            False,
+            [],
+            None,
+            tmp_path,
+            print,
+        )
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -234,7 +272,7 @@ def test_adaptive_with_the_embedded_engine(tmp_path, tiny_verifier_dir):
         exports.append(
             save_drafter(cls.build(config, spec, verifier_weights(verifier), None, "kl"), tmp_path / algo)
         )
-    report = run_bench(
+    report = bench_with_flags(
         drafters=exports,
         output=tmp_path / "bench",
         num_prompts=2,

@@ -218,10 +218,11 @@ def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tin
     named -round2, not written over round 1's."""
     import importlib.util
 
+    from conftest import bench_with_flags
+
     from specctl.bench import offline
     from specctl.bench.render import markdown
     from specctl.bench.report import Measurement
-    from specctl.bench.run import run_bench
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -238,7 +239,7 @@ def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tin
         }
 
     monkeypatch.setattr(offline, "measure_offline", fake_offline)
-    report = run_bench(
+    report = bench_with_flags(
         verifier=str(tiny_verifier_dir),
         backend="vllm-offline",
         ngram=2,
@@ -487,13 +488,12 @@ FAKE_SERVER = textwrap.dedent(
 )
 
 
-def _setup(tmp_path: Path, **kw) -> VllmSetup:
+def _setup(tmp_path: Path, max_new_tokens: int = 12, **kw) -> VllmSetup:
+    from specctl.recipe import Sampling
+
     base = dict(
         verifier="tiny",
-        max_new_tokens=12,
-        temperature=0.0,
-        top_p=1.0,
-        seed=5,
+        sampling=Sampling(max_new_tokens, temperature=0.0, top_p=1.0, seed=5),
         concurrency=2,
         stop_token_ids=(2,),
         log_dir=tmp_path / "logs",
@@ -611,8 +611,9 @@ def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
     each measured at both levels, and a recommendation per level that is the argmax."""
     import importlib.util
 
+    from conftest import bench_with_flags
+
     import specctl.bench.server
-    from specctl.bench.run import run_bench
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -638,7 +639,7 @@ def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
     monkeypatch.setattr(specctl.bench.server, "measure_server_levels", fake_levels)
     drafter = _write_drafter(tmp_path / "dflash", "dflash", 3, "x", block_size=4)
     out = tmp_path / "bench"
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[drafter],
         verifier=str(tiny_verifier_dir),
         backend="vllm",
@@ -693,14 +694,14 @@ def test_run_bench_sweeps_k_and_concurrency_on_fake_servers(
 def test_concurrency_levels_need_the_server_backend(tmp_path, tiny_verifier_dir, monkeypatch):
     import importlib.util
 
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a)
     )
     with pytest.raises(SpecctlError, match="vllm-offline backend starts one engine per configuration"):
-        run_bench(
+        bench_with_flags(
             verifier=str(tiny_verifier_dir),
             backend="vllm-offline",
             ngram=2,
@@ -708,7 +709,7 @@ def test_concurrency_levels_need_the_server_backend(tmp_path, tiny_verifier_dir,
             recipe=_recipe(tmp_path),
         )
     with pytest.raises(SpecctlError, match="--concurrency 0: Input should be greater than or equal to 1"):
-        run_bench(
+        bench_with_flags(
             verifier=str(tiny_verifier_dir),
             backend="vllm",
             ngram=2,
@@ -950,8 +951,9 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
     for them. The failures make the run not ok, so CI cannot pass on a partial measurement."""
     import importlib.util
 
+    from conftest import bench_with_flags
+
     import specctl.bench.server
-    from specctl.bench.run import run_bench
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -986,7 +988,7 @@ def test_load_every_prompt_answered_or_failed_and_counters_add_up(
     dataset.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(LOAD_PROMPTS)))
     out = tmp_path / "bench"
     start = time.monotonic()
-    report = run_bench(
+    report = bench_with_flags(
         recipe=_recipe(tmp_path),
         verifier=str(tiny_verifier_dir),
         backend="vllm",
@@ -1080,12 +1082,12 @@ def test_base_url_on_a_plain_openai_server_reports_latency_not_acceptance(
     """A server that is not vLLM (no /metrics, no ids back) and refuses token-id prompts: the run
     falls back to the prompt text, streams every request, and reports TTFT / TPOT / ITL per
     concurrency level; acceptance is "-", and the server is still running afterwards."""
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     fake = ("--no-metrics", "--refuse-ids", "--k", "0", "--ttft-ms", "40", "--itl-ms", "6", "--chunk", "2")
     out = tmp_path / "bench"
     with _running_fake(fake_server, tmp_path, *fake) as (url, requests, proc):
-        report = run_bench(
+        report = bench_with_flags(
             base_url=url + "/v1/",  # the OpenAI-style address works too
             verifier=str(tiny_verifier_dir),
             num_prompts=4,
@@ -1126,7 +1128,7 @@ def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny
     """A vLLM server (its /metrics): K from the per-position counters it exports, tau from the
     counter deltas, the generated ids back, the prompts as token ids with vLLM's stop ids; the
     tokenizer is the server model's root when no verifier is given."""
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     out = tmp_path / "bench"
     with _running_fake(fake_server, tmp_path, "--k", "3", "--root", str(tiny_verifier_dir)) as (
@@ -1134,7 +1136,7 @@ def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny
         requests,
         _,
     ):
-        report = run_bench(
+        report = bench_with_flags(
             base_url=url,
             num_prompts=3,
             max_new_tokens=12,
@@ -1169,10 +1171,10 @@ def test_base_url_on_vllm_reads_its_counters_and_ids(tmp_path, fake_server, tiny
 
 
 def test_base_url_shared_with_another_client_is_an_error(tmp_path, fake_server, tiny_verifier_dir):
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     with _running_fake(fake_server, tmp_path, "--k", "2", "--phantom", "5") as (url, _, _):
-        report = run_bench(
+        report = bench_with_flags(
             base_url=url,
             verifier=str(tiny_verifier_dir),
             num_prompts=2,
@@ -1186,11 +1188,11 @@ def test_base_url_shared_with_another_client_is_an_error(tmp_path, fake_server, 
 
 
 def test_base_url_that_nothing_answers(tmp_path, tiny_verifier_dir):
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(SpecctlError, match="no OpenAI-compatible server answers /v1/models") as e:
-        run_bench(base_url=url, verifier=str(tiny_verifier_dir), output=tmp_path / "o", progress=False)
+        bench_with_flags(base_url=url, verifier=str(tiny_verifier_dir), output=tmp_path / "o", progress=False)
     assert e.value.exit_code == 1 and not (tmp_path / "o").exists()
 
 
@@ -1237,11 +1239,11 @@ def test_bench_warns_of_the_k_norm_defect(tmp_path, fake_server, tiny_verifier_d
     the plain run none."""
     import importlib.util
 
+    from conftest import bench_with_flags
     from safetensors.torch import load_file, save_file
 
     import specctl.bench.server
     import specctl.vllm.defects
-    from specctl.bench.run import run_bench
     from specctl.vllm.defects import k_norm_warning
 
     find_spec = importlib.util.find_spec
@@ -1269,7 +1271,7 @@ def test_bench_warns_of_the_k_norm_defect(tmp_path, fake_server, tiny_verifier_d
     save_file(state, str(two / "model.safetensors"), metadata={"format": "pt"})
     one = _write_drafter(tmp_path / "one", "dflash", 3, "x", block_size=4)
     out = tmp_path / "bench"
-    report = run_bench(
+    report = bench_with_flags(
         drafters=[two, one],
         verifier=str(tiny_verifier_dir),
         backend="vllm",

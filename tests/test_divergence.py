@@ -197,9 +197,9 @@ def test_bench_reports_divergences_and_require_lossless_fails_on_a_wide_one(tmp_
     near-tie in float32, and --require lossless fails on it and on nothing else."""
     from types import SimpleNamespace
 
+    from conftest import bench_with_flags
     from test_bench import _write_drafter
 
-    from specctl.bench.run import run_bench
     from specctl.engine import generate
     from specctl.recipe import recipe_from_dict
 
@@ -220,7 +220,7 @@ def test_bench_reports_divergences_and_require_lossless_fails_on_a_wide_one(tmp_
                 "bench": {"num_prompts": 3, "max_new_tokens": 6},
             }
         )
-        report = run_bench(
+        report = bench_with_flags(
             recipe,
             drafters=[tmp_path / "dflash"],
             requires=["lossless"],

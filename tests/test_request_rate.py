@@ -111,13 +111,14 @@ def test_request_rate_sweep_against_a_running_server(tmp_path, fake_server, tiny
     """`--base-url URL --request-rate 2,inf`: one level per rate, each with TTFT / TPOT / ITL
     percentiles (p50 <= p90 <= p99); at 2 req/s the server receives the requests at the seeded
     Poisson arrival times, at inf all at once; every prompt may be in flight (no --concurrency)."""
+    from conftest import bench_with_flags
+
     from specctl.bench.render import latency_rows, markdown
-    from specctl.bench.run import run_bench
 
     out = tmp_path / "bench"
     fake = ("--k", "3", "--ttft-ms", "20", "--itl-ms", "5", "--chunk", "2")
     with _running_fake(fake_server, tmp_path, *fake) as (url, requests, _):
-        report = run_bench(
+        report = bench_with_flags(
             base_url=url,
             verifier=str(tiny_verifier_dir),
             dataset=str(one_category),
@@ -147,8 +148,8 @@ def test_request_rate_sweep_against_a_running_server(tmp_path, fake_server, tiny
     assert want[-1] > 0.5 and max(abs(g - w) for g, w in zip(got, want, strict=True)) < 0.3
     burst = [b["received_s"] for b in by_rate[math.inf]]
     assert max(burst) - min(burst) < 0.3
-    assert [row[0] for row in latency_rows(d)] == ["2", "inf"]
-    md = markdown(d)
+    assert [row[0] for row in latency_rows(report)] == ["2", "inf"]
+    md = markdown(report)
     assert (
         "| request rate (req/s) |" in md
         and "Poisson process at 2, inf req/s (seed 0), at most 6 in flight" in md
@@ -164,9 +165,10 @@ def test_request_rate_sweep_on_servers_specctl_starts(
     recommendations and tables are per rate."""
     import importlib.util
 
+    from conftest import bench_with_flags
+
     import specctl.bench.server
     from specctl.bench.render import markdown, recommendation_lines
-    from specctl.bench.run import run_bench
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -184,7 +186,7 @@ def test_request_rate_sweep_on_servers_specctl_starts(
 
     monkeypatch.setattr(specctl.bench.server, "measure_server_loads", fake_loads)
     out = tmp_path / "bench"
-    report = run_bench(
+    report = bench_with_flags(
         verifier=str(tiny_verifier_dir),
         backend="vllm",
         ngram=3,
@@ -213,9 +215,9 @@ def test_request_rate_sweep_on_servers_specctl_starts(
     assert all(_ordered(p, name) for p in s["points"] for name in ("ttft", "tpot", "itl"))
     assert sorted(s["recommended"]["ngram"]) == ["4 req/s", "inf req/s"]
     assert [r["name"] for r in d["results"]] == ["no-spec", "ngram"]  # at the lowest rate
-    lines = [text for text, _ in recommendation_lines(d)]
+    lines = [text for text, _ in recommendation_lines(report)]
     assert lines[0].startswith("request rate 4 req/s, ngram: K=3")
-    md = markdown(d)
+    md = markdown(report)
     assert "K sweep" in md and "request rate 4.0" not in md
     assert md.count("| request rate (req/s) |") == 2  # the latency table and the K sweep's
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
@@ -223,14 +225,14 @@ def test_request_rate_sweep_on_servers_specctl_starts(
 
 
 def test_request_rate_needs_a_server_backend(tmp_path):
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     with pytest.raises(
         UsageError, match=r"^--request-rate 1,4: the embedded backend has no request arrivals"
     ):
-        run_bench(backend="embedded", request_rate=[4.0, 1.0], output=tmp_path / "o", progress=False)
+        bench_with_flags(backend="embedded", request_rate=[4.0, 1.0], output=tmp_path / "o", progress=False)
     with pytest.raises(UsageError, match="--request-rate 1 with --concurrency 1,4: sweep one of them"):
-        run_bench(
+        bench_with_flags(
             base_url="http://127.0.0.1:9",
             request_rate=[1.0],
             concurrency=[1, 4],

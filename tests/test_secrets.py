@@ -156,14 +156,14 @@ def test_dump_recipe_masks_and_the_recipe_keeps_the_credentials(tmp_path):
     "show the URL as http://***@host",
 )
 def test_bench_base_url_credentials_are_not_written(monkeypatch, capfd, tmp_path, tiny_verifier_dir):
-    from specctl.bench.run import run_bench
+    from conftest import bench_with_flags
 
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE_SERVER)
     out = tmp_path / "bench"
     with _running_fake(script, tmp_path, "--k", "2") as (url, requests, proc):
         with_creds = url.replace("http://", f"http://me:{SECRET}@")
-        report = run_bench(
+        report = bench_with_flags(
             base_url=with_creds,
             verifier=str(tiny_verifier_dir),
             num_prompts=2,

@@ -84,10 +84,7 @@ def open_backend(
     verifier_gpus(tp, device, len(visible_gpus()))  # one vLLM at a time, on the first tp GPUs
     setup = VllmSetup(
         verifier=verifier.source,
-        max_new_tokens=settings.max_new_tokens,
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        seed=settings.seed,
+        sampling=settings.sampling,
         concurrency=levels[0],
         stop_token_ids=verifier.stop_token_ids,
         log_dir=log_dir,

@@ -25,10 +25,13 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specctl.bench.prompts import BenchPrompt
 from specctl.errors import SpecctlError, first_line
+
+if TYPE_CHECKING:
+    from specctl.recipe import Sampling
 
 
 class RequestError(SpecctlError):
@@ -44,10 +47,7 @@ class RequestSettings:
     """What every request of a run carries besides its prompt."""
 
     model: str  # the served model name
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int  # prompt i is sampled with seed + i
+    sampling: Sampling  # the run's bench settings' (prompt i is sampled with seed + i)
     stop_token_ids: tuple[int, ...] = ()
     vllm: bool = True  # send vLLM's extensions: stop_token_ids, return_token_ids
     prompt_text: bool = False  # the rendered text instead of the ids (a server that refuses ids)
@@ -99,10 +99,10 @@ def completion_body(
     body: dict[str, Any] = {
         "model": settings.model,
         "prompt": prompt.text if settings.prompt_text else list(prompt.prompt_ids),
-        "max_tokens": max_tokens or settings.max_new_tokens,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "seed": settings.seed + index,
+        "max_tokens": max_tokens or settings.sampling.max_new_tokens,
+        "temperature": settings.sampling.temperature,
+        "top_p": settings.sampling.top_p,
+        "seed": settings.sampling.prompt_seed(index),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

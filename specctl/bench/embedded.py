@@ -96,7 +96,7 @@ class EmbeddedBackend:
     def _run(
         self, method: Method, drafter: Drafter | None, index: int, prompt: BenchPrompt, max_new_tokens: int
     ) -> Any:
-        s = self.settings
+        s = self.settings.sampling
         return self.generate_fn(
             self.verifier,
             drafter,
@@ -104,7 +104,7 @@ class EmbeddedBackend:
             max_new_tokens=max_new_tokens,
             temperature=s.temperature,
             top_p=s.top_p,
-            seed=s.seed + index,
+            seed=s.prompt_seed(index),
             num_speculative_tokens=method.num_speculative_tokens or None,
             eos_token_ids=self.stop_ids,
             # only when set: an engine (or a test's stand-in) without dynamic draft length still runs
@@ -131,13 +131,13 @@ class EmbeddedBackend:
         drafter = self._drafter(method)
         if method not in self.warmed:  # warm-up, not measured
             first = next(p for g in groups.values() for p in g)
-            self._run(method, drafter, first[0], first[1], min(4, self.settings.max_new_tokens))
+            self._run(method, drafter, first[0], first[1], min(4, self.settings.sampling.max_new_tokens))
             self.warmed.add(method)
         categories = {}
         for category, prompts in groups.items():
             m, timed = Measurement(), Sent()
             for index, prompt in prompts:
-                r = self._run(method, drafter, index, prompt, self.settings.max_new_tokens)
+                r = self._run(method, drafter, index, prompt, self.settings.sampling.max_new_tokens)
                 c = r.counters
                 counters = SpecCounters(
                     c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_position)

@@ -12,7 +12,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,7 @@ def offline_job(method: Method, groups: Groups, setup: VllmSetup, cpu: bool) -> 
     return {
         "engine_args": engine_args(method, replace(setup, extra_args=(*seqs, *setup.extra_args)), cpu),
         "groups": {c: [[i, list(p.prompt_ids)] for i, p in g] for c, g in groups.items()},
-        "max_new_tokens": setup.max_new_tokens,
-        "temperature": setup.temperature,
-        "top_p": setup.top_p,
-        "seed": setup.seed,
+        **asdict(setup.sampling),  # max_new_tokens, temperature, top_p, seed
         "stop_token_ids": list(setup.stop_token_ids),
         "repeats": setup.repeats,
     }
@@ -140,7 +137,9 @@ class OfflineBackend:
         self.started: Counter[Method] = Counter()  # engines started per configuration (log names)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
-        length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)
+        length = max_model_len(
+            groups, self.setup.sampling.max_new_tokens, self.max_k, self.verifier.max_positions
+        )
         setup = replace(self.setup, max_model_len=length)
         label = run_label(method, self.sweeping, self.started[method])
         self.started[method] += 1

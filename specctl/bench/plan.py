@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from specctl.bench.arrivals import rate_label
 from specctl.bench.prompts import BenchPrompt
 from specctl.errors import SpecctlError, UsageError
-from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection
+from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection, flag_of
 
 if TYPE_CHECKING:
     from specctl.drafters import DrafterConfig
@@ -92,31 +92,31 @@ class Method:
 # ---------------------------------------------------------------- settings and methods
 
 
-def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSection, str]:
-    """The recipe's bench section (or the defaults) with the non-None command-line values on top,
-    and the backend name (`remote` when bench.base_url / --base-url names a running server).
+def settings_from_flags(base: BenchSection, given: dict[str, Any]) -> BenchSection:
+    """`base` (the recipe's bench section, or the defaults) with the command-line values that were
+    passed (not None) on top, validated once: the settings a run then reads whole.
 
-    Bad values are usage errors (exit 2) naming the flag they came from, else the recipe field."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    base = recipe.bench.model_dump() if recipe is not None else BenchSection().model_dump()
-    base.update(given)
-    if base["backend"] not in BACKENDS:
-        raise UsageError(f"--backend {base['backend']!r}: choose one of {', '.join(BACKENDS)}")
-    if base.get("base_url") and "backend" in given:
+    Bad values are usage errors (exit 2) naming the flag they came from, else the recipe field;
+    flags that contradict each other, or that the backend cannot honour, fail here too."""
+    given = {k: v for k, v in given.items() if v is not None}
+    model = type(base)
+    if "backend" in given and given["backend"] not in BACKENDS:
+        raise UsageError(f"--backend {given['backend']!r}: choose one of {', '.join(BACKENDS)}")
+    if (given.get("base_url") or base.base_url) and "backend" in given:
         raise UsageError(
             f"--backend {given['backend']} starts its own engine; --base-url benches a server that "
             "is already running: pass one of them"
         )
-    try:
-        settings = BenchSection.model_validate(base)
+    try:  # the fields the recipe set stay set (rate_cap asks which ones it set)
+        settings = model.model_validate({**base.model_dump(exclude_unset=True), **given})
     except ValidationError as e:
         err = e.errors()[0]
         key = str(err["loc"][0])
         if key in given:  # a command-line value: name the flag
-            raise UsageError(f"--{key.replace('_', '-')} {err.get('input')!r}: {err['msg']}") from None
+            raise UsageError(f"{flag_of(model, key)} {err.get('input')!r}: {err['msg']}") from None
         where = ".".join(map(str, err["loc"]))
         raise UsageError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
-    backend = REMOTE if settings.base_url else settings.backend
+    backend = run_backend(settings)
     if given.get("engine_rounds", 1) > 1 and not CAPS[backend].engine_rounds:
         able = " or ".join(f"--backend {name}" for name, caps in CAPS.items() if caps.engine_rounds)
         how = "takes turns prompt by prompt already" if backend == "embedded" else "starts no engine"
@@ -124,7 +124,19 @@ def bench_settings(recipe: Recipe | None, **overrides: Any) -> tuple[BenchSectio
             f"--engine-rounds {given['engine_rounds']}: the {backend} backend {how}; "
             f"drop --engine-rounds or use {able}"
         )
-    return settings, backend
+    return settings
+
+
+def run_backend(settings: BenchSection) -> str:
+    """The backend a run uses: `remote` when bench.base_url names a running server, else bench.backend."""
+    return REMOTE if settings.base_url else settings.backend
+
+
+def bench_settings(recipe: Recipe | None, **given: Any) -> tuple[BenchSection, str]:
+    """The recipe's bench section (or the defaults) with the given values on top
+    (`settings_from_flags`), and the backend it runs on (`run_backend`)."""
+    settings = settings_from_flags(recipe.bench if recipe is not None else BenchSection(), given)
+    return settings, run_backend(settings)
 
 
 AUTO_REPEATS = 3  # rounds when bench.repeats is unset and the run is short (`default_repeats`)

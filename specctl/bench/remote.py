@@ -150,10 +150,7 @@ class RemoteBackend:
         self.passes = settings.repeats or 1  # bench.repeats: passes over the prompts at each level
         self.request = RequestSettings(
             model=self.info.model,
-            max_new_tokens=settings.max_new_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            seed=settings.seed,
+            sampling=settings.sampling,
             stop_token_ids=self.verifier.stop_token_ids if self.info.vllm else (),
             vllm=self.info.vllm,
             api_key=self.api_key,

@@ -1,37 +1,64 @@
 """How a benchmark report is shown: the rich tables the CLI prints, report.md, acceptance.png,
 sweep.png and latency.png; `write_report` writes them beside report.json and outputs.jsonl
-(rewritten whole after every measurement, so an interrupted run leaves a readable report)."""
+(rewritten whole after every measurement, so an interrupted run leaves a readable report).
+
+Everything here reads the report model: `BenchReport` and the figures it derives once
+(`BenchReport.figures`: speedups, ratios, intervals, a sweep's points and recommendations).
+The few helpers that take a report.json entry (`k_cell`, `with_interval`, `ranking_lines`,
+`passes`, `hardware`) serve benchmarks/results.py, which re-renders committed report.json files;
+they go through the same typed helpers (`k_label`, `estimate_cell`, `rank_speedups`, `passes_text`).
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specctl.bench.intervals import Estimate, compare, rank
-from specctl.bench.plan import PLAIN
+from specctl.bench.plan import PLAIN, Method
 from specctl.bench.report import (
     LATENCIES,
     VLLM_BACKENDS,
     BenchReport,
+    Figures,
+    MethodFigures,
+    PointFigures,
+    ReportFigures,
     fmt,
-    level_key,
     outputs_lines,
-    point_setting,
     report_dict,
+    setting_of,
 )
 from specctl.durable import write_atomic
-from specctl.redact import redact_tree
+from specctl.redact import redact_text, redact_tree
+
+
+def k_label(method: Method) -> str:
+    """K, and the confidence threshold that cut its drafts when there was one ("8, T 0.3"), or
+    adaptive verification ("8, adaptive": K is then the most drafts a step verifies)."""
+    if method.algo == PLAIN:
+        return "-"
+    t, k = method.confidence_threshold, method.num_speculative_tokens
+    text = str(k) if t is None else f"{k}, T {t:g}"
+    return f"{text}, adaptive" if method.adaptive else text
+
+
+def entry_method(r: dict[str, Any]) -> Method:
+    """The configuration a report.json entry (a result or a sweep point) describes."""
+    return Method(
+        r["name"],
+        r["algo"],
+        r["num_speculative_tokens"],
+        confidence_threshold=r.get("confidence_threshold"),
+        adaptive=bool(r.get("adaptive")),  # older reports have no adaptive
+    )
 
 
 def k_cell(r: dict[str, Any]) -> str:
-    """K, and the confidence threshold that cut its drafts when there was one ("8, T 0.3"), or
-    adaptive verification ("8, adaptive": K is then the most drafts a step verifies)."""
-    if r["algo"] == PLAIN:
-        return "-"
-    t = r.get("confidence_threshold")
-    k = str(r["num_speculative_tokens"]) if t is None else f"{r['num_speculative_tokens']}, T {t:g}"
-    return f"{k}, adaptive" if r.get("adaptive") else k
+    """k_label of a report.json entry."""
+    return k_label(entry_method(r))
 
 
 def rates(values: list[float]) -> str:
@@ -39,9 +66,21 @@ def rates(values: list[float]) -> str:
     return " ".join(f"{a:.2f}" for a in values) or "-"
 
 
+def estimate_cell(value: float | None, e: Estimate | None, digits: int = 2, suffix: str = "") -> str:
+    """A figure and its 95% interval as one cell: "1.36x [1.30-1.41]"; the figure alone without one."""
+    if e is None:
+        return fmt(value, digits, suffix)
+    return f"{fmt(e.value, digits, suffix)} [{fmt(e.low, digits)}-{fmt(e.high, digits)}]"
+
+
+def figure_cell(f: Figures, name: str, digits: int = 2, suffix: str = "") -> str:
+    """Figure `name` of `f` with its interval, as one cell (estimate_cell)."""
+    return estimate_cell(getattr(f, name), f.estimate(name), digits, suffix)
+
+
 def estimate_of(r: dict[str, Any], name: str) -> Estimate | None:
-    """A report entry's figure with its interval (None: not measured, or no interval: a report
-    from before intervals, or a measurement without units)."""
+    """A report.json entry's figure with its interval (None: not measured, or no interval: a
+    report from before intervals, or a measurement without units)."""
     interval = (r.get("intervals") or {}).get(name)
     if r.get(name) is None or interval is None:
         return None
@@ -49,60 +88,84 @@ def estimate_of(r: dict[str, Any], name: str) -> Estimate | None:
 
 
 def with_interval(r: dict[str, Any], name: str, digits: int = 2, suffix: str = "") -> str:
-    """A figure and its 95% interval as one cell: "1.36x [1.30-1.41]"; the figure alone without one."""
-    e = estimate_of(r, name)
-    if e is None:
-        return fmt(r.get(name), digits, suffix)
-    return f"{fmt(e.value, digits, suffix)} [{fmt(e.low, digits)}-{fmt(e.high, digits)}]"
+    """estimate_cell of a report.json entry's figure."""
+    return estimate_cell(r.get(name), estimate_of(r, name), digits, suffix)
 
 
-def ranking_lines(d: dict[str, Any]) -> list[str]:
+@dataclass(frozen=True)
+class Speedup:
+    """A method's speedup over no-spec as the ranking sentences read it."""
+
+    name: str
+    plain: bool
+    estimate: Estimate | None  # None: no interval to rank by
+    cell: str  # as the table shows it: "1.36x [1.30-1.41]"
+
+
+def rank_speedups(entries: list[Speedup], baseline: str | None) -> list[str]:
     """One sentence per drafter against no-spec and against the baseline, written by
     intervals.rank from the speedups' intervals: an order only where they do not overlap."""
-    by_name = {r["name"]: r for r in d["results"]}
-    plain = next((r for r in d["results"] if r["algo"] == PLAIN), None)
-    base = by_name.get(d["baseline"]) if d["baseline"] else None
+    plain = next((e for e in entries if e.plain), None)
+    base = {e.name: e for e in entries}.get(baseline) if baseline else None
     lines = []
-    for r in d["results"]:
-        mine = estimate_of(r, "speedup")
-        if r["algo"] == PLAIN or mine is None:
+    for r in entries:
+        if r.plain or r.estimate is None:
             continue
         for ref in (plain, base):
-            theirs = estimate_of(ref, "speedup") if ref is not None and ref is not r else None
-            if theirs is not None:
-                a, b = with_interval(r, "speedup", 2, "x"), with_interval(ref, "speedup", 2, "x")
-                lines.append(
-                    f"{rank(r['name'], mine, ref['name'], theirs)} (speedup over no-spec {a} vs {b})"
-                )
+            theirs = ref.estimate if ref is not None and ref is not r else None
+            if ref is not None and theirs is not None:
+                order = rank(r.name, r.estimate, ref.name, theirs)
+                lines.append(f"{order} (speedup over no-spec {r.cell} vs {ref.cell})")
     return lines
 
 
-def _rows(d: dict[str, Any]) -> list[list[str]]:
-    base_algo = next((r["algo"] for r in d["results"] if r["name"] == d["baseline"]), None)
+def ranking_lines(d: dict[str, Any]) -> list[str]:
+    """rank_speedups of a report.json."""
+    entries = [
+        Speedup(r["name"], r["algo"] == PLAIN, estimate_of(r, "speedup"), with_interval(r, "speedup", 2, "x"))
+        for r in d["results"]
+    ]
+    return rank_speedups(entries, d["baseline"])
+
+
+def report_ranking(report: BenchReport, f: ReportFigures) -> list[str]:
+    """rank_speedups of the report's results."""
+    entries = [
+        Speedup(
+            r.name,
+            not r.speculative,
+            r.figures.estimate("speedup"),
+            figure_cell(r.figures, "speedup", 2, "x"),
+        )
+        for r in f.results
+    ]
+    return rank_speedups(entries, report.baseline)
+
+
+def _rows(f: ReportFigures) -> list[list[str]]:
     rows = []
-    for r in d["results"]:
-        spec = r["algo"] != PLAIN
+    for r in f.results:
+        spec, x = r.speculative, r.figures
         rows.append(
             [
-                r["name"],
-                k_cell(r),
-                with_interval(r, "acceptance_length") if spec else fmt(r["acceptance_length"]),
-                rates(r["per_position_acceptance"]) if spec else "-",
-                with_interval(r, "output_tokens_per_s", 1),
-                with_interval(r, "speedup", 2, "x") if spec else fmt(r["speedup"], 2, "x"),
-                with_interval(r, "ratio_vs_baseline", 2, "x") if base_algo else "-",
-                fmt(r["acceptance_ratio_vs_baseline"], 2, "x") if base_algo else "-",
-                _match(r),
+                r.name,
+                k_label(r.method),
+                figure_cell(x, "acceptance_length") if spec else fmt(x.acceptance_length),
+                rates(x.per_position_acceptance) if spec else "-",
+                figure_cell(x, "output_tokens_per_s", 1),
+                figure_cell(x, "speedup", 2, "x") if spec else fmt(x.speedup, 2, "x"),
+                figure_cell(x, "ratio_vs_baseline", 2, "x") if f.base else "-",
+                fmt(x.acceptance_ratio_vs_baseline, 2, "x") if f.base else "-",
+                match_cell(r),
             ]
         )
     return rows
 
 
-def _match(r: dict[str, Any]) -> str:
+def match_cell(entry: MethodFigures) -> str:
     """The "= plain" cell: prompts decoded exactly as plain decoding / prompts compared, e.g. 7/8;
     "-" when not comparable (sampling, no no-spec run, no ids)."""
-    frac, n = r.get("outputs_match_plain"), r.get("outputs_compared") or 0
-    return "-" if frac is None or not n else f"{round(frac * n)}/{n}"
+    return "-" if entry.matched is None else f"{entry.matched}/{entry.outputs_compared}"
 
 
 TAU_HEADER = "mean acceptance length (tau)"  # vLLM's name for it, with ours
@@ -119,8 +182,8 @@ def engine_name(backend: str) -> str:
     return ENGINES.get(backend, backend)
 
 
-def _headers(d: dict[str, Any]) -> list[str]:
-    base = d["baseline"] or "EAGLE-3"
+def _headers(report: BenchReport) -> list[str]:
+    base = report.baseline or "EAGLE-3"
     return [
         "method",
         "K",
@@ -134,84 +197,82 @@ def _headers(d: dict[str, Any]) -> list[str]:
     ]
 
 
-def _title(d: dict[str, Any]) -> str:
-    state = "" if d["complete"] else " (INCOMPLETE)"
+def _title(report: BenchReport) -> str:
+    state = "" if report.complete else " (INCOMPLETE)"
     return (
-        f"bench {d['verifier']} on {d['dataset']}: {d['num_prompts']} prompts, {d['max_new_tokens']} new "
-        f"tokens, T={d['temperature']:g}, {d['backend']}{state}"
+        f"bench {report.verifier} on {report.dataset}: {report.num_prompts} prompts, "
+        f"{report.max_new_tokens} new tokens, T={report.temperature:g}, {report.backend}{state}"
     )
 
 
-def rich_table(report: BenchReport | dict[str, Any]):
-    """The summary table the CLI prints; under it, the ranking sentences (`ranking_lines`)."""
+def rich_table(report: BenchReport, figures: ReportFigures | None = None):
+    """The summary table the CLI prints; under it, the ranking sentences (`report_ranking`).
+    `figures`: the report's, when the caller has them (else computed here)."""
     from rich.table import Table
 
-    d = report if isinstance(report, dict) else report_dict(report)
-    caption = "\n".join(line for line in [_sweep_caption(d), *ranking_lines(d)] if line) or None
-    table = Table(title=_title(d), title_justify="left", caption=caption, caption_justify="left")
-    for i, h in enumerate(_headers(d)):
+    f = figures or report.figures()
+    caption = "\n".join(line for line in [_sweep_caption(report), *report_ranking(report, f)] if line) or None
+    table = Table(title=_title(report), title_justify="left", caption=caption, caption_justify="left")
+    for i, h in enumerate(_headers(report)):
         table.add_column(h, justify="left" if i in (0, 3) else "right", style="bold" if i == 0 else None)
-    for row in _rows(d):
+    for row in _rows(f):
         table.add_row(*row)
     return table
 
 
-def level_order(p: dict[str, Any]) -> tuple[int, float]:
-    """A point's place among a sweep's levels: by concurrency, then request rate (inf last)."""
-    rate = p.get("request_rate")
-    return p["concurrency"], -1.0 if rate is None else float(rate)  # float("inf") reads "inf"
-
-
-def level_cell(p: dict[str, Any]) -> str:
+def level_cell(p: PointFigures) -> str:
     """A point's level in a table's first column: its concurrency, or its request rate."""
-    rate = p.get("request_rate")
-    return str(p["concurrency"]) if rate is None else rate_text(rate)
+    return str(p.concurrency) if p.request_rate is None else rate_text(p.request_rate)
 
 
-def rate_text(rate: float | str) -> str:
-    """A report.json request rate as written: `4`, `0.5`, `inf`."""
-    return rate if isinstance(rate, str) else f"{rate:g}"
+def rate_text(rate: float) -> str:
+    """A request rate as written: `4`, `0.5`, `inf`."""
+    return f"{rate:g}"
 
 
-def level_header(d: dict[str, Any]) -> str:
+def by_rate(report: BenchReport) -> bool:
+    """Whether the sweep's levels are request rates (bench --request-rate), not concurrencies."""
+    return report.sweep is not None and bool(report.sweep_rates)
+
+
+def level_header(report: BenchReport) -> str:
     """The first column's name: `concurrency`, or under --request-rate the rate (the cap on
     requests in flight is in the report's header)."""
-    return "request rate (req/s)" if d.get("sweep", {}).get("request_rate") else "concurrency"
+    return "request rate (req/s)" if by_rate(report) else "concurrency"
 
 
 def level_phrase(key: str) -> str:
-    """A recommendations key (report.level_key) in a sentence."""
+    """A recommendations key (PointFigures.level_key) in a sentence."""
     return f"request rate {key}" if key.endswith("req/s") else f"concurrency {key}"
 
 
-def _sweep_caption(d: dict[str, Any]) -> str | None:
-    if not shows_sweep(d):
+def _sweep_caption(report: BenchReport) -> str | None:
+    if not shows_sweep(report):
         return None
-    rates = d["sweep"].get("request_rate")
-    at = f"request rate {rate_text(rates[0])} req/s" if rates else f"concurrency {d['concurrency']}"
+    rates = report.sweep_rates
+    at = f"request rate {rate_text(rates[0])} req/s" if rates else f"concurrency {report.concurrency}"
     return f"K sweep: each method at its recommended K, {at}; every point below"
 
 
-def _sweep_rows(d: dict[str, Any]) -> list[list[str]]:
+def _sweep_rows(f: ReportFigures) -> list[list[str]]:
     """One row per sweep point, grouped by concurrency level (the points are in the order
     measured: K by K, each at every level); the last cell marks the recommended K."""
-    recommended = d["sweep"]["recommended"]
     rows = []
-    for p in sorted(d["sweep"]["points"], key=level_order):
-        spec = p["algo"] != PLAIN
-        best = recommended.get(p["name"], {}).get(level_key(p), {})
+    for p in sorted(f.points or [], key=lambda p: p.level_order):
+        spec, x = p.speculative, p.figures
+        best = f.recommended.get(p.name, {}).get(p.level_key)
         rows.append(
             [
                 level_cell(p),
-                p["name"],
-                k_cell(p),
-                fmt(p["acceptance_length"]),
-                rates(p["per_position_acceptance"]) if spec else "-",
-                fmt(p.get("draft_tokens_per_accepted")) if spec else "-",
-                fmt(p["output_tokens_per_s"], 1),
-                fmt(p["speedup"], 2, "x"),
-                _match(p),
-                "*" if best and point_setting(best) == point_setting(p) else "",
+                p.name,
+                k_label(p.method),
+                fmt(x.acceptance_length),
+                rates(x.per_position_acceptance) if spec else "-",
+                fmt(x.draft_tokens_per_accepted) if spec else "-",
+                fmt(x.output_tokens_per_s, 1),
+                fmt(x.speedup, 2, "x"),
+                match_cell(p),
+                "*" if best is not None and setting_of(best.point.method) == setting_of(p.method) else "",
             ]
         )
     return rows
@@ -239,26 +300,30 @@ _SWEEP_NOTE = (
 )
 
 
-def recommendation_lines(d: dict[str, Any]) -> list[tuple[str, str | None]]:
+def recommendation_lines(
+    report: BenchReport, figures: ReportFigures | None = None
+) -> list[tuple[str, str | None]]:
     """(what was recommended, where and why; the --speculative-config argument) per drafter and
     level. Measured on another engine than vLLM, a last line says that no vLLM measurement backs
     a --speculative-config (report.recommendations gives none)."""
+    f = figures or report.figures()
     lines = []
-    for name, levels in d["sweep"]["recommended"].items():
+    for name, levels in f.recommended.items():
         for level, r in levels.items():
-            t = r.get("confidence_threshold")
+            m, x = r.point.method, r.point.figures
+            t = m.confidence_threshold
             cut = "" if t is None else f", confidence threshold {t:g}"
-            cut += ", adaptive verification" if r.get("adaptive") else ""
-            where = engine_name(r.get("measured_on", d["backend"]))
+            cut += ", adaptive verification" if m.adaptive else ""
             text = (
-                f"{level_phrase(level)}, {name}: K={r['num_speculative_tokens']}{cut}, measured on {where} "
-                f"({fmt(r['output_tokens_per_s'], 1)} tok/s, {with_interval(r, 'speedup', 2, 'x')} no-spec, "
-                f"tau {fmt(r['acceptance_length'])}{_against_plain(name, r)})"
+                f"{level_phrase(level)}, {name}: K={m.num_speculative_tokens}{cut}, measured on "
+                f"{engine_name(r.measured_on)} ({fmt(x.output_tokens_per_s, 1)} tok/s, "
+                f"{figure_cell(x, 'speedup', 2, 'x')} no-spec, tau {fmt(x.acceptance_length)}"
+                f"{_against_plain(name, x)})"
             )
-            spec = r["speculative_config"]
+            spec = r.speculative_config
             lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
-    if lines and d["backend"] not in VLLM_BACKENDS:
-        lines.append((NO_VLLM_MEASUREMENT.format(engine=engine_name(d["backend"])), None))
+    if lines and report.backend not in VLLM_BACKENDS:
+        lines.append((NO_VLLM_MEASUREMENT.format(engine=engine_name(report.backend)), None))
     return lines
 
 
@@ -269,12 +334,12 @@ NO_VLLM_MEASUREMENT = (
 )
 
 
-def _against_plain(name: str, r: dict[str, Any]) -> str:
+def _against_plain(name: str, x: Figures) -> str:
     """The recommendation's note on plain decoding: slower only when the speedup's interval lies
     below 1 (intervals.rank), a tie when it holds 1; without an interval, the point figure."""
-    e = estimate_of(r, "speedup")
+    e = x.estimate("speedup")
     if e is None:
-        slower = r["speedup"] is not None and r["speedup"] < 1
+        slower = x.speedup is not None and x.speedup < 1
         return "; slower than no-spec, serve without speculation" if slower else ""
     plain = Estimate(1.0, 1.0, 1.0)
     order = compare(e, plain)
@@ -305,75 +370,74 @@ ADAPTIVE_NOTE = (
 )
 
 
-def _fastest(points: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return max(points, key=lambda p: p["output_tokens_per_s"] or 0.0, default=None)
+def _fastest(points: list[PointFigures]) -> PointFigures | None:
+    return max(points, key=lambda p: p.figures.output_tokens_per_s or 0.0, default=None)
 
 
-def adaptive_rows(d: dict[str, Any]) -> list[list[str]]:
+def adaptive_rows(f: ReportFigures) -> list[list[str]]:
     """Fixed K against adaptive verification, per drafter and concurrency level: one row where the
     sweep measured both (bench.adaptive both); none otherwise."""
-    points = d["sweep"]["points"] if "sweep" in d else []
+    points = f.points or []
     rows = []
-    keys = dict.fromkeys((p["concurrency"], p["name"]) for p in points if p.get("adaptive"))
+    keys = dict.fromkeys((p.concurrency, p.name) for p in points if p.method.adaptive)
     for level, name in sorted(keys, key=lambda key: key[0]):
-        mine = [p for p in points if (p["concurrency"], p["name"]) == (level, name)]
-        fixed = _fastest([p for p in mine if not p.get("adaptive") and p.get("confidence_threshold") is None])
-        adaptive = _fastest([p for p in mine if p.get("adaptive")])
+        mine = [p for p in points if (p.concurrency, p.name) == (level, name)]
+        fixed = _fastest([p for p in mine if not p.method.adaptive and p.method.confidence_threshold is None])
+        adaptive = _fastest([p for p in mine if p.method.adaptive])
         if fixed is None or adaptive is None:
             continue
-        ratio = None
-        if fixed["output_tokens_per_s"] and adaptive["output_tokens_per_s"] is not None:
-            ratio = adaptive["output_tokens_per_s"] / fixed["output_tokens_per_s"]
+        a, b = adaptive.figures, fixed.figures
+        ratio = a.output_tokens_per_s / b.output_tokens_per_s if b.output_tokens_per_s else None
         rows.append(
             [
                 str(level),
                 name,
-                str(fixed["num_speculative_tokens"]),
-                fmt(fixed["output_tokens_per_s"], 1),
-                fmt(fixed.get("draft_tokens_per_accepted")),
-                str(adaptive["num_speculative_tokens"]),
-                fmt(adaptive["output_tokens_per_s"], 1),
-                fmt(adaptive.get("draft_tokens_per_accepted")),
+                str(fixed.method.num_speculative_tokens),
+                fmt(b.output_tokens_per_s, 1),
+                fmt(b.draft_tokens_per_accepted),
+                str(adaptive.method.num_speculative_tokens),
+                fmt(a.output_tokens_per_s, 1),
+                fmt(a.draft_tokens_per_accepted),
                 fmt(ratio, 2, "x"),
             ]
         )
     return rows
 
 
-def shows_sweep(d: dict[str, Any]) -> bool:
+def shows_sweep(report: BenchReport) -> bool:
     """A K sweep to show: a remote server has one configuration (its own), so its concurrency
     levels are the latency table's rows, with nothing to recommend."""
-    return "sweep" in d and d["backend"] != "remote"
+    return report.sweep is not None and report.backend != "remote"
 
 
-def rich_sweep(report: BenchReport | dict[str, Any]):
+def rich_sweep(report: BenchReport, figures: ReportFigures | None = None):
     """The sweep table and the recommended --speculative-config per drafter and level (None
     when the report is not a sweep), printed by the CLI under the summary table."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    d = report if isinstance(report, dict) else report_dict(report)
-    if not shows_sweep(d):
+    if not shows_sweep(report):
         return None
+    f = figures or report.figures()
     table = Table(
         title="K sweep (best = highest output tok/s; a tie goes to the smaller K)", title_justify="left"
     )
-    for i, h in enumerate([level_header(d), *SWEEP_HEADERS[1:]]):
+    for i, h in enumerate([level_header(report), *SWEEP_HEADERS[1:]]):
         table.add_column(h, justify="left" if i in (1, 4) else "right", style="bold" if i == 1 else None)
     level = None
-    for row in _sweep_rows(d):
+    for row in _sweep_rows(f):
         if level is not None and row[0] != level:
             table.add_section()
         level = row[0]
         table.add_row(*row)
     parts: list[Any] = [table, Text("recommended:")]
-    for text, arg in recommendation_lines(d):
+    for text, arg in recommendation_lines(report, f):
         parts.append(Text(f"  {text}"))
         if arg:  # one unbroken line, so it can be copied into a vllm serve command
             parts.append(Text(f"    {arg}", no_wrap=True, overflow="ignore"))
-    parts += [Text(f"skipped: {line}", style="yellow") for line in d["sweep"]["skipped"]]
-    compared = adaptive_rows(d)
+    parts += [Text(f"skipped: {line}", style="yellow") for line in report.sweep_skipped]
+    compared = adaptive_rows(f)
     if compared:
         versus = Table(title="Fixed K vs adaptive verification (fastest of each)", title_justify="left")
         for i, h in enumerate(ADAPTIVE_HEADERS):
@@ -402,58 +466,63 @@ LATENCY_NOTE = (
 )
 
 
-def has_latency(d: dict[str, Any]) -> bool:
-    points = d["sweep"]["points"] if "sweep" in d else d["results"]
-    return any(p.get("median_ttft_ms") is not None for p in points)
+# (its level's place, the level as a table cell, the configuration): what the latency table and plot read
+LatencyEntry = tuple[tuple[int, float], str, MethodFigures]
 
 
-def _pcts(p: dict[str, Any], name: str) -> str:
-    return " / ".join(fmt(p[f"{stat}_{name}_ms"], 1) for stat in ("median", "p90", "p99"))
-
-
-def latency_rows(d: dict[str, Any]) -> list[list[str]]:
-    """One row per configuration and concurrency level (a sweep's points, else the results)."""
-    if "sweep" in d:
-        points = sorted(d["sweep"]["points"], key=level_order)
+def latency_entries(report: BenchReport, f: ReportFigures) -> list[LatencyEntry]:
+    """The configurations with streamed latencies, by level: a sweep's points, else the results
+    at the run's concurrency."""
+    if f.points is not None:
+        entries = [(p.level_order, level_cell(p), p) for p in f.points]
     else:
-        points = [{**r, "concurrency": d["concurrency"]} for r in d["results"]]
+        entries = [((report.concurrency, -1.0), str(report.concurrency), r) for r in f.results]
+    kept = [e for e in entries if e[2].figures.latency.get("median_ttft_ms") is not None]
+    return sorted(kept, key=lambda e: e[0])
+
+
+def _pcts(x: Figures, name: str) -> str:
+    return " / ".join(fmt(x.latency[f"{stat}_{name}_ms"], 1) for stat in ("median", "p90", "p99"))
+
+
+def latency_rows(report: BenchReport, figures: ReportFigures | None = None) -> list[list[str]]:
+    """One row per configuration and concurrency level (a sweep's points, else the results)."""
     return [
         [
-            level_cell(p),
-            p["name"],
-            str(p["num_speculative_tokens"]) if p["algo"] != PLAIN else "-",
-            fmt(p["acceptance_length"]),
-            fmt(p["request_throughput"], 2),
-            fmt(p["output_tokens_per_s"], 1),
-            _pcts(p, "ttft"),
-            _pcts(p, "tpot"),
-            _pcts(p, "itl"),
+            cell,
+            e.name,
+            str(e.method.num_speculative_tokens) if e.speculative else "-",
+            fmt(e.figures.acceptance_length),
+            fmt(e.figures.request_throughput, 2),
+            fmt(e.figures.output_tokens_per_s, 1),
+            _pcts(e.figures, "ttft"),
+            _pcts(e.figures, "tpot"),
+            _pcts(e.figures, "itl"),
         ]
-        for p in points
-        if p.get("median_ttft_ms") is not None
+        for _, cell, e in latency_entries(report, figures or report.figures())
     ]
 
 
-def latency_title(d: dict[str, Any]) -> str:
+def latency_title(report: BenchReport) -> str:
     """Where the latencies come from: streamed requests, or the embedded engine's steps (each
     step's tokens one chunk, as a server streams them)."""
-    if d["backend"] == "embedded":
+    if report.backend == "embedded":
         return "latency (specctl's embedded engine: each verifier step's tokens as one streamed chunk)"
     return "latency (streamed requests)"
 
 
-def rich_latency(report: BenchReport | dict[str, Any]):
+def rich_latency(report: BenchReport, figures: ReportFigures | None = None):
     """The latency table (None without streamed requests), printed under the summary."""
     from rich.table import Table
 
-    d = report if isinstance(report, dict) else report_dict(report)
-    if not has_latency(d):
+    rows = latency_rows(report, figures)
+    if not rows:
         return None
-    table = Table(title=latency_title(d), title_justify="left", caption=LATENCY_NOTE)
-    for i, h in enumerate([level_header(d), *LATENCY_HEADERS[1:]]):
+    table = Table(title=latency_title(report), title_justify="left", caption=LATENCY_NOTE)
+    for i, h in enumerate([level_header(report), *LATENCY_HEADERS[1:]]):
         table.add_column(h, justify="left" if i == 1 else "right", style="bold" if i == 1 else None)
     level = None
-    for row in latency_rows(d):
+    for row in rows:
         if level is not None and row[0] != level:
             table.add_section()
         level = row[0]
@@ -472,9 +541,9 @@ def hardware(p: dict[str, Any]) -> str:
     return f"{p.get('cpu_count', '?')}x {p.get('cpu', '?')}{bf16}, {gpus}"
 
 
-def provenance_line(d: dict[str, Any]) -> str | None:
-    """report.json's provenance in one line: versions, commit, hardware, time, recipe hash."""
-    p = d.get("provenance")
+def provenance_line(report: BenchReport) -> str | None:
+    """The report's provenance in one line: versions, commit, hardware, time, recipe hash."""
+    p = report.provenance
     if not p:
         return None
     versions = ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
@@ -496,40 +565,79 @@ def provenance_line(d: dict[str, Any]) -> str | None:
     return "; ".join(parts)
 
 
-def load_phrase(d: dict[str, Any]) -> str:
+def load_phrase(report: BenchReport) -> str:
     """How requests reached the engine: `concurrency 4`, or under --request-rate the rates and
     the cap on requests in flight."""
-    rates = d.get("sweep", {}).get("request_rate")
-    if not rates:
-        return f"concurrency {d['concurrency']}"
-    text = ", ".join(rate_text(r) for r in rates)
+    if not by_rate(report):
+        return f"concurrency {report.concurrency}"
+    text = ", ".join(rate_text(r) for r in report.sweep_rates)
     return (
-        f"requests arriving as a Poisson process at {text} req/s (seed {d['seed']}), "
-        f"at most {d['concurrency']} in flight"
+        f"requests arriving as a Poisson process at {text} req/s (seed {report.seed}), "
+        f"at most {report.concurrency} in flight"
     )
 
 
-def passes(d: dict[str, Any]) -> str:
+def passes_text(backend: str, repeats: int, engine_rounds: int) -> str:
     """How a report's throughput was taken, when more than one pass or engine per configuration."""
-    n, r = d.get("repeats", 1), d.get("engine_rounds", 1)
     out = ""
-    if n > 1:
-        how = "methods interleaved round by round" if d["backend"] == "embedded" else "in each engine"
-        out = f", {n} rounds over the prompts, {how}"
-    if r > 1:
-        out += f", {r} engine rounds per configuration (order reversed every other round)"
+    if repeats > 1:
+        how = "methods interleaved round by round" if backend == "embedded" else "in each engine"
+        out = f", {repeats} rounds over the prompts, {how}"
+    if engine_rounds > 1:
+        out += f", {engine_rounds} engine rounds per configuration (order reversed every other round)"
     return out
 
 
-def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptance.png") -> str:
-    d = report if isinstance(report, dict) else report_dict(report)
-    lines = [f"# {_title(d)}", ""]
+def passes(d: dict[str, Any]) -> str:
+    """passes_text of a report.json."""
+    return passes_text(d.get("backend", ""), d.get("repeats", 1), d.get("engine_rounds", 1))
+
+
+def markdown(
+    report: BenchReport, image: str | None = "acceptance.png", figures: ReportFigures | None = None
+) -> str:
+    """report.md: the settings, the summary table and its ranking, then latency, categories, the
+    K sweep, requirements, errors and warnings, each where the report has them."""
+    f = figures or report.figures()
+    lines = _md_head(report, f)
+    if latency_entries(report, f):
+        lines += ["", "## Latency", "", LATENCY_NOTE, ""]
+        lines += _md_table([level_header(report), *LATENCY_HEADERS[1:]], latency_rows(report, f))
+        if image:
+            against = "request rate" if by_rate(report) else "concurrency"
+            lines += ["", f"![TTFT, TPOT and ITL against {against}](latency.png)"]
+    for cat in f.categories:
+        lines += ["", f"## {cat}", ""]
+        rows = [
+            [
+                r.name,
+                str(c.num_prompts),
+                fmt(c.acceptance_length),
+                fmt(c.output_tokens_per_s, 1),
+                fmt(c.speedup, 2, "x"),
+            ]
+            for r in f.results
+            if (c := (r.categories or {}).get(cat)) is not None
+        ]
+        lines += _md_table(["method", "prompts", TAU_HEADER, "output tok/s", "speedup"], rows)
+    if shows_sweep(report):
+        lines += _md_sweep(report, f, image)
+    lines += _md_outcome(report)
+    if image:
+        lines += ["", f"![acceptance per position and throughput]({image})"]
+    return "\n".join(lines) + "\n"
+
+
+def _md_head(report: BenchReport, f: ReportFigures) -> list[str]:
+    """report.md's title, settings list and summary table with its ranking."""
+    taken = passes_text(report.backend, report.repeats, report.engine_rounds)
+    lines = [f"# {_title(report)}", ""]
     lines += [
-        f"- verifier: `{d['verifier']}`",
-        f"- backend: {d['backend']} ({load_phrase(d)}{passes(d)})",
-        f"- dataset: {d['dataset']}, {d['num_prompts']} prompts, seed {d['seed']}",
-        f"- sampling: temperature {d['temperature']:g}, top_p {d['top_p']:g}, "
-        f"max_new_tokens {d['max_new_tokens']}",
+        f"- verifier: `{report.verifier}`",
+        f"- backend: {report.backend} ({load_phrase(report)}{taken})",
+        f"- dataset: {report.dataset}, {report.num_prompts} prompts, seed {report.seed}",
+        f"- sampling: temperature {report.temperature:g}, top_p {report.top_p:g}, "
+        f"max_new_tokens {report.max_new_tokens}",
         f"- {TAU_HEADER} = 1 + accepted / drafts (bonus token included, as vLLM counts it); "
         "speedup = output tokens/s over no-spec",
         "- each figure: the median over rounds [95% interval: bootstrap over the (prompt, round) cells, "
@@ -537,76 +645,62 @@ def markdown(report: BenchReport | dict[str, Any], image: str | None = "acceptan
         "do not overlap, else the methods tie",
         '- "= plain": prompts whose greedy output ids equal no-spec\'s exactly (ids in outputs.jsonl)',
     ]
-    provenance = provenance_line(d)
+    provenance = provenance_line(report)
     if provenance:
         lines.append(f"- provenance: {provenance}")
-    if d.get("divergence_summary"):
+    if report.divergence_summary:
         lines.append(
-            f"- divergences: {d['divergence_summary']} (first differing token, margins in report.json)"
+            f"- divergences: {report.divergence_summary} (first differing token, margins in report.json)"
         )
     lines += [""]
-    lines += _md_table(_headers(d), _rows(d))
-    ranking = ranking_lines(d)
+    lines += _md_table(_headers(report), _rows(f))
+    ranking = report_ranking(report, f)
     if ranking:
         lines += ["", *[f"- {line}" for line in ranking]]
-    if has_latency(d):
-        lines += ["", "## Latency", "", LATENCY_NOTE, ""]
-        lines += _md_table([level_header(d), *LATENCY_HEADERS[1:]], latency_rows(d))
-        if image:
-            against = "request rate" if d.get("sweep", {}).get("request_rate") else "concurrency"
-            lines += ["", f"![TTFT, TPOT and ITL against {against}](latency.png)"]
-    for cat in d["categories"]:
-        lines += ["", f"## {cat}", ""]
-        rows = []
-        for r in d["results"]:
-            c = r.get("categories", {}).get(cat)
-            if c is not None:
-                rows.append(
-                    [
-                        r["name"],
-                        str(c["num_prompts"]),
-                        fmt(c["acceptance_length"]),
-                        fmt(c["output_tokens_per_s"], 1),
-                        fmt(c["speedup"], 2, "x"),
-                    ]
-                )
-        lines += _md_table(["method", "prompts", TAU_HEADER, "output tok/s", "speedup"], rows)
-    if shows_sweep(d):
-        lines += [
-            "",
-            "## K sweep",
-            "",
-            f"The table above holds each method at its recommended K. {_SWEEP_NOTE}",
-            "",
-        ]
-        lines += _md_table([level_header(d), *SWEEP_HEADERS[1:]], _sweep_rows(d))
-        vllm = d["backend"] in VLLM_BACKENDS
-        heading = "Recommended `--speculative-config`" if vllm else "Recommended K"
-        lines += ["", f"### {heading} (measured on {engine_name(d['backend'])})", ""]
-        for text, arg in recommendation_lines(d):
-            lines.append(f"- {text}" + (f"\n\n  ```\n  {arg}\n  ```" if arg else ""))
-        lines += [f"- skipped: {line}" for line in d["sweep"]["skipped"]]
-        compared = adaptive_rows(d)
-        if compared:
-            lines += ["", "## Fixed K vs adaptive verification", "", ADAPTIVE_NOTE, ""]
-            lines += _md_table(ADAPTIVE_HEADERS, compared)
-        if image:
-            lines += ["", "![output tokens/s and tau against K](sweep.png)"]
-    if d["requirements"]:
-        lines += ["", "## Requirements", ""]
-        failed = {f.split(": ", 1)[0] for f in d["failures"]}
-        for req in d["requirements"]:
-            lines.append(f"- {'FAIL' if req in failed else 'ok'} `{req}`")
-        lines += [f"  - {f}" for f in d["failures"]]
-    if d["errors"]:
-        lines += ["", "## Errors", ""]
-        lines += [f"- {e.splitlines()[0]}" for e in d["errors"]]
-    if d.get("warnings"):  # older reports have none
-        lines += ["", "## Warnings", ""]
-        lines += [f"- {w}" for w in d["warnings"]]
+    return lines
+
+
+def _md_sweep(report: BenchReport, f: ReportFigures, image: str | None) -> list[str]:
+    """report.md's K sweep: every point, the recommendations, fixed K against adaptive."""
+    lines = [
+        "",
+        "## K sweep",
+        "",
+        f"The table above holds each method at its recommended K. {_SWEEP_NOTE}",
+        "",
+    ]
+    lines += _md_table([level_header(report), *SWEEP_HEADERS[1:]], _sweep_rows(f))
+    vllm = report.backend in VLLM_BACKENDS
+    heading = "Recommended `--speculative-config`" if vllm else "Recommended K"
+    lines += ["", f"### {heading} (measured on {engine_name(report.backend)})", ""]
+    for text, arg in recommendation_lines(report, f):
+        lines.append(f"- {text}" + (f"\n\n  ```\n  {arg}\n  ```" if arg else ""))
+    lines += [f"- skipped: {line}" for line in report.sweep_skipped]
+    compared = adaptive_rows(f)
+    if compared:
+        lines += ["", "## Fixed K vs adaptive verification", "", ADAPTIVE_NOTE, ""]
+        lines += _md_table(ADAPTIVE_HEADERS, compared)
     if image:
-        lines += ["", f"![acceptance per position and throughput]({image})"]
-    return "\n".join(lines) + "\n"
+        lines += ["", "![output tokens/s and tau against K](sweep.png)"]
+    return lines
+
+
+def _md_outcome(report: BenchReport) -> list[str]:
+    """report.md's requirements (met or not), errors and warnings."""
+    lines = []
+    if report.requirements:
+        lines += ["", "## Requirements", ""]
+        failed = {f.split(": ", 1)[0] for f in report.failures}
+        for req in report.requirements:
+            lines.append(f"- {'FAIL' if req in failed else 'ok'} `{req}`")
+        lines += [f"  - {f}" for f in report.failures]
+    if report.errors:
+        lines += ["", "## Errors", ""]
+        lines += [f"- {e.splitlines()[0]}" for e in report.errors]
+    if report.warnings:
+        lines += ["", "## Warnings", ""]
+        lines += [f"- {w}" for w in report.warnings]
+    return lines
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -615,7 +709,7 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
+def plot(report: BenchReport, path: Path, figures: ReportFigures | None = None) -> Path:
     """acceptance.png: per-position acceptance curves (left), output tokens/s per method (right).
 
     Drawn on an Agg canvas directly, so no GUI backend and no global pyplot state.
@@ -624,19 +718,19 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    d = report if isinstance(report, dict) else report_dict(report)
+    results = (figures or report.figures()).results
     fig = Figure(figsize=(11, 4.2), dpi=110)
     FigureCanvasAgg(fig)
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
     drawn = False
-    for r in d["results"]:
-        acc = r["per_position_acceptance"]
-        if r["algo"] != PLAIN and acc:
+    for r in results:
+        acc = r.figures.per_position_acceptance
+        if r.speculative and acc:
             left.plot(
                 range(1, len(acc) + 1),
                 acc,
                 marker="o",
-                label=f"{r['name']} (tau {r['acceptance_length']:.2f})",
+                label=f"{r.name} (tau {r.figures.acceptance_length:.2f})",
             )
             drawn = True
     left.set(
@@ -646,13 +740,13 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
     left.grid(alpha=0.3)
     if drawn:
         left.legend(fontsize=8)
-    names = [r["name"] for r in d["results"]]
-    tps = [r["output_tokens_per_s"] for r in d["results"]]
-    bars = right.bar(names, tps, color=["0.6" if r["algo"] == PLAIN else "C0" for r in d["results"]])
-    for bar, r in zip(bars, d["results"], strict=True):
-        if r["speedup"] is not None:
+    names = [r.name for r in results]
+    tps = [r.figures.output_tokens_per_s for r in results]
+    bars = right.bar(names, tps, color=["C0" if r.speculative else "0.6" for r in results])
+    for bar, r in zip(bars, results, strict=True):
+        if r.figures.speedup is not None:
             right.annotate(
-                f"{r['speedup']:.2f}x",
+                f"{r.figures.speedup:.2f}x",
                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                 ha="center",
                 va="bottom",
@@ -660,124 +754,131 @@ def plot(report: BenchReport | dict[str, Any], path: Path) -> Path:
             )
     right.set(ylabel="output tokens/s", title="throughput")
     right.tick_params(axis="x", labelrotation=30, labelsize=8)
-    fig.suptitle(_title(d), fontsize=9)
+    fig.suptitle(_title(report), fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     return path
 
 
-def plot_sweep(report: BenchReport | dict[str, Any], path: Path) -> Path:
+Series = tuple[str, float | None, bool]  # a drafter's line in sweep.png: (name, threshold, adaptive)
+
+
+def _series(p: PointFigures) -> Series:
+    return p.name, p.method.confidence_threshold, p.method.adaptive
+
+
+def plot_sweep(report: BenchReport, path: Path, figures: ReportFigures | None = None) -> Path:
     """sweep.png: output tokens/s (top) and tau (bottom) against K, one line per drafter and one
     column per concurrency level; no-spec is the dashed line, the recommended K a star."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
-    d = report if isinstance(report, dict) else report_dict(report)
-    s = d["sweep"]
-    order = {level_key(p): level_order(p) for p in s["points"]}
-    levels = sorted(order, key=order.__getitem__) or [str(c) for c in s["concurrency"]]
+    f = figures or report.figures()
+    points = f.points or []
+    order = {p.level_key: p.level_order for p in points}
+    levels = sorted(order, key=order.__getitem__) or [str(c) for c in report.sweep_levels]
     fig = Figure(figsize=(max(8.0, 1.5 + 4.5 * len(levels)), 7), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(levels), squeeze=False)
-    series = list(
-        dict.fromkeys(
-            (p["name"], p.get("confidence_threshold"), bool(p.get("adaptive")))
-            for p in s["points"]
-            if p["algo"] != PLAIN
-        )
-    )
+    series = list(dict.fromkeys(_series(p) for p in points if p.speculative))
     for col, level in enumerate(levels):
-        top, bottom = axes[0][col], axes[1][col]
-        here = [p for p in s["points"] if level_key(p) == level]
-        for p in here:
-            if p["algo"] == PLAIN:
-                top.axhline(p["output_tokens_per_s"], color="0.5", linestyle="--", label="no-spec")
-        for i, (name, t, adaptive) in enumerate(series):
-            key = (name, t, adaptive)
-            mine = (
-                p for p in here if (p["name"], p.get("confidence_threshold"), bool(p.get("adaptive"))) == key
-            )
-            pts = sorted(mine, key=lambda p: p["num_speculative_tokens"])
-            if not pts:
-                continue
-            label = (name if t is None else f"{name} T={t:g}") + (" adaptive" if adaptive else "")
-            ks = [p["num_speculative_tokens"] for p in pts]
-            top.plot(ks, [p["output_tokens_per_s"] for p in pts], marker="o", color=f"C{i}", label=label)
-            taus = [p["acceptance_length"] for p in pts]
-            if None not in taus:
-                bottom.plot(ks, taus, marker="o", color=f"C{i}", label=label)
-            best = s["recommended"].get(name, {}).get(level)
-            if best is not None and (best.get("confidence_threshold"), bool(best.get("adaptive"))) == (
-                t,
-                adaptive,
-            ):
-                top.plot(
-                    best["num_speculative_tokens"], best["output_tokens_per_s"], "*", ms=15, color=f"C{i}"
-                )
-        top.set(title=level_phrase(level), ylabel="output tokens/s")
-        taus = [
-            p["acceptance_length"] for p in here if p["algo"] != PLAIN and p["acceptance_length"] is not None
-        ]
-        bottom.set(
-            xlabel="K (num_speculative_tokens)",
-            ylabel="tau (acceptance length)",
-            ylim=(0.95, 1.05 * max([2.0, *taus])),  # tau >= 1 always; a flat 1.0 reads as flat
+        _sweep_column(
+            axes[0][col], axes[1][col], [p for p in points if p.level_key == level], series, f, level
         )
-        for ax in (top, bottom):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
-        if here:
-            top.legend(fontsize=8)
-    fig.suptitle(f"{_title(d)}\nK sweep: star = recommended K (highest output tokens/s)", fontsize=9)
+    fig.suptitle(f"{_title(report)}\nK sweep: star = recommended K (highest output tokens/s)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     return path
 
 
-def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
+def _sweep_column(
+    top, bottom, here: list[PointFigures], series: list[Series], f: ReportFigures, level: str
+) -> None:
+    """One level of sweep.png: tok/s (top) and tau (bottom) against K, a line per series."""
+    from matplotlib.ticker import MaxNLocator
+
+    for p in here:
+        if not p.speculative:
+            top.axhline(p.figures.output_tokens_per_s, color="0.5", linestyle="--", label="no-spec")
+    for i, key in enumerate(series):
+        name, t, adaptive = key
+        pts = sorted((p for p in here if _series(p) == key), key=lambda p: p.method.num_speculative_tokens)
+        if not pts:
+            continue
+        label = (name if t is None else f"{name} T={t:g}") + (" adaptive" if adaptive else "")
+        ks = [p.method.num_speculative_tokens for p in pts]
+        top.plot(ks, [p.figures.output_tokens_per_s for p in pts], marker="o", color=f"C{i}", label=label)
+        taus = [p.figures.acceptance_length for p in pts]
+        if None not in taus:
+            bottom.plot(ks, taus, marker="o", color=f"C{i}", label=label)
+        best = f.recommended.get(name, {}).get(level)
+        if best is not None and _series(best.point)[1:] == (t, adaptive):
+            best_k, best_tps = (
+                best.point.method.num_speculative_tokens,
+                best.point.figures.output_tokens_per_s,
+            )
+            top.plot(best_k, best_tps, "*", ms=15, color=f"C{i}")
+    top.set(title=level_phrase(level), ylabel="output tokens/s")
+    taus = [
+        p.figures.acceptance_length for p in here if p.speculative and p.figures.acceptance_length is not None
+    ]
+    bottom.set(
+        xlabel="K (num_speculative_tokens)",
+        ylabel="tau (acceptance length)",
+        ylim=(0.95, 1.05 * max([2.0, *taus])),  # tau >= 1 always; a flat 1.0 reads as flat
+    )
+    for ax in (top, bottom):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if here:
+        top.legend(fontsize=8)
+
+
+def plot_latency(report: BenchReport, path: Path, figures: ReportFigures | None = None) -> Path:
     """latency.png: TTFT, TPOT and ITL (median solid, p99 dotted) against concurrency (or request
     rate), one line per configuration (method at K)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    d = report if isinstance(report, dict) else report_dict(report)
-    if "sweep" in d:
-        points = d["sweep"]["points"]
-    else:
-        points = [{**r, "concurrency": d["concurrency"]} for r in d["results"]]
-    points = [p for p in points if p.get("median_ttft_ms") is not None]
-    configs = list(dict.fromkeys((p["name"], p["num_speculative_tokens"]) for p in points))
-    by_rate = any(p.get("request_rate") is not None for p in points)
+    entries = latency_entries(report, figures or report.figures())
+    configs = list(dict.fromkeys((e.name, e.method.num_speculative_tokens) for _, _, e in entries))
+    rated = any(isinstance(e, PointFigures) and e.request_rate is not None for _, _, e in entries)
     # concurrency on a log2 axis; request rates (inf among them) evenly spaced, in order
-    ticks = sorted({level_order(p): level_cell(p) for p in points}.items())
-    place = {key: key[0] if not by_rate else i for i, (key, _) in enumerate(ticks)}
+    ticks = sorted({order: cell for order, cell, _ in entries}.items())
+    place = {key: key[0] if not rated else i for i, (key, _) in enumerate(ticks)}
     fig = Figure(figsize=(13, 4), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
     titles = {"ttft": "time to first token", "tpot": "time per output token", "itl": "inter-token latency"}
     for ax, name in zip(axes, LATENCIES, strict=True):
         for i, (method, k) in enumerate(configs):
-            mine = sorted(
-                (p for p in points if (p["name"], p["num_speculative_tokens"]) == (method, k)),
-                key=level_order,
-            )
-            xs = [place[level_order(p)] for p in mine]
+            mine = [
+                (order, e)
+                for order, _, e in entries
+                if (e.name, e.method.num_speculative_tokens) == (method, k)
+            ]
+            xs = [place[order] for order, _ in mine]
             label = (
                 method if k == 0 or len({c[1] for c in configs if c[0] == method}) == 1 else f"{method} K={k}"
             )
-            ax.plot(xs, [p[f"median_{name}_ms"] for p in mine], marker="o", color=f"C{i}", label=label)
-            ax.plot(xs, [p[f"p99_{name}_ms"] for p in mine], linestyle=":", color=f"C{i}")
-        xlabel = "request rate (req/s)" if by_rate else "concurrency"
+            ax.plot(
+                xs,
+                [e.figures.latency[f"median_{name}_ms"] for _, e in mine],
+                marker="o",
+                color=f"C{i}",
+                label=label,
+            )
+            ax.plot(xs, [e.figures.latency[f"p99_{name}_ms"] for _, e in mine], linestyle=":", color=f"C{i}")
+        xlabel = "request rate (req/s)" if rated else "concurrency"
         ax.set(title=f"{titles[name]} (p50, p99 dotted)", xlabel=xlabel, ylabel="ms")
-        if not by_rate:
+        if not rated:
             ax.set_xscale("log", base=2)
         ax.set_xticks([place[key] for key, _ in ticks], [label for _, label in ticks])
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
     if configs:
         axes[0].legend(fontsize=8)
-    fig.suptitle(_title(d), fontsize=9)
+    fig.suptitle(_title(report), fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     return path
@@ -785,20 +886,21 @@ def plot_latency(report: BenchReport | dict[str, Any], path: Path) -> Path:
 
 def write_report(report: BenchReport, out_dir: Path, figures: bool = True) -> dict[str, Path]:
     """Write report.json and outputs.jsonl (always) and report.md + acceptance.png, and sweep.png
-    for a sweep (when `figures`: the intervals are bootstrapped then too, else left null)."""
+    for a sweep (when `figures`: the intervals are bootstrapped then too, else left null). The
+    report's figures are computed once for all of them; a server URL's credentials stay out of
+    every file (specctl.redact)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    d = redact_tree(
-        report_dict(report, intervals=figures)
-    )  # a server URL's credentials stay out of the files
+    f = report.figures(intervals=figures)
     paths = {"json": out_dir / "report.json", "outputs": out_dir / "outputs.jsonl"}
+    d = redact_tree(report_dict(report, figures=f))
     write_atomic(paths["json"], json.dumps(d, indent=2) + "\n", durable=False)
     write_atomic(paths["outputs"], "".join(line + "\n" for line in outputs_lines(report)), durable=False)
     if figures:
         paths["md"] = out_dir / "report.md"
-        write_atomic(paths["md"], markdown(d), durable=False)
-        paths["png"] = plot(d, out_dir / "acceptance.png")
-        if shows_sweep(d):
-            paths["sweep_png"] = plot_sweep(d, out_dir / "sweep.png")
-        if has_latency(d):
-            paths["latency_png"] = plot_latency(d, out_dir / "latency.png")
+        write_atomic(paths["md"], redact_text(markdown(report, figures=f)), durable=False)
+        paths["png"] = plot(report, out_dir / "acceptance.png", f)
+        if shows_sweep(report):
+            paths["sweep_png"] = plot_sweep(report, out_dir / "sweep.png", f)
+        if latency_entries(report, f):
+            paths["latency_png"] = plot_latency(report, out_dir / "latency.png", f)
     return paths

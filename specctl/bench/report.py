@@ -41,6 +41,8 @@ from specctl.bench.intervals import (
 from specctl.bench.plan import PLAIN, Method, speculative_config
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, UsageError
+from specctl.recipe import BenchSection
+from specctl.redact import redact_tree
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,8 @@ class BenchReport:
     # method name -> its outputs that differ from plain decoding's, explained (specctl.bench.divergence);
     # None: not analysed (sampling, no plain run, no ids, or a backend without a local verifier)
     divergences: dict[str, list[Divergence]] | None = None
+    # the bench settings the run read, whole (report.json's `settings`); None: a report built by hand
+    settings: BenchSection | None = None
 
     @property
     def first_level(self) -> Level:
@@ -207,8 +211,35 @@ class BenchReport:
         """Every method measured and every requirement met: the command exits 0."""
         return self.complete and not self.errors and not self.failures
 
-    def to_dict(self) -> dict[str, Any]:
-        return report_dict(self)
+    @property
+    def categories(self) -> list[str]:
+        """The prompts' categories, sorted ([] when they have none)."""
+        return sorted({c for r in self.results for c in r.categories if c})
+
+    @property
+    def divergence_summary(self) -> str | None:
+        """One line on the outputs that left plain decoding's (None: not analysed)."""
+        return summary_line(self.divergences) if self.divergences is not None else None
+
+    def figures(self, intervals: bool = True) -> ReportFigures:
+        """Every derived figure -- speedups, ratios, intervals, output comparisons, a sweep's points
+        and recommendations -- from the measurements as they stand. `intervals` False skips the
+        bootstrap (the point figures stay)."""
+        resamples = RESAMPLES if intervals else 0
+        results = result_figures(self, resamples)
+        points = point_figures(self, resamples) if self.sweep is not None else None
+        return ReportFigures(
+            categories=self.categories,
+            results=results,
+            plain=next((r for r in results if not r.speculative), None),
+            base=next((r for r in results if r.name == self.baseline), None),
+            points=points,
+            recommended=recommendations(points or [], self.backend),
+        )
+
+    def to_dict(self, intervals: bool = True) -> dict[str, Any]:
+        """report.json's content (specctl.bench.report.report_dict)."""
+        return report_dict(self, intervals)
 
 
 # ---------------------------------------------------------------- figures
@@ -299,60 +330,111 @@ def units_dict(units: Sequence[Unit]) -> dict[str, list[Any]]:
     }
 
 
-def measurement_dict(
+@dataclass(frozen=True)
+class Figures:
+    """One measurement's figures against its references (plain decoding, the baseline): what
+    report.json writes per method, per category and per sweep point, and what every table and plot
+    reads. Acceptance is None where nothing counted it; tok/s, speedup, the ratio to the baseline
+    and tau are the median over rounds where there are units, with their 95% `intervals`."""
+
+    acceptance_length: float | None = None
+    per_position_acceptance: list[float] = field(default_factory=list)
+    num_drafts: int | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+    # drafts the verifier had to check per draft it kept: what a dynamic draft length saves
+    draft_tokens_per_accepted: float | None = None
+    num_prompts: int = 0
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    request_throughput: float = 0.0
+    latency: dict[str, float | None] = field(default_factory=dict)  # LATENCY_FIELDS, ms (latency_dict)
+    speedup: float | None = None
+    ratio_vs_baseline: float | None = None
+    acceptance_ratio_vs_baseline: float | None = None
+    server_generation_tokens: int | None = None
+    failed: dict[int, str] = field(default_factory=dict)  # prompt index -> why its request failed
+    rounds: int = 0
+    # INTERVAL_FIGURES -> (low, high) of the 95% interval; None: no units, no reference, or skipped
+    intervals: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+
+    def estimate(self, name: str) -> Estimate | None:
+        """Figure `name` with its interval (None: not measured, or no interval)."""
+        value, interval = getattr(self, name), self.intervals.get(name)
+        return None if value is None or interval is None else Estimate(value, *interval)
+
+    def to_dict(self, baseline: bool = True) -> dict[str, Any]:
+        """report.json's figures (a sweep point has no baseline: `baseline` False leaves its ratios out)."""
+        out = {
+            "acceptance_length": self.acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "draft_tokens_per_accepted": self.draft_tokens_per_accepted,
+            "num_prompts": self.num_prompts,
+            "output_tokens": self.output_tokens,
+            "wall_s": self.wall_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "request_throughput": self.request_throughput,
+            **self.latency,
+            "speedup": self.speedup,
+            "ratio_vs_baseline": self.ratio_vs_baseline,
+            "acceptance_ratio_vs_baseline": self.acceptance_ratio_vs_baseline,
+            "server_generation_tokens": self.server_generation_tokens,
+            "num_failed": len(self.failed),
+            "failed_requests": {str(i): why for i, why in sorted(self.failed.items())},
+            "rounds": self.rounds,
+            "intervals": {name: list(i) if i is not None else None for name, i in self.intervals.items()},
+        }
+        if not baseline:
+            del out["ratio_vs_baseline"], out["acceptance_ratio_vs_baseline"]
+        return out
+
+
+def measurement_figures(
     m: Measurement,
     plain: Measurement | None,
     base: Measurement | None,
     seed: int = 0,
     resamples: int = RESAMPLES,
-) -> dict[str, Any]:
-    """One measurement's figures; acceptance is None where nothing counted it. Where the
-    measurement has units, tok/s, speedup, the ratio to the baseline and tau are the median over
-    rounds (with one round: the ratio of sums, as before) and `intervals` holds their 95% ones
-    (None with `resamples` 0: a report rewritten mid-run skips the bootstrap)."""
+) -> Figures:
+    """One measurement's figures. Where it has units, tok/s, speedup, the ratio to the baseline and
+    tau are the median over rounds (with one round: the ratio of sums) with their 95% intervals
+    (none with `resamples` 0: a report rewritten mid-run skips the bootstrap); without units, the
+    figures of the sums (every round pooled)."""
     found = estimates(m, plain, base, seed, resamples)
-    figures = measurement_figures(m, plain, base)
-    for name, e in found.items():
-        if e is not None:
-            figures[name] = e.value
-    return {
-        **figures,
-        "rounds": len({u.round for u in m.units}),
-        "intervals": {
-            name: [e.low, e.high] if e is not None and math.isfinite(e.low) else None
+    median = {name: e.value for name, e in found.items() if e is not None}
+    tps, c, counted = m.output_tokens_per_s, m.counters, m.counted
+    tau = m.acceptance_length if counted else None
+    base_tau = (base.acceptance_length if base.counted else None) if base else None
+    return Figures(
+        acceptance_length=median.get("acceptance_length", tau),
+        per_position_acceptance=m.per_position_acceptance if counted else [],
+        num_drafts=c.num_drafts if counted else None,
+        num_draft_tokens=c.num_draft_tokens if counted else None,
+        num_accepted_tokens=c.num_accepted_tokens if counted else None,
+        draft_tokens_per_accepted=_ratio(c.num_draft_tokens, c.num_accepted_tokens) if counted else None,
+        num_prompts=m.num_prompts,
+        output_tokens=m.output_tokens,
+        wall_s=m.wall_s,
+        output_tokens_per_s=median.get("output_tokens_per_s", tps),
+        request_throughput=m.request_throughput,
+        latency=latency_dict(m),
+        speedup=median.get("speedup", _ratio(tps, plain.output_tokens_per_s if plain else None)),
+        ratio_vs_baseline=median.get(
+            "ratio_vs_baseline", _ratio(tps, base.output_tokens_per_s if base else None)
+        ),
+        acceptance_ratio_vs_baseline=_ratio(tau, base_tau) if tau is not None else None,
+        server_generation_tokens=m.server_generation_tokens,
+        failed=dict(m.failed),
+        rounds=len({u.round for u in m.units}),
+        intervals={
+            name: (e.low, e.high) if e is not None and math.isfinite(e.low) else None
             for name, e in found.items()
         },
-    }
-
-
-def measurement_figures(
-    m: Measurement, plain: Measurement | None, base: Measurement | None
-) -> dict[str, Any]:
-    """The figures of the sums (every round pooled): what a measurement without units reports."""
-    tps, c = m.output_tokens_per_s, m.counters
-    tau = m.acceptance_length if m.counted else None
-    base_tau = (base.acceptance_length if base.counted else None) if base else None
-    return {
-        "acceptance_length": tau,
-        "per_position_acceptance": m.per_position_acceptance if m.counted else [],
-        "num_drafts": c.num_drafts if m.counted else None,
-        "num_draft_tokens": c.num_draft_tokens if m.counted else None,
-        "num_accepted_tokens": c.num_accepted_tokens if m.counted else None,
-        # drafts the verifier had to check per draft it kept: what a dynamic draft length saves
-        "draft_tokens_per_accepted": _ratio(c.num_draft_tokens, c.num_accepted_tokens) if m.counted else None,
-        "num_prompts": m.num_prompts,
-        "output_tokens": m.output_tokens,
-        "wall_s": m.wall_s,
-        "output_tokens_per_s": tps,
-        "request_throughput": m.request_throughput,
-        **latency_dict(m),
-        "speedup": _ratio(tps, plain.output_tokens_per_s if plain else None),
-        "ratio_vs_baseline": _ratio(tps, base.output_tokens_per_s if base else None),
-        "acceptance_ratio_vs_baseline": _ratio(tau, base_tau) if tau is not None else None,
-        "server_generation_tokens": m.server_generation_tokens,
-        "num_failed": len(m.failed),
-        "failed_requests": {str(i): why for i, why in sorted(m.failed.items())},
-    }
+    )
 
 
 def outputs_match(outputs: dict[int, list[int]], plain: dict[int, list[int]]) -> tuple[int, int]:
@@ -365,38 +447,156 @@ def outputs_match(outputs: dict[int, list[int]], plain: dict[int, list[int]]) ->
     return sum(outputs[i] == plain[i] for i in shared), len(shared)
 
 
-def report_dict(report: BenchReport, intervals: bool = True) -> dict[str, Any]:
-    """report.json: settings, then one entry per method (speedups vs the no-spec entry).
+@dataclass(frozen=True)
+class MethodFigures:
+    """A configuration as a table row shows it: the method (K, threshold, adaptive), its figures,
+    and how its greedy outputs compare with plain decoding's (outputs_match_plain: the fraction
+    decoded exactly alike, of outputs_compared; None where not comparable: sampling, no plain
+    run, no ids)."""
 
-    outputs_match_plain is the fraction of prompts decoded exactly as plain decoding did; only
-    greedy runs (temperature 0) are comparable, sampling draws differ by design, so it is None
-    there and wherever no ids were recorded. outputs_compared says out of how many prompts.
-    `intervals` False skips the bootstrap (the point figures stay): the rewrite after every
-    measurement of a run, where 64 intervals of a 12-prompt, 3-round, 4-method report would
-    add ~0.2 s to each of its 144 decodes.
-    """
-    resamples = RESAMPLES if intervals else 0
+    method: Method
+    figures: Figures
+    outputs_match_plain: float | None
+    outputs_compared: int
+    units: list[Unit]
+
+    @property
+    def name(self) -> str:
+        return self.method.name
+
+    @property
+    def speculative(self) -> bool:
+        return self.method.algo != PLAIN
+
+    @property
+    def matched(self) -> int | None:
+        """Prompts decoded exactly as plain decoding (None: not comparable)."""
+        frac = self.outputs_match_plain
+        return None if frac is None or not self.outputs_compared else round(frac * self.outputs_compared)
+
+
+def _compared(method: Method, total: Measurement, plain_outputs: dict[int, list[int]]) -> dict[str, Any]:
+    same, compared = outputs_match(total.outputs, plain_outputs)
+    return dict(
+        method=method,
+        outputs_match_plain=same / compared if compared else None,
+        outputs_compared=compared,
+        units=list(total.units),
+    )
+
+
+@dataclass(frozen=True)
+class ResultFigures(MethodFigures):
+    """A method of the summary table (report.json's `results`): with its divergences from plain
+    decoding (None: not analysed) and, when the prompts have categories, a figure per category."""
+
+    divergences: list[Divergence] | None
+    categories: dict[str, Figures] | None
+
+    @property
+    def unexplained_divergences(self) -> int | None:
+        return None if self.divergences is None else sum(not d.near_tie for d in self.divergences)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            **_method_dict(self.method),
+            **self.figures.to_dict(),
+            "outputs_match_plain": self.outputs_match_plain,
+            "outputs_compared": self.outputs_compared,
+            "units": units_dict(self.units),
+            "divergences": None if self.divergences is None else [d.to_dict() for d in self.divergences],
+            "unexplained_divergences": self.unexplained_divergences,
+        }
+        if self.categories is not None:
+            out["categories"] = {c: f.to_dict() for c, f in self.categories.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class PointFigures(MethodFigures):
+    """A sweep point: a configuration at one level (concurrency, or request rate), its speedup and
+    output comparison against no-spec at the same level (batching changes both)."""
+
+    concurrency: int
+    request_rate: float | None
+
+    @property
+    def level_key(self) -> str:
+        """Its level as the recommendations key it: `"4"`, or under --request-rate `"4 req/s"`."""
+        if self.request_rate is None:
+            return str(self.concurrency)
+        return f"{rate_label(self.request_rate)} req/s"
+
+    @property
+    def level_order(self) -> tuple[int, float]:
+        """Its place among a sweep's levels: by concurrency, then request rate (inf last)."""
+        return self.concurrency, -1.0 if self.request_rate is None else self.request_rate
+
+    def to_dict(self) -> dict[str, Any]:
+        rate = {"request_rate": rate_json(self.request_rate)} if self.request_rate is not None else {}
+        return {
+            **_method_dict(self.method),
+            "concurrency": self.concurrency,
+            **rate,
+            **self.figures.to_dict(baseline=False),
+            "outputs_match_plain": self.outputs_match_plain,
+            "outputs_compared": self.outputs_compared,
+            "units": units_dict(self.units),
+        }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The recommended configuration of a drafter at a level: the fastest point, the engine it was
+    `measured_on`, and the vLLM `--speculative-config` that serves it -- only when vLLM measured it
+    (another engine's step costs differ, so its best K need not be vLLM's)."""
+
+    point: PointFigures
+    speculative_config: dict[str, Any] | None
+    measured_on: str
+
+    def to_dict(self) -> dict[str, Any]:
+        m, f = self.point.method, self.point.figures
+        return {
+            "num_speculative_tokens": m.num_speculative_tokens,
+            "confidence_threshold": m.confidence_threshold,
+            "adaptive": m.adaptive,
+            "acceptance_length": f.acceptance_length,
+            "draft_tokens_per_accepted": f.draft_tokens_per_accepted,
+            "output_tokens_per_s": f.output_tokens_per_s,
+            "speedup": f.speedup,
+            "intervals": f.to_dict()["intervals"],
+            "speculative_config": self.speculative_config,
+            "measured_on": self.measured_on,
+        }
+
+
+@dataclass(frozen=True)
+class ReportFigures:
+    """Every derived figure of a report, computed once (BenchReport.figures): what report.json,
+    the tables and the plots show."""
+
+    categories: list[str]  # the prompts' categories, sorted ([] when they have none)
+    results: list[ResultFigures]
+    plain: ResultFigures | None  # the no-spec entry: the denominator of every speedup
+    base: ResultFigures | None  # the baseline's entry: the reference of "vs EAGLE-3"
+    points: list[PointFigures] | None  # a sweep's points, in the order measured; None: not a sweep
+    recommended: dict[str, dict[str, Recommendation]]  # method name -> level key -> recommendation
+
+
+def result_figures(report: BenchReport, resamples: int = RESAMPLES) -> list[ResultFigures]:
+    """The summary table's entries: speedups against the no-spec entry, ratios against the baseline."""
     plain = next((r for r in report.results if r.method.algo == PLAIN), None)
     base = next((r for r in report.results if r.method.name == report.baseline), None)
-    categories = sorted({c for r in report.results for c in r.categories if c})
+    categories = report.categories
     plain_outputs = plain.total.outputs if plain is not None and report.temperature == 0 else {}
-    results = []
+    entries = []
     for r in report.results:
         total = r.total
-        same, compared = outputs_match(total.outputs, plain_outputs)
-        entry: dict[str, Any] = {
-            **_method_dict(r.method),
-            **measurement_dict(
-                total, plain.total if plain else None, base.total if base else None, report.seed, resamples
-            ),
-            "outputs_match_plain": same / compared if compared else None,
-            "outputs_compared": compared,
-            "units": units_dict(total.units),
-            **divergence_dict(report.divergences, r.method.name),
-        }
+        per_category = None
         if categories:
-            entry["categories"] = {
-                c: measurement_dict(
+            per_category = {
+                c: measurement_figures(
                     m,
                     plain.categories.get(c) if plain else None,
                     base.categories.get(c) if base else None,
@@ -405,33 +605,37 @@ def report_dict(report: BenchReport, intervals: bool = True) -> dict[str, Any]:
                 )
                 for c, m in sorted(r.categories.items())
             }
-        results.append(entry)
-    out = {
-        "verifier": report.verifier,
-        "backend": report.backend,
-        "dataset": report.dataset,
-        "num_prompts": report.num_prompts,
-        "temperature": report.temperature,
-        "top_p": report.top_p,
-        "max_new_tokens": report.max_new_tokens,
-        "seed": report.seed,
-        "concurrency": report.concurrency,
-        "repeats": report.repeats,
-        "engine_rounds": report.engine_rounds,
-        "complete": report.complete,
-        "baseline": report.baseline,
-        "categories": categories,
-        "results": results,
-        "requirements": list(report.requirements),
-        "failures": list(report.failures),
-        "errors": list(report.errors),
-        "warnings": list(report.warnings),
-        "provenance": report.provenance,
-        "divergence_summary": summary_line(report.divergences) if report.divergences is not None else None,
-    }
-    if report.sweep is not None:
-        out["sweep"] = sweep_dict(report, resamples)
-    return out
+        figures = measurement_figures(
+            total, plain.total if plain else None, base.total if base else None, report.seed, resamples
+        )
+        divergences = None if report.divergences is None else report.divergences.get(r.method.name)
+        entries.append(
+            ResultFigures(
+                figures=figures,
+                **_compared(r.method, total, plain_outputs),
+                divergences=divergences,
+                categories=per_category,
+            )
+        )
+    return entries
+
+
+def point_figures(report: BenchReport, resamples: int = RESAMPLES) -> list[PointFigures]:
+    """Every sweep point, with its speedup and output comparison against no-spec at its level."""
+    plain = {p.level: p.result.total for p in report.sweep or [] if p.result.method.algo == PLAIN}
+    points = []
+    for p in report.sweep or []:
+        total, ref = p.result.total, plain.get(p.level)
+        ref_outputs = ref.outputs if ref is not None and report.temperature == 0 else {}
+        points.append(
+            PointFigures(
+                figures=measurement_figures(total, ref, None, report.seed, resamples),
+                **_compared(p.result.method, total, ref_outputs),
+                concurrency=p.concurrency,
+                request_rate=p.request_rate,
+            )
+        )
+    return points
 
 
 def divergence_dict(divergences: dict[str, list[Divergence]] | None, name: str) -> dict[str, Any]:
@@ -457,6 +661,58 @@ def _method_dict(method: Method) -> dict[str, Any]:
     }
 
 
+def report_dict(
+    report: BenchReport, intervals: bool = True, figures: ReportFigures | None = None
+) -> dict[str, Any]:
+    """report.json, written from the report's figures (`figures`, when the caller has them):
+    settings, then one entry per method (speedups vs the no-spec entry), the sweep's points and
+    recommendations.
+
+    `intervals` False skips the bootstrap (the point figures stay): the rewrite after every
+    measurement of a run, where 64 intervals of a 12-prompt, 3-round, 4-method report would
+    add ~0.2 s to each of its 144 decodes.
+    """
+    f = figures or report.figures(intervals)
+    out = {
+        "verifier": report.verifier,
+        "backend": report.backend,
+        "dataset": report.dataset,
+        "num_prompts": report.num_prompts,
+        "temperature": report.temperature,
+        "top_p": report.top_p,
+        "max_new_tokens": report.max_new_tokens,
+        "seed": report.seed,
+        "concurrency": report.concurrency,
+        "repeats": report.repeats,
+        "engine_rounds": report.engine_rounds,
+        "complete": report.complete,
+        "baseline": report.baseline,
+        "categories": f.categories,
+        "results": [r.to_dict() for r in f.results],
+        "requirements": list(report.requirements),
+        "failures": list(report.failures),
+        "errors": list(report.errors),
+        "warnings": list(report.warnings),
+        "provenance": report.provenance,
+        "divergence_summary": report.divergence_summary,
+    }
+    if report.settings is not None:  # credentials in bench.base_url masked, as everywhere
+        out["settings"] = redact_tree(report.settings.model_dump(mode="json"))
+    if f.points is not None:
+        rates = {"request_rate": [rate_json(r) for r in report.sweep_rates]} if report.sweep_rates else {}
+        out["sweep"] = {
+            "concurrency": list(report.sweep_levels),
+            **rates,
+            "points": [p.to_dict() for p in f.points],
+            "recommended": {
+                name: {level: r.to_dict() for level, r in levels.items()}
+                for name, levels in f.recommended.items()
+            },
+            "skipped": list(report.sweep_skipped),
+        }
+    return out
+
+
 # ---------------------------------------------------------------- the K sweep
 
 
@@ -478,12 +734,13 @@ def recommend(points: Iterable[tuple[Setting, float]]) -> Setting:
     return setting
 
 
-def _setting(method: Method) -> Setting:
+def setting_of(method: Method) -> Setting:
+    """A configuration's (K, threshold, adaptive)."""
     return method.num_speculative_tokens, method.confidence_threshold, method.adaptive
 
 
 def point_setting(point: dict[str, Any]) -> Setting:
-    """The (K, threshold, adaptive) of a point or result as the report writes it (older reports
+    """The (K, threshold, adaptive) of a point or result as report.json writes it (older reports
     have no T and no adaptive)."""
     return point["num_speculative_tokens"], point.get("confidence_threshold"), bool(point.get("adaptive"))
 
@@ -499,8 +756,8 @@ def best_results(points: Sequence[Point], level: int | Level) -> list[MethodResu
             by_name.setdefault(p.result.method.name, []).append(p.result)
     best = []
     for results in by_name.values():
-        chosen = recommend((_setting(r.method), median_rate(r.total)) for r in results)
-        best.append(next(r for r in results if _setting(r.method) == chosen))
+        chosen = recommend((setting_of(r.method), median_rate(r.total)) for r in results)
+        best.append(next(r for r in results if setting_of(r.method) == chosen))
     return best
 
 
@@ -513,15 +770,6 @@ def rate_json(rate: float) -> float | str:
     return rate_label(rate) if math.isinf(rate) else rate
 
 
-def level_key(point: dict[str, Any]) -> str:
-    """A report.json point's level as the recommendations key it: its concurrency (`"4"`), or
-    under --request-rate its rate (`"4 req/s"`, `"inf req/s"`)."""
-    rate = point.get("request_rate")
-    if rate is None:
-        return str(point["concurrency"])
-    return f"{rate if isinstance(rate, str) else rate_label(rate)} req/s"
-
-
 def level_text(level: Level) -> str:
     """A level in a sentence: `concurrency 4`, or `request rate 4 req/s` (at most N in flight)."""
     concurrency, rate = level
@@ -530,69 +778,23 @@ def level_text(level: Level) -> str:
     return f"request rate {rate_label(rate)} req/s"
 
 
-def recommendations(points: Sequence[dict[str, Any]], backend: str) -> dict[str, dict[str, dict[str, Any]]]:
-    """method name -> concurrency level (a string: JSON keys are) -> the recommended K (and
-    confidence threshold) with its figures, the engine it was `measured_on`, and the vLLM
-    `--speculative-config` that serves it -- only when vLLM measured it: another engine's step
-    costs differ, so its best K need not be vLLM's. Plain decoding has none."""
-    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+def recommendations(points: Sequence[PointFigures], backend: str) -> dict[str, dict[str, Recommendation]]:
+    """method name -> level key -> the recommended K (and confidence threshold, adaptive) at that
+    level, by the points' reported output tokens/s (`recommend`). Plain decoding has none."""
+    grouped: dict[tuple[str, str], list[PointFigures]] = {}
     for p in points:
-        if p["algo"] != PLAIN:
-            grouped.setdefault((p["name"], level_key(p)), []).append(p)
-    out: dict[str, dict[str, dict[str, Any]]] = {}
+        if p.speculative:
+            grouped.setdefault((p.name, p.level_key), []).append(p)
+    out: dict[str, dict[str, Recommendation]] = {}
     for (name, level), group in grouped.items():
-        k, t, adaptive = recommend((point_setting(p), p["output_tokens_per_s"]) for p in group)
-        best = next(p for p in group if point_setting(p) == (k, t, adaptive))
-        drafter = Path(best["drafter"]) if best["drafter"] else None
-        method = Method(name, best["algo"], k, drafter, adaptive=adaptive)
+        chosen = recommend((setting_of(p.method), p.figures.output_tokens_per_s) for p in group)
+        best = next(p for p in group if setting_of(p.method) == chosen)
         try:
-            spec = speculative_config(method) if backend in VLLM_BACKENDS else None
+            spec = speculative_config(best.method) if backend in VLLM_BACKENDS else None
         except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
             spec = None
-        out.setdefault(name, {})[level] = {
-            "num_speculative_tokens": k,
-            "confidence_threshold": t,
-            "adaptive": adaptive,
-            "acceptance_length": best["acceptance_length"],
-            "draft_tokens_per_accepted": best.get("draft_tokens_per_accepted"),
-            "output_tokens_per_s": best["output_tokens_per_s"],
-            "speedup": best["speedup"],
-            "intervals": best.get("intervals"),
-            "speculative_config": spec,
-            "measured_on": backend,
-        }
+        out.setdefault(name, {})[level] = Recommendation(best, spec, backend)
     return out
-
-
-def sweep_dict(report: BenchReport, resamples: int = RESAMPLES) -> dict[str, Any]:
-    """report.json's `sweep`: every measured point, with its speedup and output comparison
-    against no-spec at the same concurrency (batching changes both), and the recommendations."""
-    plain = {p.level: p.result.total for p in report.sweep or [] if p.result.method.algo == PLAIN}
-    points = []
-    for p in report.sweep or []:
-        total, ref = p.result.total, plain.get(p.level)
-        ref_outputs = ref.outputs if ref is not None and report.temperature == 0 else {}
-        same, compared = outputs_match(total.outputs, ref_outputs)
-        figures = measurement_dict(total, ref, None, report.seed, resamples)
-        points.append(
-            {
-                **_method_dict(p.result.method),
-                "concurrency": p.concurrency,
-                **({"request_rate": rate_json(p.request_rate)} if p.request_rate is not None else {}),
-                **{k: v for k, v in figures.items() if "baseline" not in k},
-                "outputs_match_plain": same / compared if compared else None,
-                "outputs_compared": compared,
-                "units": units_dict(total.units),
-            }
-        )
-    rates = {"request_rate": [rate_json(r) for r in report.sweep_rates]} if report.sweep_rates else {}
-    return {
-        "concurrency": list(report.sweep_levels),
-        **rates,
-        "points": points,
-        "recommended": recommendations(points, report.backend),
-        "skipped": list(report.sweep_skipped),
-    }
 
 
 # ---------------------------------------------------------------- thresholds (CI)

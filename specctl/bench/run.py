@@ -35,7 +35,6 @@ from specctl.bench.plan import (
     Method,
     backend_levels,
     backend_rates,
-    bench_settings,
     check_drafters,
     choose_verifier,
     default_repeats,
@@ -52,6 +51,8 @@ from specctl.bench.plan import (
     repeat_rounds,
     reported_rounds,
     round_order,
+    run_backend,
+    settings_from_flags,
     speculative_config,
 )
 from specctl.bench.prompts import BenchPrompt, load_prompts
@@ -106,7 +107,7 @@ class RunPlan:
 
 def plan_run(
     recipe: Recipe | None,
-    overrides: dict[str, Any],
+    settings: BenchSection,
     concurrency: int | Sequence[int] | None,
     drafters: Sequence[Path | str],
     baseline: Path | str | None,
@@ -117,12 +118,14 @@ def plan_run(
     output: Path | str | None,
     warn: Callable[[str], None],
 ) -> RunPlan:
-    """The run's settings, configurations and verifier; every check that needs no decoding."""
+    """The run's settings, configurations and verifier; every check that needs no decoding.
+    `concurrency`: the levels to measure (`bench --concurrency 1,4,16`), the lowest the settings'."""
     asked = None
     if concurrency is not None:
         asked = sorted({concurrency} if isinstance(concurrency, int) else set(concurrency))
-    # the smallest level validates them all
-    settings, backend = bench_settings(recipe, **overrides, concurrency=asked[0] if asked else None)
+        # the smallest validates them all
+        settings = settings_from_flags(settings, {"concurrency": asked[0]})
+    backend = run_backend(settings)
     rates = backend_rates(backend, settings.request_rate, asked)
     settings = settings.model_copy(update={"request_rate": rates})  # ascending, as the backends send them
     cap = rate_cap(recipe, settings) if rates and not asked else settings.concurrency
@@ -152,20 +155,7 @@ def plan_run(
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
         settings = settings.model_copy(update={"repeats": repeats})
     skipped += unable  # warned and reported with the K a drafter cannot draft
-    cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
-    if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
-        raise UsageError(
-            f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
-            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
-        )
-    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
-        refuse_adaptive(backend)
-    if backend in ("vllm", "vllm-offline"):
-        from specctl.vllm.check import refuse_serving
-
-        for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
-            if m.drafter is not None:
-                refuse_serving(m.algo, m.drafter)
+    refuse_unmeasurable(backend, settings, methods, configs)
     section = None
     if chosen is not None:
         section = (recipe.verifier if recipe is not None else VerifierSection()).model_copy(
@@ -190,6 +180,28 @@ def plan_run(
         backend,
         recipe_yaml,
     )
+
+
+def refuse_unmeasurable(
+    backend: str, settings: BenchSection, methods: Sequence[Method], configs: Sequence[Method]
+) -> None:
+    """One line (before any engine starts) for a configuration this backend cannot measure: a
+    confidence threshold off the embedded engine, adaptive verification where it has none, a
+    drafter the installed vLLM cannot serve."""
+    cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
+    if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
+        raise UsageError(
+            f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
+            "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
+        )
+    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
+        refuse_adaptive(backend)
+    if backend in ("vllm", "vllm-offline"):
+        from specctl.vllm.check import refuse_serving
+
+        for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
+            if m.drafter is not None:
+                refuse_serving(m.algo, m.drafter)
 
 
 def refuse_adaptive(backend: str) -> None:
@@ -287,96 +299,74 @@ def new_report(
         sweep_levels=plan.levels if plan.sweeping else [],
         sweep_rates=list(plan.rates),
         sweep_skipped=plan.skipped,
+        settings=s,
     )
 
 
 # ---------------------------------------------------------------- the run
 
 
+def default_recipe(
+    recipe: Recipe | None, drafters: Sequence[Path | str], baseline: Path | str | None, base_url: str | None
+) -> Recipe | None:
+    """The recipe a bench reads: the one given, else -- with no drafter, no baseline and no running
+    server to bench -- the built-in quickstart (its exported drafters, its bench section)."""
+    if recipe is None and not drafters and baseline is None and base_url is None:
+        return load_recipe("quickstart")
+    return recipe
+
+
 def run_bench(
     recipe: Recipe | None = None,
+    settings: BenchSection | None = None,
+    *,
     drafters: Sequence[Path | str] = (),
     baseline: Path | str | None = None,
-    backend: str | None = None,
-    dataset: str | None = None,
-    num_prompts: int | None = None,
-    max_new_tokens: int | None = None,
-    temperature: float | None = None,
     verifier: str | None = None,
     output: Path | str | None = None,
     requires: Sequence[str] = (),
-    *,
-    top_p: float | None = None,
     concurrency: int | Sequence[int] | None = None,
-    request_rate: Sequence[float] | None = None,
-    seed: int | None = None,
-    repeats: int | None = None,
-    engine_rounds: int | None = None,
     ngram: int | None = None,
     sweep_k: bool | Sequence[int] = False,
-    confidence_thresholds: Sequence[float] | None = None,
-    adaptive: str | None = None,
     vllm_args: Sequence[str] = (),
-    ready_timeout_s: float | None = None,
-    base_url: str | None = None,
-    dataset_split: str | None = None,
-    dataset_subset: str | None = None,
-    dataset_column: str | None = None,
     progress: bool = True,
     generate_fn: Callable[..., Any] | None = None,
     load_drafter_fn: Callable[..., Any] | None = None,
 ) -> BenchReport:
     """Benchmark plain decoding, the baseline and each drafter on one verifier; write the report.
 
-    recipe: its exported drafters (runs/<name>/drafters/*/export) unless `drafters` are given;
-    None with no drafters = the built-in quickstart recipe. The verifier is `verifier`, else the
-    recipe's, else the one the drafters record. Other arguments override the recipe's `bench`
-    section. `ngram` adds vLLM's n-gram speculation with that many tokens (vLLM backends only).
-    `sweep_k` measures each drafter at several K (True: every K it can draft, see plan_sweep;
-    a list: those K); several `concurrency` levels (vLLM server only) are measured on each
-    server. Either makes a sweep: report.sweep holds every point, report.results each method
-    at its recommended K at the lowest level; so does `request_rate` (server backends): requests
-    arrive as a Poisson process at each rate, one level per rate. `confidence_thresholds` adds a
-    dynamic draft length for drafters with a confidence head (plan_thresholds; several values are
-    swept). `adaptive` (bench.adaptive: off, on, both) measures adaptive verification instead of,
-    or beside, each drafter's fixed K (plan_adaptive).
-    `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
-    server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
-    else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
+    recipe: its exported drafters (runs/<name>/drafters/*/export) unless `drafters` are given
+    (`default_recipe`: none at all = the built-in quickstart). `settings`: the bench settings,
+    whole (the recipe's `bench` section with any command-line values on top, built by
+    plan.settings_from_flags; None = the recipe's section, else the defaults). The verifier is
+    `verifier`, else the recipe's, else the one the drafters record. `requires` adds to the
+    settings' `require`. `ngram` adds vLLM's n-gram speculation with that many tokens (vLLM
+    backends only). `sweep_k` measures each drafter at several K (True: every K it can draft, see
+    plan_sweep; a list: those K); several `concurrency` levels (vLLM server only) are measured on
+    each server. Either makes a sweep: report.sweep holds every point, report.results each method
+    at its recommended K at the lowest level; so do several `settings.request_rate` (server
+    backends), one level per rate, and several `settings.confidence_thresholds` (plan_thresholds);
+    `settings.adaptive` measures adaptive verification instead of, or beside, each drafter's
+    fixed K (plan_adaptive). `settings.base_url` benches a running OpenAI-compatible server
+    instead (specctl.bench.remote): the server as it runs is the one method, `server`; the
+    tokenizer is `verifier`, else the recipe's, else the server's model. `generate_fn` /
+    `load_drafter_fn` replace the embedded engine's (tests).
     Returns the report: `report.errors` names methods that failed (the others were measured),
     `report.failures` the requirements that fell short; `report.ok` is False if either is non-empty.
     """
     from specctl.progress import console
 
-    if base_url is not None:
+    recipe = default_recipe(recipe, drafters, baseline, settings.base_url if settings else None)
+    if settings is None:
+        settings = recipe.bench if recipe is not None else BenchSection()
+    if settings.base_url is not None:
         from specctl.bench.remote import normalize_base_url
 
-        base_url = normalize_base_url(base_url)
         if vllm_args:
             raise UsageError(
                 "--vllm-arg configures a server specctl starts; --base-url benches a running one"
             )
-    elif recipe is None and not drafters and baseline is None:
-        recipe = load_recipe("quickstart")
-    overrides = dict(
-        base_url=base_url,
-        dataset_split=dataset_split,
-        dataset_subset=dataset_subset,
-        dataset_column=dataset_column,
-        backend=backend,
-        dataset=dataset,
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        repeats=repeats,
-        engine_rounds=engine_rounds,
-        ready_timeout_s=ready_timeout_s,
-        confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
-        request_rate=list(request_rate) if request_rate else None,
-        adaptive=adaptive,
-    )
+        settings = settings.model_copy(update={"base_url": normalize_base_url(settings.base_url)})
 
     def say(msg: str, **kw: Any) -> None:
         console.print(msg, **kw)
@@ -385,7 +375,7 @@ def run_bench(
         console.print(msg, style="yellow", soft_wrap=True)
 
     plan = plan_run(
-        recipe, overrides, concurrency, drafters, baseline, ngram, sweep_k, requires, verifier, output, warn
+        recipe, settings, concurrency, drafters, baseline, ngram, sweep_k, requires, verifier, output, warn
     )
     with run_lock(plan.out_dir, "bench"):  # a second bench into the same output exits naming this one
         return execute(plan, vllm_args, progress, say, warn, generate_fn, load_drafter_fn)

@@ -127,10 +127,7 @@ def request_settings(setup: VllmSetup) -> RequestSettings:
     """What every request to a server specctl started carries (its served name, vLLM's extensions)."""
     return RequestSettings(
         model=SERVED_NAME,
-        max_new_tokens=setup.max_new_tokens,
-        temperature=setup.temperature,
-        top_p=setup.top_p,
-        seed=setup.seed,
+        sampling=setup.sampling,
         stop_token_ids=setup.stop_token_ids,
         timeout_s=setup.request_timeout_s,
     )
@@ -233,7 +230,7 @@ def measure_loads(
         level, rate = load
         out[load] = {}
         for round_, (category, prompts) in ((r, g) for r in range(passes) for g in groups.items()):
-            seed = [settings.seed, round_, prompts[0][0]]
+            seed = [settings.sampling.seed, round_, prompts[0][0]]
             arrivals = arrival_offsets(len(prompts), rate, seed) if rate is not None else None
             sent = send_prompts(base_url, prompts, settings, level, on_done, arrivals)
             if len(sent.failed) == len(prompts):  # nothing measured: the method failed, not a request
@@ -396,7 +393,9 @@ class ServerBackend:
         self.started: Counter[Method] = Counter()  # servers started per configuration (log names)
 
     def measure(self, method: Method, groups: Groups) -> list[Point]:
-        length = max_model_len(groups, self.setup.max_new_tokens, self.max_k, self.verifier.max_positions)
+        length = max_model_len(
+            groups, self.setup.sampling.max_new_tokens, self.max_k, self.verifier.max_positions
+        )
         setup = replace(self.setup, max_model_len=length)
         label = run_label(method, self.sweeping, self.started[method])
         self.started[method] += 1

@@ -25,7 +25,7 @@ from specctl.bench.plan import PLAIN, Method, display_name, speculative_config
 from specctl.bench.report import Measurement
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, first_line
-from specctl.recipe import VerifierSection
+from specctl.recipe import Sampling, VerifierSection
 
 
 class VllmError(SpecctlError):
@@ -37,10 +37,7 @@ class VllmSetup:
     """Everything a vLLM run needs besides the method and the prompts."""
 
     verifier: str  # a local HF directory or a hub id
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
+    sampling: Sampling  # the run's bench settings'
     concurrency: int
     stop_token_ids: tuple[int, ...]
     log_dir: Path
@@ -86,7 +83,7 @@ def load_vllm_verifier(section: VerifierSection) -> VllmVerifier:
 
 def engine_args(method: Method, setup: VllmSetup, cpu: bool) -> list[str]:
     """The engine options shared by server and offline mode (user's extra args last, so they win)."""
-    args = ["--model", setup.verifier, "--seed", str(setup.seed), "--generation-config", "vllm"]
+    args = ["--model", setup.verifier, "--seed", str(setup.sampling.seed), "--generation-config", "vllm"]
     if setup.max_model_len:
         args += ["--max-model-len", str(setup.max_model_len)]
     if cpu:
