@@ -239,3 +239,55 @@ def test_request_rate_needs_a_server_backend(tmp_path):
             output=tmp_path / "o",
             progress=False,
         )
+
+
+class _Bar:
+    """Stands in for specctl.progress.progress_bar: keeps the task's total and count."""
+
+    def __init__(self, **_):
+        self.total, self.completed = None, 0
+
+    def add_task(self, description, total=None):
+        self.total = total
+        return 0
+
+    def reset(self, task, total=None):
+        self.total, self.completed = total, 0
+
+    def advance(self, task, n=1):
+        self.completed += n
+
+    def update(self, task, **_):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_server_progress_counts_every_pass(
+    tmp_path, fake_server, tiny_verifier_dir, one_category, monkeypatch
+):
+    """A server answers each prompt once per pass (bench.repeats): the bar's total counts the passes,
+    so it ends at N/N (it showed 144/48 at three passes)."""
+    from conftest import bench_with_flags
+
+    import specctl.progress
+
+    bars = []
+    monkeypatch.setattr(specctl.progress, "progress_bar", lambda **kw: bars.append(_Bar(**kw)) or bars[-1])
+    with _running_fake(fake_server, tmp_path, "--k", "3") as (url, _, _):
+        report = bench_with_flags(
+            base_url=url,
+            verifier=str(tiny_verifier_dir),
+            dataset=str(one_category),
+            num_prompts=4,
+            max_new_tokens=4,
+            output=tmp_path / "bench",
+            repeats=3,
+        )
+    assert report.ok, report.errors
+    (bar,) = bars
+    assert bar.total == 4 * 3 and bar.completed == bar.total

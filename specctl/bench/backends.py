@@ -33,6 +33,7 @@ class Backend(Protocol):
     name: str
     levels: tuple[int, ...]  # the concurrency levels one measure() covers
     interleave: bool  # methods may take turns prompt by prompt
+    counts_passes: bool  # on_done fires once per prompt per pass (bench.repeats), not once in all
     tokenizer: Any
 
     def measure(self, method: Method, groups: Groups) -> list[Point]: ...

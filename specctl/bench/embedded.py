@@ -40,6 +40,7 @@ class EmbeddedBackend:
     name = "embedded"
     levels = (1,)
     interleave = True  # switching methods is free: they take turns prompt by prompt
+    counts_passes = True  # every repetition decodes each prompt again
 
     def __init__(
         self,

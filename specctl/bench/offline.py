@@ -121,6 +121,7 @@ class OfflineBackend:
 
     name = "vllm-offline"
     interleave = False  # an engine start per configuration (per round: bench --engine-rounds)
+    counts_passes = False  # the worker answers once per configuration, its passes inside
 
     def __init__(
         self,

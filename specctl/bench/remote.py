@@ -118,6 +118,7 @@ class RemoteBackend:
 
     name = "remote"
     interleave = False  # one configuration: the server's
+    counts_passes = True  # measure_loads calls on_done for each prompt of each pass
 
     def __init__(
         self,

@@ -425,7 +425,7 @@ def execute(
     report.warnings = vllm_warnings(plan)
     for line in [*plan.skipped, *report.warnings]:
         warn(f"warning: {line}")
-    passes = report.repeats if engine.interleave else 1  # an engine's own passes are not counted
+    passes = report.repeats if engine.counts_passes else 1  # the offline engine's passes are not counted
     loads = len(plan.levels) * max(1, len(plan.rates))
     bar.reset(task, total=len(prompts) * loads * len(plan.configs) * passes)
     with bar:

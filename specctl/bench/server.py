@@ -369,6 +369,7 @@ class ServerBackend:
 
     name = "vllm"
     interleave = False  # a server start per configuration (per round: bench --engine-rounds)
+    counts_passes = True  # measure_loads calls on_done for each prompt of each pass
 
     def __init__(
         self,
