@@ -851,7 +851,6 @@ def bench_data(
     from transformers import AutoTokenizer
 
     from specctl.data import prepare_data
-    from specctl.data.engines import vllm_unavailable
     from specctl.recipe import load_recipe, resolve_recipe_path
     from specctl.verifier import locate_verifier
 
@@ -865,7 +864,9 @@ def bench_data(
         if engine == "vllm":
             from transformers import AutoConfig
 
-            why = vllm_unavailable(AutoConfig.from_pretrained(source))
+            from specctl.vllm.support import vllm_support
+
+            why = vllm_support(AutoConfig.from_pretrained(source)).why_not
             if why:
                 print(f"data: no vllm figures ({why})")
                 continue

