@@ -182,4 +182,3 @@ def server_argv(python: str, port: int, engine: Sequence[str]) -> list[str]:
         "--disable-uvicorn-access-log",
         *engine,
     ]
-

@@ -17,7 +17,8 @@ configuration. Messages are JSON (nothing but data crosses):
         -> "paths": [each prompt's hidden-states file]   (collect: max_tokens=1, the KV connector
            writes the files; see specctl.vllm.collect)
     {"op": "generate", "prompts": [[index, ids], ...], "max_tokens": N, "sampling": {...}}
-        -> "outputs": [each prompt's generated ids]   (the offline bench; seed + index per prompt)
+        -> "outputs": [each prompt's generated ids], "wall_s": the call's wall time, taken in the
+           worker   (the offline bench; seed + index per prompt)
     {"op": "metrics"} -> "text": the in-process Prometheus exposition (the offline bench's counters)
 
 When the parent has what it asked for, it closes the socket and kills the worker's group
@@ -123,10 +124,12 @@ class WorkerEngine:
 
     def generate(
         self, prompts: list[list[Any]], max_tokens: int, sampling: dict[str, Any]
-    ) -> list[list[int]]:
-        """Each (index, ids) prompt's generated ids, seeded by sampling["seed"] + index."""
+    ) -> tuple[list[list[int]], float]:
+        """Each (index, ids) prompt's generated ids, seeded by sampling["seed"] + index, and the wall
+        time of this call, taken here: the bench times the engine, not the trip to the worker."""
         from vllm import SamplingParams
 
+        start = time.perf_counter()
         params = [
             SamplingParams(
                 max_tokens=max_tokens,
@@ -138,7 +141,7 @@ class WorkerEngine:
             for index, _ in prompts
         ]
         outs = self.llm.generate([{"prompt_token_ids": ids} for _, ids in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
 
     def metrics(self) -> str:
         from prometheus_client import REGISTRY, generate_latest
@@ -183,7 +186,8 @@ def handle(engine: Any, message: dict[str, Any]) -> dict[str, Any]:
     if op == "prefill":
         return {"paths": engine.prefill(message["prompts"])}
     if op == "generate":
-        return {"outputs": engine.generate(message["prompts"], message["max_tokens"], message["sampling"])}
+        outputs, wall_s = engine.generate(message["prompts"], message["max_tokens"], message["sampling"])
+        return {"outputs": outputs, "wall_s": wall_s}
     if op == "metrics":
         return {"text": engine.metrics()}
     raise ValueError(f"unknown op {op!r}")
