@@ -208,9 +208,9 @@ def _load_verifier(recipe: Recipe, vllm_log: Path) -> VerifierBackend | Verifier
     only, its weights loaded once the data stage is done: loaded first, they would hold the GPUs
     the data stage's vLLM engines start on (a 70B verifier: 35 GB of each of 4 GPUs)."""
     if recipe.features.backend == "vllm":
-        from specctl.collect_vllm import load_vllm_verifier
+        from specctl.vllm.collect import load_collect_backend
 
-        return load_vllm_verifier(recipe.verifier, vllm_log)
+        return load_collect_backend(recipe.verifier, vllm_log)
     if recipe.verifier.tensor_parallel_size > 1:
         return read_verifier_files(recipe.verifier)
     return load_verifier(recipe.verifier)

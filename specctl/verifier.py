@@ -1,7 +1,7 @@
 """Load the verifier (hub id, local directory, or a built-in alias) and capture its hidden states.
 
 `VerifierBackend` is what the collect stage reads of a verifier; `Verifier` (the HF model in this
-process) and `specctl.collect_vllm.VllmVerifier` (vLLM) both implement it.
+process) and `specctl.vllm.collect.VllmBackend` (vLLM) both implement it.
 
 Layer ids follow HF `output_hidden_states`: id 0 is the embedding output, id k the residual
 stream after k decoder layers -- the same states vLLM's target model hands its drafters.
@@ -52,7 +52,7 @@ FeatureForward = Callable[[Samples, Callable[[int], None]], Samples]
 
 class VerifierBackend(Protocol):
     """What the collect stage reads of a verifier, whichever engine runs it: the HF model here
-    (`Verifier`) or vLLM (`specctl.collect_vllm.VllmVerifier`)."""
+    (`Verifier`) or vLLM (`specctl.vllm.collect.VllmBackend`)."""
 
     tokenizer: Any
     config: Any  # the verifier's HF (text) config

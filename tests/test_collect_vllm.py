@@ -21,22 +21,22 @@ import torch
 from reliability_matrix import fault
 from safetensors.torch import save_file
 
-from specctl.collect_vllm import (
+from specctl.errors import RecipeError, SpecctlError, VerifierError
+from specctl.features import Layout, encode_features
+from specctl.vllm.args import collect_llm_args
+from specctl.vllm.collect import (
     _chunks,
     capture_layer_ids,
     engine_gpus,
-    engine_kwargs,
     forward_samples_vllm,
+    load_collect_backend,
     load_target_head,
-    load_vllm_verifier,
     open_engine_worker,
     open_vllm_verifier,
     read_hidden_states,
     read_target_head,
     split_captured,
 )
-from specctl.errors import RecipeError, SpecctlError, VerifierError
-from specctl.features import Layout, encode_features
 
 NUM_LAYERS = 4
 AUX = (3, 0, 2)  # out of order and with the embeddings (id 0), on purpose
@@ -89,23 +89,23 @@ def test_chunks_cover_samples_in_order_within_budget():
             assert b - a == 1 or sum(lengths[a:b]) <= budget
 
 
-def test_engine_kwargs_ask_for_the_capture_ids_and_a_cpu_safe_connector(tmp_path):
-    cpu = engine_kwargs("m", (0, 2, 3, 4), tmp_path, on_cpu=True, dtype="float32", max_model_len=512)
+def test_collect_llm_args_ask_for_the_capture_ids_and_a_cpu_safe_connector(tmp_path):
+    cpu = collect_llm_args("m", (0, 2, 3, 4), tmp_path, on_cpu=True, dtype="float32", max_model_len=512)
     spec = cpu["speculative_config"]
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3, 4]
     kv = cpu["kv_transfer_config"]
     assert kv["kv_connector"] == "CPUHiddenStatesConnector"
-    assert kv["kv_connector_module_path"] == "specctl.collect_vllm"
+    assert kv["kv_connector_module_path"] == "specctl.vllm.collect"
     assert kv["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
     assert cpu["enforce_eager"] and cpu["kv_cache_memory_bytes"] == 2 * 2**30
     assert cpu["enable_prefix_caching"] is False
-    gpu = engine_kwargs("m", (1, 4), tmp_path, on_cpu=False, dtype="bfloat16", max_model_len=None)
+    gpu = collect_llm_args("m", (1, 4), tmp_path, on_cpu=False, dtype="bfloat16", max_model_len=None)
     assert gpu["kv_transfer_config"]["kv_connector"] == "SpecctlHiddenStatesConnector"
-    assert gpu["kv_transfer_config"]["kv_connector_module_path"] == "specctl.collect_vllm"
+    assert gpu["kv_transfer_config"]["kv_connector_module_path"] == "specctl.vllm.collect"
     assert "enforce_eager" not in gpu and "kv_cache_memory_bytes" not in gpu
     assert cpu["tensor_parallel_size"] == gpu["tensor_parallel_size"] == 1
-    tp = engine_kwargs(
+    tp = collect_llm_args(
         "m", (1, 4), tmp_path, on_cpu=False, dtype="bfloat16", max_model_len=None, tensor_parallel_size=4
     )
     assert tp["tensor_parallel_size"] == 4 and {**tp, "tensor_parallel_size": 1} == gpu
@@ -137,9 +137,9 @@ def test_an_engine_sees_only_the_gpus_it_is_given(monkeypatch):
         raise RuntimeError("not starting vLLM here")
         yield
 
-    import specctl.collect_vllm as collect_vllm
+    import specctl.vllm.worker
 
-    monkeypatch.setattr(collect_vllm, "process_group", started)
+    monkeypatch.setattr(specctl.vllm.worker, "process_group", started)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     for gpu, log in (("6", None), ("6", Path("log")), (None, None)):
         with pytest.raises(RuntimeError, match="not starting"), open_engine_worker({}, "m", log, gpu):
@@ -227,9 +227,10 @@ class FakeLLM:
     def __init__(self, storage: Path, num_capture: int, hidden: int):
         self.storage, self.num_capture, self.hidden, self.requests = storage, num_capture, hidden, 0
 
-    def generate(self, prompts):
+    def request(self, message, what, hint=""):
+        assert message["op"] == "prefill"
         paths = []
-        for prompt in prompts:
+        for prompt in message["prompts"]:
             ids = torch.tensor(prompt)
             g = torch.Generator().manual_seed(int(ids.sum()))
             hidden = torch.randn(len(ids), self.num_capture, self.hidden, generator=g) * 3  # [T, n_cap, H]
@@ -238,24 +239,20 @@ class FakeLLM:
             Path(str(path) + ".lock").touch()
             _write_request_file(path, hidden, ids)
             paths.append(str(path))
-        return paths
+        return {"op": "done", "paths": paths}
 
 
 def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path):
     """Without vLLM: the hand-over path with a layout gives `encode_features` of the raw states."""
-    from specctl.collect_vllm import VllmVerifier
     from specctl.features import TargetHead
     from specctl.recipe import VerifierSection
+    from specctl.vllm.collect import VllmBackend
+    from specctl.vllm.verifier import VllmVerifier
 
     capture = capture_layer_ids(AUX, NUM_LAYERS)
-    engine = VllmVerifier(
-        tokenizer=None,
-        config=types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, hidden_size=16),
-        name_or_path="fake",
-        hub_id=None,
-        local_path=None,
-        source="fake",
-        section=VerifierSection(name_or_path="fake"),
+    config = types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, hidden_size=16)
+    engine = VllmBackend(
+        verifier=VllmVerifier(VerifierSection(name_or_path="fake"), "fake", None, None, config, ()),
         on_cpu=True,
         dtype=torch.float32,
         llm=FakeLLM(tmp_path, len(capture), 16),
@@ -339,7 +336,7 @@ def test_load_is_cheap_and_bad_aux_ids_are_refused_before_the_engine(hd32_dir):
     import psutil
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    verifier = load_vllm_verifier(hd32_dir)
+    verifier = load_collect_backend(hd32_dir)
     assert verifier.llm is None and verifier.generation_model is None and verifier.num_layers == NUM_LAYERS
     assert verifier.on_cpu and verifier.dtype == torch.float32  # dtype auto on CPU, as for HF
     assert verifier.local_path == str(hd32_dir) and len(verifier.tokenizer) == 259
@@ -430,7 +427,7 @@ def vllm_run(hd32_dir):
     # a 256-token forward budget: the 300-token sample is prefilled in two chunks
     with open_vllm_verifier(hd32_dir, AUX, max_model_len=512, max_num_batched_tokens=256) as engine:
         seen["capture_ids"], seen["storage_dir"] = engine.capture_ids, engine.storage_dir
-        seen["batch_budget"] = engine.llm.max_num_batched_tokens
+        seen["batch_budget"] = engine.llm.limits["max_num_batched_tokens"]
         seen["engine_pids"] = {
             p.pid
             for p in me.children(recursive=True)

@@ -38,7 +38,6 @@ from specctl.data.engines import (
     api_base,
     least_busy,
     worker_devices,
-    worker_llm_args,
 )
 from specctl.data.generate import (
     GenerationSpec,
@@ -50,9 +49,10 @@ from specctl.data.generate import (
 )
 from specctl.data.journal import Journal
 from specctl.data.prepare import generation_fingerprint
-from specctl.data.vllm_worker import recv_message, send_message, serve
 from specctl.errors import DataError, RecipeError
 from specctl.recipe import DataSection, VerifierSection
+from specctl.vllm.args import generation_llm_args
+from specctl.vllm.worker import recv_message, send_message, serve
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 CHILD_ENV = {
@@ -127,10 +127,10 @@ def test_worker_devices_groups_gpus_by_tensor_parallel_size():
     assert api_base("http://h:8000") == api_base("http://h:8000/v1/") == "http://h:8000/v1"
 
 
-def test_worker_llm_args_shard_each_engine_over_its_group_and_refuse_tp_in_vllm_args():
-    args = worker_llm_args("m", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=8, cpu=False)
+def test_generation_llm_args_shard_each_engine_over_its_group_and_refuse_tp_in_vllm_args():
+    args = generation_llm_args("m", dtype="bfloat16", seed=0, max_model_len=64, max_num_seqs=8, cpu=False)
     assert args["tensor_parallel_size"] == 1
-    four = worker_llm_args(
+    four = generation_llm_args(
         "m",
         dtype="bfloat16",
         seed=0,
@@ -154,13 +154,16 @@ def test_next_user_prefix_is_the_conversation_then_the_user_header(tiny_tokenize
 
 
 def test_vllm_worker_loop_adds_then_steps_until_a_request_finishes():
-    """The worker's protocol (vllm_worker.serve) on a fake engine: a step message adds its requests
-    and returns once at least one is done; an engine failure comes back as one error line."""
+    """The worker's protocol (specctl.vllm.worker.serve) on a fake engine: a step message adds its
+    requests and returns once at least one is done; an engine failure comes back as one error line."""
 
     class Fake:
         def __init__(self, start):
             assert start["llm"]["model"] == "m" and start["stop_token_ids"] == [2]
             self.left: dict[str, list[int]] = {}
+
+        def limits(self):
+            return {"max_model_len": 64}
 
         def add(self, rid, prompt, max_tokens, temperature, top_p):
             if prompt == [666]:
@@ -179,7 +182,7 @@ def test_vllm_worker_loop_adds_then_steps_until_a_request_finishes():
     results: list[int] = []
     worker.start()
     send_message(parent, {"op": "start", "llm": {"model": "m"}, "stop_token_ids": [2]})
-    assert recv_message(parent) == {"op": "ready"}
+    assert recv_message(parent) == {"op": "ready", "max_model_len": 64}
     send_message(parent, {"op": "step", "add": [["a:1", [1], 3, 0.0, 1.0], ["b:1", [1], 1, 1.0, 0.9]]})
     assert recv_message(parent) == {"op": "done", "done": [["b:1", [0]]], "stepped": 2}
     send_message(parent, {"op": "step", "add": []})
@@ -195,11 +198,15 @@ def test_vllm_worker_loop_adds_then_steps_until_a_request_finishes():
 def test_vllm_engine_counts_what_its_workers_steps_wrote():
     """`VllmEngine.generated()` is the sum of the workers' "stepped": the progress line's count
     while turns are still being written (finished turns alone said nothing for minutes)."""
-    from specctl.data.engines import VllmEngine, _Worker
+    from specctl.data.engines import VllmEngine
+    from specctl.vllm.worker import Worker
 
     class Fake:  # two tokens a step for every request in flight; one request ends per reply
         def __init__(self, start):
             self.left: dict[str, int] = {}
+
+        def limits(self):
+            return {}
 
         def add(self, rid, prompt, max_tokens, temperature, top_p):
             self.left[rid] = max_tokens
@@ -216,7 +223,7 @@ def test_vllm_engine_counts_what_its_workers_steps_wrote():
     threading.Thread(target=serve, args=(child, Fake), daemon=True).start()
     send_message(parent, {"op": "start", "llm": {}, "stop_token_ids": []})
     assert recv_message(parent) == {"op": "ready"}
-    engine = VllmEngine([_Worker(0, Alive(), Path("log"), "unused", conn=parent)], 4, [])
+    engine = VllmEngine([Worker(Alive(), parent, "lane 0", Path("log"), DataError)], 4, [])
     assert engine.generated() == 0
     sampling = Sampling(8, 0.0, 1.0)
     engine.submit([Request(f"{i}:0", [1], n, sampling, "answer") for i, n in enumerate((3, 5, 4))])

@@ -220,13 +220,14 @@ def test_kill_9_during_an_offline_bench(bench_dir):
     stage="data",
     fault="kill -9 of specctl while its vLLM data-generation worker writes self-generated conversations",
     result="within 15 s no process specctl started is alive (checked by pid), the worker included; "
-    "the worker's socket directory is gone",
+    "the worker's group socket directory is gone",
 )
 def test_kill_9_during_vllm_data_generation(tmp_path):
-    """The data stage's worker (`specctl.data.vllm_worker`, vLLM's offline engine inside) is
-    started through the same process groups as the benches' engines: killing specctl must take it
-    down too, or it keeps both cores and its KV cache for the rest of the machine's life. The
-    directory of the socket it listens on goes with it (each make test left one in /tmp)."""
+    """The data stage's worker (`specctl.vllm.worker`, vLLM's offline engine inside) is started
+    through the same process groups as the benches' engines: killing specctl must take it down too,
+    or it keeps both cores and its KV cache for the rest of the machine's life. The directory its
+    group's sockets go in goes with it (each make test left one in /tmp); the worker itself talks
+    over an inherited socket pair, which leaves no file."""
     pytest.importorskip("vllm")
     quickstart = ROOT / "specctl" / "recipes" / "quickstart.yaml"
     recipe = f"name: generating\nextends: {quickstart}\ndata:\n  engine: vllm\n  generate:\n"
@@ -242,8 +243,8 @@ def test_kill_9_during_vllm_data_generation(tmp_path):
 
     try:
         ended = run_and_signal(tmp_path, COLLECT, ready, signal.SIGKILL, tmpdir=temp)
-        assert_all_dead(ended, engine_in="specctl.data.vllm_worker")
-        assert [p.name[:12] for p in made] == ["specctl-gen-"], made
+        assert_all_dead(ended, engine_in="specctl.vllm.worker")
+        assert [p.name[:12] for p in made] == ["specctl-ipc-"], made
         assert not list(temp.glob("specctl-*")), list(temp.iterdir())
     finally:
         shutil.rmtree(temp, ignore_errors=True)

@@ -13,10 +13,10 @@ from test_bench_vllm import _health, _tiny_vllm_verifier
 from test_data import CONVS, write_jsonl
 from test_generate import check_accepted
 
-from specctl.bench.server import serve
 from specctl.data import prepare_data
 from specctl.procs import free_port, on_cpu, vllm_env
 from specctl.recipe import DataSection, VerifierSection
+from specctl.vllm.server import serve
 
 
 @pytest.fixture(scope="module")

