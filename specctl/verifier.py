@@ -512,15 +512,25 @@ def _row_by_row(
 ) -> torch.Tensor:
     """Row i of a block of Tq rows ending the Tk keys sees the first Tk - Tq + i + 1 keys (causal):
     exactly the call a one-token decode at that position makes (its mask row, when it hides
-    nothing, dropped as that call has none). [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
+    nothing, dropped as that call has none). [1, Hq, Tq, D] -> [1, Tq, Hq, D].
+
+    A boolean mask that hides keys inside a row's causal span -- a draft tree's verify, where a
+    node row sees the cache and its own ancestors only -- is honoured by gathering the visible
+    keys, in order, into the call: the keys a one-token decode of that node's path has in its
+    cache, so a tree row too is bit-identical to plain decoding's.
+    """
     rows, keys = query.shape[2], key.shape[2]
     out = []
     for i in range(rows):
         seen = keys - rows + i + 1
         row_mask = None if mask is None else mask[:, :, i : i + 1, :seen]
-        if row_mask is not None and row_mask.dtype == torch.bool and bool(row_mask.all()):
+        k, v = key[:, :, :seen], value[:, :, :seen]
+        if row_mask is not None and row_mask.dtype == torch.bool:
+            if not bool(row_mask.all()):  # a tree row: [1, kvh, visible, D] of the keys it may see
+                visible = row_mask[0, 0, 0].nonzero()[:, 0]
+                k, v = k.index_select(2, visible), v.index_select(2, visible)
             row_mask = None
-        out.append(_sdpa(query[:, :, i : i + 1], key[:, :, :seen], value[:, :, :seen], row_mask, scaling))
+        out.append(_sdpa(query[:, :, i : i + 1], k, v, row_mask, scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous()
 
 
