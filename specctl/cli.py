@@ -344,6 +344,15 @@ ThresholdOpt = Annotated[
         "drafts whose confidence product stays >= T; several values are swept (embedded backend).",
     ),
 ]
+TreeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tree",
+        metavar="N,...",
+        help="Also verify a draft tree of N nodes from each parallel drafter's block distributions, "
+        "beside its chain; several values are swept (embedded backend).",
+    ),
+]
 RequestRateOpt = Annotated[
     str | None,
     typer.Option(
@@ -465,6 +474,7 @@ def bench(
     sweep_k: SweepKOpt = None,
     confidence_threshold: ThresholdOpt = None,
     adaptive: AdaptiveOpt = None,
+    tree: TreeOpt = None,
     vllm_arg: Annotated[
         list[str] | None,
         typer.Option("--vllm-arg", help="Extra vLLM engine option, e.g. --vllm-arg=--max-num-seqs=8."),
@@ -509,6 +519,7 @@ def bench(
         confidence_thresholds=confidence_threshold
         and parse_float_list(confidence_threshold, "--confidence-threshold"),
         adaptive=adaptive,
+        tree_nodes=tree and parse_int_list(tree, "--tree"),
         vllm_args=vllm_arg or [],
         base_url=base_url,
         dataset_split=dataset_split,

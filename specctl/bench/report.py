@@ -340,6 +340,9 @@ def measurement_figures(
         "num_accepted_tokens": c.num_accepted_tokens if m.counted else None,
         # drafts the verifier had to check per draft it kept: what a dynamic draft length saves
         "draft_tokens_per_accepted": _ratio(c.num_draft_tokens, c.num_accepted_tokens) if m.counted else None,
+        # verifier rows per token a drafting pass emitted (1 + drafts or tree nodes over 1 + accepted):
+        # what a tree spends for its longer accepted paths
+        "verify_rows_per_token": _rows_per_token(c) if m.counted else None,
         "num_prompts": m.num_prompts,
         "output_tokens": m.output_tokens,
         "wall_s": m.wall_s,
@@ -353,6 +356,11 @@ def measurement_figures(
         "num_failed": len(m.failed),
         "failed_requests": {str(i): why for i, why in sorted(m.failed.items())},
     }
+
+
+def _rows_per_token(c: SpecCounters) -> float | None:
+    """Verify rows per token of the drafting passes: (1 + drafts) rows each emit 1 + accepted."""
+    return _ratio(c.num_drafts + c.num_draft_tokens, c.num_drafts + c.num_accepted_tokens)
 
 
 def outputs_match(outputs: dict[int, list[int]], plain: dict[int, list[int]]) -> tuple[int, int]:
@@ -453,6 +461,7 @@ def _method_dict(method: Method) -> dict[str, Any]:
         "num_speculative_tokens": method.num_speculative_tokens,
         "confidence_threshold": method.confidence_threshold,
         "adaptive": method.adaptive,
+        "tree_nodes": method.tree_nodes,
         "drafter": str(method.drafter) if method.drafter else None,
     }
 

@@ -47,6 +47,7 @@ from specctl.bench.plan import (
     plan_methods,
     plan_sweep,
     plan_thresholds,
+    plan_trees,
     prompt_rounds,
     rate_cap,
     repeat_rounds,
@@ -145,7 +146,10 @@ def plan_run(
     sweeping = sweep_k is not False or len(levels) > 1 or bool(rates) or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
     configs, not_adaptive = plan_adaptive(configs, settings.adaptive)
-    unable += not_adaptive
+    configs, not_tree = plan_trees(configs, settings.tree_nodes)
+    unable += not_adaptive + not_tree
+    if settings.tree_nodes and backend != "embedded":
+        raise UsageError("--tree is measured with the embedded engine (--backend embedded)")
     sweeping = sweeping or settings.adaptive == "both"
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
@@ -316,6 +320,7 @@ def run_bench(
     sweep_k: bool | Sequence[int] = False,
     confidence_thresholds: Sequence[float] | None = None,
     adaptive: str | None = None,
+    tree_nodes: Sequence[int] | None = None,
     vllm_args: Sequence[str] = (),
     ready_timeout_s: float | None = None,
     base_url: str | None = None,
@@ -339,7 +344,8 @@ def run_bench(
     arrive as a Poisson process at each rate, one level per rate. `confidence_thresholds` adds a
     dynamic draft length for drafters with a confidence head (plan_thresholds; several values are
     swept). `adaptive` (bench.adaptive: off, on, both) measures adaptive verification instead of,
-    or beside, each drafter's fixed K (plan_adaptive).
+    or beside, each drafter's fixed K (plan_adaptive). `tree_nodes` adds a draft-tree method per
+    node count beside each parallel drafter's chain (plan_trees, embedded backend).
     `base_url` benches a running OpenAI-compatible server instead (specctl.bench.remote): the
     server as it runs is the one method, `server`; the tokenizer is `verifier`, else the recipe's,
     else the server's model. `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
@@ -376,6 +382,7 @@ def run_bench(
         confidence_thresholds=list(confidence_thresholds) if confidence_thresholds else None,
         request_rate=list(request_rate) if request_rate else None,
         adaptive=adaptive,
+        tree_nodes=list(tree_nodes) if tree_nodes else None,
     )
 
     def say(msg: str, **kw: Any) -> None:
