@@ -243,3 +243,18 @@ def test_tree_greedy_equals_plain_decoding_on_smollm2(dtype):
         else:
             found = find_divergences(model, torch.bfloat16, chosen, plain, spec, k=4)
             assert all(d.near_tie for d in found), found
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_visible_runs_are_the_runs_of_each_rows_causal_span(seed):
+    from specctl.verifier import _visible_runs
+
+    g = torch.Generator().manual_seed(seed)
+    rows, keys = 6, 15
+    mask = torch.rand(1, 1, rows, keys, generator=g) < 0.6
+    runs = _visible_runs(mask, rows, keys)
+    for i in range(rows):
+        seen = keys - rows + i + 1
+        want = [j for j in range(seen) if mask[0, 0, i, j]]
+        assert [j for a, b in runs[i] for j in range(a, b)] == want
+        assert all(b < c for (_, b), (c, _) in zip(runs[i], runs[i][1:], strict=False))  # maximal runs
