@@ -361,6 +361,7 @@ def generate(
             marks.append(time.perf_counter() - start)  # `new` is host ints: the step has synchronised
             if stop is not None:
                 break
+    del counters.accepted_per_position[K:]  # a tree's N nodes padded it to N; paths end by depth K
     _sync(device)
     return GenerationResult(
         tokens=out, counters=counters, wall_s=time.perf_counter() - start, step_times_s=marks

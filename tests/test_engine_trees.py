@@ -75,6 +75,7 @@ def test_tree_greedy_equals_plain_decoding_when_the_truth_is_off_the_argmax(veri
     assert result.tokens == reference
     c = result.counters
     assert c.num_draft_tokens == nodes * c.num_drafts  # the block has mass on every token: full trees
+    assert len(c.accepted_per_position) == 4 and c.num_accepted_tokens == sum(c.accepted_per_position)
     chain = generate(
         verifier,
         ranked(verifier, reference, rank=lambda s, i: (s + i) % 3),
