@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -35,8 +35,11 @@ import torch
 
 from specctl.acceptance import AcceptanceEstimator
 from specctl.counters import SpecCounters
+from specctl.drafters import DRAFTERS
 from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose
+from specctl.drafters.targets import draft_to_target
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
+from specctl.trees import DraftTree, build_tree, greedy_tree_accept, tree_rejection_sample, verify_rows_mask
 from specctl.verifier import Verifier, record_layers
 
 
@@ -75,6 +78,14 @@ class _Drafting:
     threshold: float | None = None
     estimator: AcceptanceEstimator | None = None
     scored: tuple[torch.Tensor, torch.Tensor] | None = None  # (features, predictions) of the last cut
+    tree_nodes: int | None = None  # draft a tree of this many nodes from the block's distributions
+    to_target: Any = None  # draft-vocabulary ids -> verifier ids (trees)
+
+    def tree(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> DraftTree:
+        """The best tree of `tree_nodes` nodes, depth <= k, from the drafter's k block distributions."""
+        _, logits = self.propose(ids, aux, k, state=state)  # [k, Vd]
+        tree = build_tree(torch.log_softmax(logits.float(), -1), self.tree_nodes)
+        return replace(tree, tokens=self.to_target(tree.tokens))
 
     def drafts(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:
         """The [<= k] drafts to verify after ids[-1]."""
@@ -110,11 +121,19 @@ def _proposer(
     confidence_threshold: float | None,
     adaptive_threshold: float | None = None,
     estimator: AcceptanceEstimator | None = None,
+    tree_nodes: int | None = None,
 ) -> _Drafting:
-    """How the drafter drafts (K 0 for plain decoding): its fixed K, DSpark's confidence cut, or
-    adaptive verification (the confidence head where the drafter has one, else vLLM's estimator)."""
+    """How the drafter drafts (K 0 for plain decoding): its fixed K, DSpark's confidence cut,
+    adaptive verification (the confidence head where the drafter has one, else vLLM's estimator),
+    or a tree from its block distributions."""
     if drafter is None:
+        if tree_nodes is not None:
+            raise ValueError("tree_nodes needs a drafter: plain decoding verifies one token per pass")
         return _Drafting(0, (), None)
+    if tree_nodes is not None:
+        return _tree_proposer(
+            drafter, num_speculative_tokens, confidence_threshold, adaptive_threshold, tree_nodes
+        )
     if num_speculative_tokens is not None and num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
     if confidence_threshold is not None and adaptive_threshold is not None:
@@ -136,6 +155,32 @@ def _proposer(
     return _Drafting(K, aux, partial(greedy_propose, drafter))
 
 
+def _tree_proposer(
+    drafter: Drafter, K: int | None, confidence: float | None, adaptive: float | None, tree_nodes: int
+) -> _Drafting:
+    """Trees need one forward's distribution for every block position: a parallel drafter's
+    (`propose_with_logits`); an autoregressive drafter's later logits hang on its own argmax."""
+    if tree_nodes < 1:
+        raise ValueError(f"tree_nodes must be >= 1, got {tree_nodes}")
+    if K is not None and K < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {K}")
+    if confidence is not None or adaptive is not None:
+        raise ValueError("tree_nodes replaces the draft-length cut: pass no confidence or adaptive threshold")
+    spec = DRAFTERS.get(drafter.algo)
+    if spec is not None and not spec.parallel:
+        raise ValueError(
+            "tree_nodes needs a parallel drafter (DFlash, DSpark, P-EAGLE): one with block distributions"
+        )
+    drafting = _Drafting(
+        K or default_num_speculative_tokens(drafter),
+        tuple(drafter.verifier.aux_layer_ids),
+        drafter.propose_with_logits,
+        tree_nodes=tree_nodes,
+        to_target=partial(draft_to_target, d2t=drafter.d2t),
+    )
+    return drafting
+
+
 def _accept(
     drafts: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
 ) -> tuple[int, int]:
@@ -149,6 +194,82 @@ def _accept(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class _Verified:
+    """What one verifier pass kept: `num_drafted` draft tokens verified (a chain's K, a tree's
+    nodes), the `accepted` draft tokens [a] in order, the verifier's `next_token`, and which rows
+    of the forward's input the kept tokens were (`rows` [len(pending) + a]; None: the first ones)."""
+
+    num_drafted: int
+    accepted: torch.Tensor
+    next_token: int
+    rows: torch.Tensor | None = None
+
+
+def _verify_chain(
+    model: Any, cache: Any, pending: torch.Tensor, drafts: torch.Tensor, sampling: tuple[float, float, Any]
+) -> _Verified:
+    """One forward over [pending, drafts] on the cache; the rejected drafts are cropped from it."""
+    k = drafts.numel()
+    logits = model(
+        input_ids=(torch.cat([pending, drafts]) if k else pending)[None],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=k + 1,
+    ).logits[0]  # [k+1, V] after the last verified token and after each draft
+    accepted, next_token = _accept(drafts, logits, *sampling)
+    if accepted < k:
+        cache.crop(-(k - accepted))  # negative = remove that many entries
+    return _Verified(k, drafts[:accepted], next_token)
+
+
+def _verify_tree(
+    model: Any, cache: Any, pending: torch.Tensor, tree: DraftTree, sampling: tuple[float, float, Any]
+) -> _Verified:
+    """One forward over [pending token, N tree nodes] on the cache: node rows at position
+    cached + depth, each attending the cache, the pending token and its own ancestors. The cache
+    then keeps the pending token and the accepted path only, in order -- what plain decoding of
+    those tokens would have cached."""
+    cached = cache.get_seq_length()
+    positions = cached + torch.cat([tree.depths.new_zeros(1), tree.depths])  # [1+N]
+    mask = verify_rows_mask(tree.parents, cached)  # [1, 1, 1+N, cached+1+N] True = attend
+    if getattr(model.config, "_attn_implementation", None) == "eager":  # eager attention adds its mask
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(model.dtype).min
+        )
+    logits = model(
+        input_ids=torch.cat([pending, tree.tokens])[None],
+        attention_mask=mask,
+        position_ids=positions[None],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits[0]  # [1+N, V] after the pending token and after each node
+    temperature, top_p, generator = sampling
+    if temperature == 0:
+        path, next_token = greedy_tree_accept(tree.tokens, tree.parents, logits.argmax(-1))
+    else:
+        probs = apply_temperature_top_p(logits, temperature, top_p)
+        path, next_token = tree_rejection_sample(tree.tokens, tree.parents, probs, generator)
+    rows = torch.tensor([0, *[1 + j for j in path]], device=pending.device)  # [1 + a]
+    keep_cache_rows(cache, cached, rows)
+    return _Verified(tree.num_nodes, tree.tokens[rows[1:] - 1], next_token, rows)
+
+
+def keep_cache_rows(cache: Any, cached: int, rows: torch.Tensor) -> None:
+    """Drop from every layer of a DynamicCache the entries after the first `cached` except the
+    new ones at `rows` (indices into the entries the last forward appended), keeping their order."""
+    from transformers.cache_utils import DynamicLayer
+
+    keep = torch.cat([torch.arange(cached, device=rows.device), cached + rows])  # [cached + len(rows)]
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"draft trees need a full-attention KV cache; this verifier has {type(layer).__name__}"
+            )
+        layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
+        layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
 
 
 @torch.inference_mode()
@@ -165,6 +286,7 @@ def generate(
     confidence_threshold: float | None = None,
     adaptive_threshold: float | None = None,
     estimator: AcceptanceEstimator | None = None,
+    tree_nodes: int | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with the verifier, speculating
     with `drafter` (None = plain decoding, one token per verifier pass).
@@ -178,6 +300,9 @@ def generate(
     confidence head where the drafter has one, else with acceptances predicted from the drafter's
     logits by `estimator` (specctl.acceptance, vLLM's online estimator; None: a fresh one for this
     request). Greedy outputs stay plain decoding's: a cut only shortens what is verified.
+    `tree_nodes` N verifies a draft tree of N nodes (depth <= K) built from a parallel drafter's
+    block distributions (specctl.trees) in each pass instead of one chain; counters then count
+    the N nodes as draft tokens and the accepted path as accepted tokens.
     """
     model = verifier.model if isinstance(verifier, Verifier) else verifier
     if max_new_tokens < 1:
@@ -188,7 +313,9 @@ def generate(
     if prompt.numel() == 0:
         raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
     eos = {int(t) for t in eos_token_ids}
-    drafting = _proposer(drafter, num_speculative_tokens, confidence_threshold, adaptive_threshold, estimator)
+    drafting = _proposer(
+        drafter, num_speculative_tokens, confidence_threshold, adaptive_threshold, estimator, tree_nodes
+    )
     K, aux_layer_ids = drafting.K, drafting.aux_layer_ids
     counters = SpecCounters(accepted_per_position=[0] * K)
 
@@ -197,7 +324,7 @@ def generate(
     cache = DynamicCache(config=model.config)
     if drafter is not None and not cache.is_croppable:
         raise ValueError("this verifier's KV cache cannot drop rejected drafts (not croppable)")
-    generator = torch.Generator(device=device).manual_seed(seed)
+    sampling = (temperature, top_p, torch.Generator(device=device).manual_seed(seed))
     P = prompt.numel()
     ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=device)  # [P + max_new] sequence so far
     ids[:P] = prompt
@@ -213,31 +340,25 @@ def generate(
         pending = prompt  # verified tokens whose keys/values are not cached yet
         while len(out) < max_new_tokens:
             k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
-            drafts = ids[:0]
-            if k > 0:
-                drafts = drafting.drafts(ids[:n], aux_buffer[: n - 1], k, draft_state).to(device)  # [<= k]
-                k = drafts.numel()
-            logits = model(
-                input_ids=(torch.cat([pending, drafts]) if k else pending)[None],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=k + 1,
-            ).logits[0]  # [k+1, V] after the last verified token and after each draft
-            accepted, next_token = _accept(drafts, logits, temperature, top_p, generator)
-            if k > 0:
-                counters.record(k, accepted)
+            if k > 0 and drafting.tree_nodes is not None:
+                tree = drafting.tree(ids[:n], aux_buffer[: n - 1], k, draft_state)
+                step = _verify_tree(model, cache, pending, tree, sampling)
+            else:
+                drafts = (
+                    drafting.drafts(ids[:n], aux_buffer[: n - 1], k, draft_state).to(device) if k else ids[:0]
+                )
+                step = _verify_chain(model, cache, pending, drafts, sampling)
+            accepted = step.accepted.numel()
+            if step.num_drafted > 0:
+                counters.record(step.num_drafted, accepted)
                 drafting.verified(accepted)
-            if accepted < k:
-                cache.crop(-(k - accepted))  # negative = remove that many entries
             if aux_layer_ids:
-                kept = len(pending) + accepted  # features of the pending tokens and accepted drafts
-                features = torch.stack([captured[i][0, :kept] for i in aux_layer_ids], 1)  # [kept, n_aux, H]
-                if aux_buffer is None:
-                    aux_buffer = features.new_empty(P + max_new_tokens, *features.shape[1:])
-                aux_buffer[n - len(pending) : n - len(pending) + kept] = features
-            new = [*drafts[:accepted].tolist(), next_token] if accepted else [next_token]
-            ids[n : n + accepted] = drafts[:accepted]
-            ids[n + accepted] = next_token
+                aux_buffer = _keep_features(
+                    captured, aux_layer_ids, step, len(pending), aux_buffer, n, ids.numel()
+                )
+            ids[n : n + accepted] = step.accepted
+            ids[n + accepted] = step.next_token
+            new = ids[n : n + accepted + 1].tolist()
             n += accepted + 1
             pending = ids[n - 1 : n]
             stop = next((i for i, t in enumerate(new) if t in eos), None)
@@ -245,7 +366,30 @@ def generate(
             marks.append(time.perf_counter() - start)  # `new` is host ints: the step has synchronised
             if stop is not None:
                 break
+    del counters.accepted_per_position[K:]  # a tree's N nodes padded it to N; paths end by depth K
     _sync(device)
     return GenerationResult(
         tokens=out, counters=counters, wall_s=time.perf_counter() - start, step_times_s=marks
     )
+
+
+def _keep_features(
+    captured: dict[int, torch.Tensor],
+    aux_layer_ids: tuple[int, ...],
+    step: _Verified,
+    num_pending: int,
+    aux_buffer: torch.Tensor | None,
+    n: int,
+    length: int,
+) -> torch.Tensor:
+    """Write the aux features of the pending tokens and accepted drafts -- the rows of the last
+    forward `step` kept -- into aux_buffer [length, n_aux, H] after the n - num_pending verified ones."""
+    kept = num_pending + step.accepted.numel()
+    rows = [captured[i][0] for i in aux_layer_ids]  # per layer [rows of the forward, H]
+    if step.rows is not None:
+        rows = [r.index_select(0, step.rows.to(r.device)) for r in rows]
+    features = torch.stack([r[:kept] for r in rows], 1)  # [kept, n_aux, H]
+    if aux_buffer is None:
+        aux_buffer = features.new_empty(length, *features.shape[1:])
+    aux_buffer[n - num_pending : n - num_pending + kept] = features
+    return aux_buffer

@@ -526,6 +526,14 @@ class BenchSection(Section):
         "share of a step (about 0.02-0.08 on a CPU); DSpark's T 0.1 beat 0.2 and 0.4 "
         "(docs/benchmarking.md).",
     )
+    tree_nodes: list[Annotated[int, Field(ge=1, le=31)]] = Field(
+        default_factory=list,
+        description="Draft trees (`bench --tree N,...`, embedded backend): each parallel drafter (DFlash, "
+        "DSpark, P-EAGLE) is also measured verifying, per pass, the best tree of N nodes built from its "
+        "block distributions instead of its argmax chain, as a method of its own named `<name>-treeN` "
+        "beside the chain. At most 31 nodes: a verify of 32 rows stays bit-identical to plain decoding.",
+        json_schema_extra=cli("--tree", metavar="N,..."),
+    )
     linear_kernel: LinearKernel = Field(
         "auto",
         description="The embedded engine's matmul kernel, the same in every forward (plain decoding, "

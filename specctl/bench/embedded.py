@@ -113,11 +113,14 @@ class EmbeddedBackend:
         )
 
     def _cut(self, method: Method, drafter: Drafter | None) -> dict[str, Any]:
-        """The engine's draft-cut arguments for a configuration: DSpark's confidence threshold, or
+        """The engine's draft-cut arguments for a configuration: DSpark's confidence threshold, a
+        draft tree's node count, or
         adaptive verification at bench.adaptive_threshold with the configuration's estimator (one
         per configuration for the whole run, as vLLM keeps one per engine)."""
         if method.confidence_threshold is not None:
             return {"confidence_threshold": method.confidence_threshold}
+        if method.tree_nodes is not None:
+            return {"tree_nodes": method.tree_nodes}
         if not method.adaptive:
             return {}
         if method not in self.estimators:

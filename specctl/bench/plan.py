@@ -84,6 +84,8 @@ class Method:
     # adaptive verification: vLLM's enable_adaptive_verification, or the embedded engine's cut at
     # bench.adaptive_threshold (the confidence head, else vLLM's estimator on the drafter's logits)
     adaptive: bool = False
+    # a draft tree of this many nodes from a parallel drafter's block distributions (None: a chain)
+    tree_nodes: int | None = None
     # the drafter's own config, parsed once from its config.json by `drafter_method`: the K limit
     # and the confidence head are read from it, not from the file again (None without a drafter)
     drafter_config: DrafterConfig | None = field(default=None, compare=False, repr=False)
@@ -307,7 +309,7 @@ def display_name(method: Method, sweeping: bool) -> str:
         name = f"{name} T={method.confidence_threshold:g}"
     if method.adaptive:
         name = f"{name} adaptive"
-    return name
+    return name  # a tree's node count is in its name (plan_trees)
 
 
 # ---------------------------------------------------------------- vLLM's view of a method
@@ -482,6 +484,32 @@ def plan_adaptive(configs: Sequence[Method], mode: str) -> tuple[list[Method], l
             continue
         out += [m, replace(m, adaptive=True)] if mode == "both" else [replace(m, adaptive=True)]
     return out, [f"{name}: --adaptive does not apply (no drafter model)" for name in unable]
+
+
+# ---------------------------------------------------------------- draft trees
+
+
+def plan_trees(configs: Sequence[Method], tree_nodes: Sequence[int]) -> tuple[list[Method], list[str]]:
+    """Add, after each parallel drafter's chain configuration, one tree configuration per node
+    count (a method of its own, `<name>-treeN`, so the report compares chain and tree side by
+    side), and one line per drafter a tree does not apply to: plain decoding, ngram, EAGLE-3
+    (its later logits follow its own argmax, not a block distribution), and configurations
+    already cut by a confidence threshold or adaptive verification."""
+    if not tree_nodes:
+        return list(configs), []
+    from specctl.drafters import DRAFTERS
+
+    parallel = {s.speculators_model_type for s in DRAFTERS.values() if s.parallel}
+    out: list[Method] = []
+    unable: dict[str, None] = {}
+    for m in configs:
+        out.append(m)
+        if m.drafter is None or m.algo not in parallel or m.adaptive or m.confidence_threshold is not None:
+            if m.algo != PLAIN:
+                unable[m.name] = None
+            continue
+        out += [replace(m, name=f"{m.name}-tree{n}", tree_nodes=n) for n in sorted(set(tree_nodes))]
+    return out, [f"{name}: --tree does not apply (no block distributions to branch on)" for name in unable]
 
 
 # ---------------------------------------------------------------- the verifier

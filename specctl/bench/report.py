@@ -344,6 +344,9 @@ class Figures:
     num_accepted_tokens: int | None = None
     # drafts the verifier had to check per draft it kept: what a dynamic draft length saves
     draft_tokens_per_accepted: float | None = None
+    # verifier rows per token a drafting pass emitted (1 + drafts or tree nodes over 1 + accepted):
+    # what a tree spends for its longer accepted paths
+    verify_rows_per_token: float | None = None
     num_prompts: int = 0
     output_tokens: int = 0
     wall_s: float = 0.0
@@ -373,6 +376,7 @@ class Figures:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "draft_tokens_per_accepted": self.draft_tokens_per_accepted,
+            "verify_rows_per_token": self.verify_rows_per_token,
             "num_prompts": self.num_prompts,
             "output_tokens": self.output_tokens,
             "wall_s": self.wall_s,
@@ -416,6 +420,7 @@ def measurement_figures(
         num_draft_tokens=c.num_draft_tokens if counted else None,
         num_accepted_tokens=c.num_accepted_tokens if counted else None,
         draft_tokens_per_accepted=_ratio(c.num_draft_tokens, c.num_accepted_tokens) if counted else None,
+        verify_rows_per_token=_rows_per_token(c) if counted else None,
         num_prompts=m.num_prompts,
         output_tokens=m.output_tokens,
         wall_s=m.wall_s,
@@ -435,6 +440,11 @@ def measurement_figures(
             for name, e in found.items()
         },
     )
+
+
+def _rows_per_token(c: SpecCounters) -> float | None:
+    """Verify rows per token of the drafting passes: (1 + drafts) rows each emit 1 + accepted."""
+    return _ratio(c.num_drafts + c.num_draft_tokens, c.num_drafts + c.num_accepted_tokens)
 
 
 def outputs_match(outputs: dict[int, list[int]], plain: dict[int, list[int]]) -> tuple[int, int]:
@@ -657,6 +667,7 @@ def _method_dict(method: Method) -> dict[str, Any]:
         "num_speculative_tokens": method.num_speculative_tokens,
         "confidence_threshold": method.confidence_threshold,
         "adaptive": method.adaptive,
+        "tree_nodes": method.tree_nodes,
         "drafter": str(method.drafter) if method.drafter else None,
     }
 

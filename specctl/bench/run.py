@@ -46,6 +46,7 @@ from specctl.bench.plan import (
     plan_methods,
     plan_sweep,
     plan_thresholds,
+    plan_trees,
     prompt_rounds,
     rate_cap,
     repeat_rounds,
@@ -148,7 +149,10 @@ def plan_run(
     sweeping = sweep_k is not False or len(levels) > 1 or bool(rates) or len(set(thresholds)) > 1
     configs, unable = plan_thresholds(configs, thresholds, sweeping)
     configs, not_adaptive = plan_adaptive(configs, settings.adaptive)
-    unable += not_adaptive
+    configs, not_tree = plan_trees(configs, settings.tree_nodes)
+    unable += not_adaptive + not_tree
+    if settings.tree_nodes and backend != "embedded":
+        raise UsageError("--tree is measured with the embedded engine (--backend embedded)")
     sweeping = sweeping or settings.adaptive == "both"
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
@@ -347,10 +351,11 @@ def run_bench(
     at its recommended K at the lowest level; so do several `settings.request_rate` (server
     backends), one level per rate, and several `settings.confidence_thresholds` (plan_thresholds);
     `settings.adaptive` measures adaptive verification instead of, or beside, each drafter's
-    fixed K (plan_adaptive). `settings.base_url` benches a running OpenAI-compatible server
-    instead (specctl.bench.remote): the server as it runs is the one method, `server`; the
-    tokenizer is `verifier`, else the recipe's, else the server's model. `generate_fn` /
-    `load_drafter_fn` replace the embedded engine's (tests).
+    fixed K (plan_adaptive); `settings.tree_nodes` adds a draft-tree method per node count beside
+    each parallel drafter's chain (plan_trees, embedded backend). `settings.base_url` benches a
+    running OpenAI-compatible server instead (specctl.bench.remote): the server as it runs is the
+    one method, `server`; the tokenizer is `verifier`, else the recipe's, else the server's model.
+    `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).
     Returns the report: `report.errors` names methods that failed (the others were measured),
     `report.failures` the requirements that fell short; `report.ok` is False if either is non-empty.
     """

@@ -255,6 +255,7 @@ class Drafter(Protocol):
 
     algo: str
     verifier: VerifierSpec  # the engine reads aux_layer_ids from it
+    d2t: torch.Tensor | None  # [Vd] draft id -> verifier id offset (None: the verifier's vocabulary)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
