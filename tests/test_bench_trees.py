@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import bench_with_flags
 from test_bench import _write_drafter
 from typer.testing import CliRunner
 
 from specctl.bench.plan import plan_methods, plan_trees
-from specctl.bench.run import run_bench
 from specctl.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,7 +52,7 @@ def test_bench_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir):
             cls.config_cls(num_layers=1, **fields), spec, verifier_weights(verifier), None, "kl"
         )
         exports.append(save_drafter(drafter, tmp_path / algo, dtype="float32"))
-    report = run_bench(
+    report = bench_with_flags(
         drafters=exports,
         output=tmp_path / "bench",
         num_prompts=2,
@@ -73,7 +73,9 @@ def test_bench_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir):
         assert r["verify_rows_per_token"] == pytest.approx(rows)
     assert report.sweep_skipped == ["eagle3: --tree does not apply (no block distributions to branch on)"]
     with pytest.raises(UsageError, match="--tree is measured with the embedded engine"):
-        run_bench(drafters=exports[:1], output=tmp_path / "v", backend="vllm", tree_nodes=[4], progress=False)
+        bench_with_flags(
+            drafters=exports[:1], output=tmp_path / "v", backend="vllm", tree_nodes=[4], progress=False
+        )
 
 
 def test_cli_tree_option_reaches_run_bench(monkeypatch):
@@ -82,12 +84,12 @@ def test_cli_tree_option_reaches_run_bench(monkeypatch):
 
     seen = {}
 
-    def fake_run_bench(*args, **kw):
-        seen.update(kw)
+    def fake_run_bench(recipe, settings, **kw):
+        seen["tree_nodes"] = settings.tree_nodes
         raise UsageError("stop here")
 
     monkeypatch.setattr(specctl.bench.run, "run_bench", fake_run_bench)
     CliRunner().invoke(app, ["bench", "--drafter", "x", "--tree", "16,4"])
-    assert seen["tree_nodes"] == [4, 16]
+    assert seen["tree_nodes"] == [16, 4]  # as given: plan_trees sorts them
     CliRunner().invoke(app, ["bench", "--drafter", "x"])
     assert not seen["tree_nodes"]

@@ -90,6 +90,7 @@ class ScriptedDrafter:
     the members the engine never calls raise."""
 
     algo = "scripted"
+    d2t = None  # drafts in the verifier's vocabulary
     confidence_head = None
 
     def __init__(self, sequence: list[int], vocab_size: int, wrong=lambda step, i: False, confidence=None):

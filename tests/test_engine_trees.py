@@ -38,6 +38,9 @@ class RankedBlockDrafter:
     greedy continuation at rank `rank(step, i)` at block position i (None: not in the top 3), so
     a tree finds it off the argmax. Records the features the engine hands it."""
 
+    algo = "ranked-block"  # not a registered algorithm: the engine takes its block as parallel
+    d2t = None  # drafts in the verifier's vocabulary
+
     def __init__(self, sequence: list[int], vocab_size: int, rank=lambda step, i: 0, aux_layer_ids=AUX_IDS):
         self.verifier = SimpleNamespace(aux_layer_ids=aux_layer_ids)
         self.sequence, self.vocab_size, self.rank = list(sequence), vocab_size, rank
@@ -164,6 +167,8 @@ def test_tree_refuses_eagle3_plain_decoding_and_a_draft_length_cut(verifier):
 
 class FixedBlockDrafter:
     """Always the same block logits [2, 4]: position 0 prefers 2 then 1, position 1 prefers 0."""
+
+    algo, d2t = "fixed-block", None
 
     def __init__(self):
         self.verifier = SimpleNamespace(aux_layer_ids=(1,))
