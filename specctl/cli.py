@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 import specctl
+from specctl import interrupts
 from specctl.cli_schema import SectionOptionsCommand, with_section_options
 from specctl.console import make_console
 
@@ -597,16 +598,6 @@ def _print_bench(report, as_json: bool) -> None:
         err.print(f"[red]requirement not met:[/red] {f}", highlight=False, soft_wrap=True)
 
 
-_SIGNALS: list[int] = []  # SIGINT / SIGTERM received, in order
-
-
-def _interrupt(signum: int, frame) -> None:
-    """SIGTERM (a SLURM time limit, `kill`) unwinds like Ctrl-C: the same cleanup runs (vLLM
-    process groups stopped, partial results kept), then one line."""
-    _SIGNALS.append(signum)
-    raise KeyboardInterrupt
-
-
 def _rerun_hint(error: BaseException | None) -> str:
     """What rerunning does, as the interrupted stage said it (a KeyboardInterrupt with a message,
     anywhere in the chain Typer wraps it in: train names the checkpoint it continues from)."""
@@ -619,7 +610,7 @@ def _rerun_hint(error: BaseException | None) -> str:
 
 def _interrupted(error: BaseException | None = None) -> None:
     """One line and exit 130 for Ctrl-C and SIGTERM alike (docs/troubleshooting.md's table)."""
-    name = signal.Signals(_SIGNALS[0] if _SIGNALS else signal.SIGINT).name
+    name = signal.Signals(interrupts.received[0] if interrupts.received else signal.SIGINT).name
     err.print(
         f"[red]error:[/red] interrupted ({name}); {_rerun_hint(error)}", highlight=False, soft_wrap=True
     )
@@ -629,9 +620,10 @@ def _interrupted(error: BaseException | None = None) -> None:
 def main() -> None:
     """Entry point: run the app, turning known errors into one line and an exit code."""
     debug = os.environ.get("SPECCTL_DEBUG") == "1"
-    _SIGNALS.clear()
+    interrupts.received.clear()
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM) if main_thread}
+    handler = interrupts.handler  # SIGTERM (a SLURM time limit, `kill`) unwinds like Ctrl-C
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if main_thread}
     try:
         _run(debug)
     finally:
@@ -655,6 +647,8 @@ def _run(debug: bool) -> None:
     except Exception as e:  # a full disk, however the writing library reports it (torch, safetensors)
         from specctl.durable import disk_full
 
+        if interrupts.signalled() and not debug:  # native code made the KeyboardInterrupt its own error
+            _interrupted(e)
         if debug or not disk_full(e):
             raise
         filename = getattr(e, "filename", None)
@@ -668,7 +662,7 @@ def _run(debug: bool) -> None:
     except KeyboardInterrupt as e:
         _interrupted(e)
     except SystemExit as e:
-        if e.code == 130 and _SIGNALS:  # Typer turns KeyboardInterrupt into a silent exit 130
+        if e.code == 130 and interrupts.received:  # Typer turns KeyboardInterrupt into a silent exit 130
             _interrupted(e)
         raise
 

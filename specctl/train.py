@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specctl import devices, distributed
+from specctl import devices, distributed, interrupts
 from specctl.batching import length_buckets
 from specctl.checkpoint import (
     check_checkpoint_dirs,
@@ -738,6 +738,11 @@ def train(
         try:
             return train_locked(recipe, ctx, resume, progress, force, restart)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM (the CLI turns it into this): what a rerun does
+            raise KeyboardInterrupt(interrupted_line(out_dir / "checkpoints")) from None
+        except Exception:
+            if not interrupts.signalled():
+                raise
+            # the signal fired inside native code (a safetensors read), which raised its own error
             raise KeyboardInterrupt(interrupted_line(out_dir / "checkpoints")) from None
 
 

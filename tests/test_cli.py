@@ -258,6 +258,36 @@ def test_signal_is_one_line_and_exit_130(sig):
     ], err
 
 
+SWALLOWER = """
+import sys, time
+from specctl import cli
+
+@cli.app.command("swallow-for-test")
+def swallow_for_test() -> None:
+    print("up", flush=True)
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:  # what safetensors' slicing made of a SIGTERM in train
+        raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+
+sys.argv = ["specctl", "swallow-for-test"]
+cli.main()
+"""
+
+
+def test_an_error_raised_after_a_signal_is_the_interruption():
+    """A signal handled inside native code comes out as that code's error (a ValueError from a
+    safetensors read in train): still exit 130 and the one interrupted line, no traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SWALLOWER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "up"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["error: interrupted (SIGTERM); rerun the same command to resume"], err
+
+
 @pytest.mark.parametrize("command", ["train", "plan"])
 def test_algo_help_lists_the_registered_algorithms(monkeypatch, capsys, command):
     """From the registry when help is shown, not a hard-coded list: a newly registered one appears."""
