@@ -474,7 +474,7 @@ def training_rows(run: Path) -> list[dict[str, Any]]:
 def curves_section(run: Path, figures: Path | None) -> list[str]:
     """Held-out tau_hat of every drafter at each validation (the columns: tokens seen), and the
     figure of the same curves: whether more steps or more data would pay."""
-    from specctl.curves import plot_curves, read_curve
+    from specctl.train.curves import plot_curves, read_curve
 
     curves = {}
     for algo in DRAFTERS:

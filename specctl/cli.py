@@ -227,7 +227,7 @@ def _train_recipe(
     overrides = overrides + [f"train.{k}={v!r}" for k, v in aliases.items() if v is not None]
     loaded = load_recipe(recipe, overrides)
     if epochs is not None:
-        from specctl.epochs import epoch_steps
+        from specctl.train.epochs import epoch_steps
 
         converted = epoch_steps(loaded, epochs)
         err.print(converted.line(), highlight=False, soft_wrap=True)
@@ -282,8 +282,8 @@ def export(
     """
     from specctl.errors import SpecctlError, UsageError
     from specctl.export import convert_export, export_drafters, names_export
-    from specctl.hub import check_repo_id
-    from specctl.hub import push_to_hub as push
+    from specctl.export.hub import check_repo_id
+    from specctl.export.hub import push_to_hub as push
     from specctl.vllm.check import check_export
 
     if push_to_hub:

@@ -14,7 +14,7 @@ scale per token and layer. Stores written before layouts existed read as the ful
 A shard file is written to a temporary name and renamed, and its sidecar is written the same
 way afterwards, so a process killed at any moment leaves either a finished shard or nothing
 that reads as one. Which worker computes which shard is collect's business (shard claims,
-specctl/claims.py); whoever finds every shard done first writes the manifest, once, so the
+specctl/collect/claims.py); whoever finds every shard done first writes the manifest, once, so the
 reader always sees one store.
 """
 

@@ -1,16 +1,18 @@
-"""The shape DESIGN.md asks for, checked on the source: no import circle inside specctl/, no
-function over 100 lines, shared code that names no algorithm but the baseline (it asks the
-drafter's spec instead), vLLM imported only inside specctl/vllm/, the drafter typed where the
-engine, train and bench take it, and drafter registration that runs one way (the package
-collects each module's SPEC; no module imports it back).
+"""The layering docs/architecture.md states, checked on the source: no import circle inside
+specctl/, no stage (collect, train, export, bench) reaching another and no shared bottom module
+reaching a stage (cli alone, on top, imports stages), no function over 100 lines, shared code that
+names no algorithm but the baseline (it asks the drafter's spec instead), vLLM imported only inside
+specctl/vllm/, the drafter typed where the engine, train and bench take it, drafter registration
+that runs one way (the package collects each module's SPEC; no module imports it back), and the
+map itself: every package and root module on it, every code path and doc page it cites there.
 
 The house rule for new code is 80 lines a function; the check stays at 100 while older functions
-exceed 80 (7 on 2026-12-05: engine.generate, cli.bench, bench.run.run_bench / plan_run,
-train.train_locked, bench.render.markdown, collect.collect)."""
+exceed 80 (3 on 2026-12-05: engine.generate, train.loop.train_locked, collect.capture.collect)."""
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -109,16 +111,19 @@ def test_shared_code_names_no_algorithm_but_the_baseline():
     assert found == []
 
 
-# The pipeline's stages, each a module prefix (a package once issue 48 item 6 makes them packages).
-# A stage may use the shared bottom (recipe, verifier, engine, drafters, speculators, ...), never
-# another stage: what two stages share moves down (the speculators format is the worked case).
+# The pipeline's stages, each its own package. collect's vLLM half (the KV-connector capture) sits
+# with the rest of the vLLM code in specctl/vllm/ and still counts as collect. cli (with its option
+# schema and `python -m specctl`) is the top: the one place that may import every stage. Every other
+# module is the shared bottom: any stage may use it, it uses no stage, and what two stages share
+# moves down into it (the speculators format, the checkpoint, the resource plan are the cases).
 STAGES = {
     "collect": ("specctl.collect", "specctl.vllm.collect"),
-    "train": ("specctl.train", "specctl.checkpoint", "specctl.optim", "specctl.tracking", "specctl.curves"),
-    "export": ("specctl.export", "specctl.hub", "specctl.card"),
+    "train": ("specctl.train",),
+    "export": ("specctl.export",),
     "bench": ("specctl.bench",),
-    "cli": ("specctl.cli",),
+    "cli": ("specctl.cli", "specctl.cli_schema", "specctl.__main__"),
 }
+TOP = "cli"
 
 
 def within(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -187,6 +192,64 @@ def test_bench_reaches_no_other_stage():
     assert reaches(graph, bench, banned) == []
 
 
+def stage_breaches(
+    graph: dict[str, set[str]], stages: dict[str, tuple[str, ...]] = STAGES, top: str = TOP
+) -> list[str]:
+    """One shortest import chain for each module that breaks the layering: a module of a stage
+    other than the top that reaches another stage, or a bottom module (in no stage) that reaches
+    any stage. Stages in their order, then the bottom in name order; [] when the layering holds."""
+    every = tuple(p for prefixes in stages.values() for p in prefixes)
+    found = []
+    for name, prefixes in stages.items():
+        if name != top:
+            others = tuple(p for other, ps in stages.items() if other != name for p in ps)
+            found += reaches(graph, sorted(m for m in graph if within(m, prefixes)), others)
+    return found + reaches(graph, sorted(m for m in graph if not within(m, every)), every)
+
+
+def test_the_stage_rule_finds_a_stage_reaching_another_and_the_bottom_reaching_a_stage():
+    graph = {
+        "specctl.cli": {"specctl.train", "specctl.export.directory", "specctl.bench.run"},
+        "specctl.train": {"specctl.train.loop"},
+        "specctl.train.loop": {"specctl.checkpoint", "specctl.recipe"},
+        "specctl.export.directory": {"specctl.checkpoint"},
+        "specctl.bench.run": {"specctl.recipe"},
+        "specctl.checkpoint": {"specctl.recipe"},
+        "specctl.recipe": set(),
+    }
+    assert stage_breaches(graph) == []  # the top imports every stage; stages share the bottom
+    graph["specctl.bench.run"] = {"specctl.recipe", "specctl.export.directory"}
+    assert stage_breaches(graph) == ["specctl.bench.run -> specctl.export.directory"]
+    graph["specctl.bench.run"] = {"specctl.recipe"}
+    graph["specctl.checkpoint"] = {"specctl.train.loop"}  # the bottom reaching up into a stage
+    assert stage_breaches(graph) == [
+        "specctl.export.directory -> specctl.checkpoint -> specctl.train.loop",
+        "specctl.checkpoint -> specctl.train.loop",
+    ]
+    graph["specctl.checkpoint"] = {"specctl.recipe"}
+    graph["specctl.recipe"] = {"specctl.cli"}  # nothing below the top imports it
+    assert stage_breaches(graph) == [
+        "specctl.train -> specctl.train.loop -> specctl.recipe -> specctl.cli",
+        "specctl.train.loop -> specctl.recipe -> specctl.cli",
+        "specctl.export.directory -> specctl.checkpoint -> specctl.recipe -> specctl.cli",
+        "specctl.bench.run -> specctl.recipe -> specctl.cli",
+        "specctl.checkpoint -> specctl.recipe -> specctl.cli",
+        "specctl.recipe -> specctl.cli",
+    ]
+
+
+def test_no_stage_reaches_another_and_the_bottom_reaches_none():
+    """collect, train, export and bench each import only their own package and the shared bottom;
+    the bottom imports no stage; only cli, on top, imports stages. A helper two stages need moves
+    down (as specctl.checkpoint, read by train and export) rather than one stage importing another."""
+    graph = import_graph()
+    empty = [p for prefixes in STAGES.values() for p in prefixes if not any(within(m, (p,)) for m in graph)]
+    assert empty == []  # every prefix names modules that exist: a rename cannot empty a stage
+    packages = [name for name in STAGES if name != TOP and not (ROOT / name / "__init__.py").is_file()]
+    assert packages == []  # each stage below the top is a package of its own
+    assert stage_breaches(graph) == []
+
+
 def test_the_speculators_format_reaches_no_stage():
     """specctl.speculators is the bottom every stage reads the format through: it imports none."""
     graph = import_graph()
@@ -198,7 +261,7 @@ def test_the_speculators_format_reaches_no_stage():
 
 
 # where a drafter object is handed around: the engine, the training stage, the bench backends
-TYPED_SCOPES = ("engine.py", "train.py", "train", "bench")
+TYPED_SCOPES = ("engine.py", "train", "bench")
 DRAFTER_PARAMS = {"drafter", "drafters"}
 UNTYPED = {"Any", "object"}
 
@@ -235,7 +298,8 @@ def test_engine_train_and_bench_take_a_typed_drafter():
         for path in ([ROOT / name] if name.endswith(".py") else sorted((ROOT / name).rglob("*.py")))
         if path.is_file()
     ]
-    assert ROOT / "engine.py" in files and any("bench" in p.parts for p in files)
+    assert ROOT / "engine.py" in files and ROOT / "train" / "loop.py" in files
+    assert any("bench" in p.parts for p in files)
     found = []
     for path in files:
         found += untyped_drafter_params(path.read_text(), str(path.relative_to(ROOT.parent)))
@@ -333,3 +397,105 @@ def test_nothing_outside_specctl_vllm_imports_vllm():
         "7: find_spec('vllm.platforms')",
         "8: import_module('vllm')",
     ]
+
+
+# The map: docs/architecture.md draws the packages and root modules above, and the pages cite code
+# by path or dotted name. Both go stale silently when a module moves, so both are checked here.
+REPO = ROOT.parent
+MAP = REPO / "docs" / "architecture.md"
+# specctl/bench/run.py, specctl/train/, specctl.speculators.io.load_drafter; not the cache path
+# ~/.cache/specctl/models/... (the look-behind)
+CITED_CODE = re.compile(r"(?<![\w/.~-])specctl(?:[./][A-Za-z_]\w*)+/?")
+CITED_PAGE = re.compile(r"(?<![\w/.-])docs/[\w/-]+\.md")
+LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)")
+
+
+def defined(path: Path) -> set[str]:
+    """The names a module defines or imports at top level: what `module.name` can reach."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def unresolved_code(text: str, known: dict[str, Path]) -> list[str]:
+    """The code a page cites that is not there: a path (specctl/x.py, specctl/x/, or specctl/x
+    for x.py) naming no file or folder, or a dotted name whose longest module prefix does not
+    define the next part (`specctl.export.load_drafter` resolves; `specctl.export.nope` does not)."""
+    missing = []
+    for ref in dict.fromkeys(m.group(0) for m in CITED_CODE.finditer(text)):
+        if "/" in ref:
+            path = REPO / ref.rstrip("/")
+            ok = path.exists() or path.with_name(path.name + ".py").exists()
+        else:
+            parts = ref.split(".")
+            depth = next(i for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in known)
+            rest = parts[depth:]
+            ok = not rest or rest[0] in defined(known[".".join(parts[:depth])])
+        if not ok:
+            missing.append(ref)
+    return missing
+
+
+def test_the_check_of_cited_code_finds_what_is_gone():
+    known = modules()
+    text = (
+        "`specctl/train.py` (the loop), `specctl/train/loop.py`, `specctl/train/`, specctl/bench/run,\n"
+        "`specctl.export.load_drafter`, `specctl.export.nope`, `specctl.curves`, specctl.engine.generate.\n"
+        "Weights go to ~/.cache/specctl/models/smollm2 and /root/.cache/specctl/x.\n"
+    )
+    assert unresolved_code(text, known) == ["specctl/train.py", "specctl.export.nope", "specctl.curves"]
+
+
+def test_the_pages_cite_only_code_that_exists():
+    """Every page but the changelog, whose job is to name the paths that are gone."""
+    known = modules()
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        if page.name == "changelog.md":
+            continue
+        found += [f"{page.relative_to(REPO)}: {ref}" for ref in unresolved_code(page.read_text(), known)]
+    assert found == []
+
+
+def test_cited_pages_and_links_exist():
+    """Every docs/<page>.md the code, tests, tooling or docs cite, and every relative link of a
+    page, names a file that is there (the code once cited design notes the repository never had)."""
+    folders = ("specctl", "tests", "benchmarks")
+    sources = [*(p for folder in folders for p in sorted((REPO / folder).rglob("*.py"))), REPO / "Makefile"]
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = [
+        f"{path.relative_to(REPO)}: {ref}"
+        for path in [*sources, *pages]
+        for ref in sorted(set(CITED_PAGE.findall(path.read_text())))
+        if not (REPO / ref).is_file()
+    ]
+    missing += [
+        f"{page.relative_to(REPO)}: ({target})"
+        for page in pages
+        for target in sorted(set(LINK.findall(page.read_text())))
+        if not (page.parent / target).exists()
+    ]
+    assert missing == []
+    assert LINK.findall("[a](training.md#the-loop) [b](https://x.org/a.md) [c](#top) [d](results/run)") == [
+        "training.md",
+        "results/run",
+    ]
+
+
+def test_the_map_shows_every_package_and_root_module():
+    """docs/architecture.md names each package (`specctl/<name>/`) and each root module
+    (`<name>`, `<name>.py` or `specctl/<name>.py`), so a new one cannot be left off the map."""
+    text = MAP.read_text()
+    names = [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()]
+    names += [p.stem for p in ROOT.glob("*.py") if p.name != "__init__.py"]
+    assert "train" in names and "units" not in names
+    unmapped = [n for n in sorted(names) if not re.search(rf"`(specctl/)?{re.escape(n)}(\.py|/)?`", text)]
+    assert unmapped == []

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from specctl.claims import Claim, ShardClaims, claim_stale
-from specctl.collect import work_order
+from specctl.collect.capture import work_order
+from specctl.collect.claims import Claim, ShardClaims, claim_stale
 from specctl.durable import create_once, host_name, recover_dirs, temp_path
 
 DEAD = 2**30 - 1  # above any Linux pid_max: no process has it

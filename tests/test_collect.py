@@ -204,7 +204,7 @@ def test_spread_verifier_loads_its_weights_after_the_data_stage(tmp_path, tiny_v
     the verifier's files, runs the data stage with no model in this process (its vLLM engines would
     need the GPUs), then loads the weights, only when a shard is left to compute, and writes the
     store a one-GPU run writes. A group the GPUs cannot hold is refused before the data stage."""
-    import specctl.collect as stage
+    import specctl.collect.capture as stage
     from specctl.verifier import load_verifier
 
     single = load_recipe(make_recipe(tmp_path, tiny_verifier_dir, name="single"))
@@ -565,7 +565,7 @@ def test_compact_and_full_stores_give_the_same_training_targets(two_stores, tiny
     the kept top-k logits up to float16 rounding, aux states within the fp8 bound."""
     from transformers import AutoModelForCausalLM
 
-    from specctl.train import collate
+    from specctl.train.loader import collate
 
     _, full, compact = two_stores
     a, b = open_features(full.run_dir / "features"), open_features(compact.run_dir / "features")

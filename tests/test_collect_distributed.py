@@ -27,8 +27,8 @@ from reliability_matrix import fault
 from test_claims import DEAD, OTHER, age, write_claim
 from test_collect import make_recipe, store_bytes
 
-from specctl.claims import Claim, ShardClaims
 from specctl.collect import collect
+from specctl.collect.claims import Claim, ShardClaims
 from specctl.devices import resolve_device
 from specctl.durable import host_name
 from specctl.features import finalize_store, shard_done

@@ -61,7 +61,7 @@ def use_tiny_world():
     float32_newton_schulz()
     from test_train import tiny_source
 
-    from specctl import train as train_mod
+    from specctl.train import loop as train_mod
 
     source = tiny_source()
     train_mod.open_source = lambda recipe, ctx, progress: source
@@ -143,7 +143,7 @@ def store_checks(out: Path, ctx) -> None:
 
     from specctl import features
     from specctl.errors import FeatureStoreError
-    from specctl.train import verify_store
+    from specctl.train.loop import verify_store
 
     hashed: list[str] = []
     real = features.sha256_file
@@ -170,8 +170,8 @@ def dist_out(tmp_path_factory) -> Path:
     """All runs, 1-rank references first (the torchrun jobs resume from one of them)."""
     import torch
 
-    from specctl import train as train_mod
     from specctl.distributed import DistContext
+    from specctl.train import loop as train_mod
 
     out = tmp_path_factory.mktemp("dist")
     one = DistContext(0, 1, 0, torch.device("cpu"), owns_group=False)

@@ -11,14 +11,14 @@ from test_cli import run_main
 from test_train import collected_recipe
 
 from specctl.checkpoint import latest_checkpoint, saved_recipe
-from specctl.epochs import epoch_steps, steps_per_epoch
 from specctl.recipe import dump_recipe
-from specctl.train import split_indices
-from specctl.train_input import micro_batch_at
+from specctl.train.epochs import epoch_steps, steps_per_epoch
+from specctl.train.loader import micro_batch_at
+from specctl.train.loop import split_indices
 
 
 def brute_force_steps(lengths: list[int], train_ids: list[int], budget: int, micro: int, seed: int) -> int:
-    """Walk the loop's own stream of micro-batches (train_input.micro_batch_at), `micro` a step,
+    """Walk the loop's own stream of micro-batches (specctl.train.loader.micro_batch_at), `micro` a step,
     until every training sample has been in a batch: the steps one epoch takes."""
     from specctl.batching import length_buckets
 

@@ -28,8 +28,9 @@ from specctl.drafters.api import greedy_propose
 from specctl.drafters.targets import build_draft_vocab
 from specctl.durable import umask
 from specctl.errors import SpecctlError
-from specctl.export import convert_export, export_drafters, find_checkpoints, save_drafter
-from specctl.hub import push_to_hub
+from specctl.export import convert_export, export_drafters, save_drafter
+from specctl.export.directory import find_checkpoints
+from specctl.export.hub import push_to_hub
 from specctl.recipe import dump_recipe, recipe_from_dict
 from specctl.speculators.io import load_drafter
 from specctl.speculators.validate import CONFIG_FILE, WEIGHTS_FILE, validate_export
@@ -776,7 +777,7 @@ def test_model_card_says_what_how_and_measured(verifier, tmp_path):
     command that serves it; a README.md already in the directory is uploaded instead."""
     import yaml
 
-    from specctl.hub import model_card
+    from specctl.export.hub import model_card
 
     (verifier["path"] / "specctl.json").write_text(json.dumps({"hub_id": "org/tiny-llama"}))
     try:

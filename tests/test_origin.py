@@ -19,7 +19,7 @@ from specctl.collect import collect
 from specctl.drafters import DRAFTERS
 from specctl.errors import FeatureStoreError
 from specctl.export import export_drafter
-from specctl.hub import model_card
+from specctl.export.hub import model_card
 from specctl.origin import (
     ORIGIN_FILE,
     SAMPLE_BYTES,

@@ -16,7 +16,8 @@ from specctl import resources
 from specctl.batching import length_buckets
 from specctl.recipe import load_recipe
 from specctl.resources import GIB, Cluster, PlanError, plan_recipe, refusal
-from specctl.train import pieces, run_training
+from specctl.train import run_training
+from specctl.train.loader import pieces
 
 RECIPES_8B = [
     f"recipes/{algo}-{model}.yaml"

@@ -28,7 +28,6 @@ from reliability_matrix import DOC, Row, collect_rows, fault, render
 from test_collect import write_conversations
 
 from specctl import checkpoint as ckpt
-from specctl import train as train_mod
 from specctl.cli import main
 from specctl.collect import collect
 from specctl.distributed import DistContext
@@ -36,6 +35,7 @@ from specctl.errors import CheckpointError
 from specctl.features import finalize_store, open_features, shard_name, write_shard
 from specctl.recipe import load_recipe
 from specctl.speculators.validate import validate_export
+from specctl.train import loop as train_mod
 from specctl.train import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -726,7 +726,7 @@ def test_disk_full_during_export_leaves_no_partial_export(monkeypatch, capfd, tm
     assert {dtype for _, dtype in headers.values() if dtype.is_floating_point} == {torch.float32}
 
 
-# the model card's provenance line, to the minute (specctl.card._provenance)
+# the model card's provenance line, to the minute (specctl.export.card._provenance)
 EXPORTED_AT = rb"- exported \d{4}-\d\d-\d\d \d\d:\d\d UTC"
 
 # `python -m specctl ARGS` that SIGKILLs itself at one instant of the export's directory swap.

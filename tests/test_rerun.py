@@ -216,8 +216,8 @@ def test_an_interrupted_restart_is_finished_by_the_next_run(collected, tmp_path)
 def test_resume_with_more_steps_follows_the_new_length(tmp_path, monkeypatch):
     import test_train
 
-    from specctl import train as train_mod
     from specctl.drafters import DRAFTERS
+    from specctl.train import loop as train_mod
 
     source = test_train.tiny_source()
     monkeypatch.setattr(train_mod, "open_source", lambda recipe, ctx, progress: source)

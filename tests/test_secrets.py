@@ -325,7 +325,7 @@ def test_load_dataset_never_trusts_remote_code(monkeypatch, tmp_path):
 def test_push_refuses_a_symlink_leaving_the_export(monkeypatch, tmp_path):
     import huggingface_hub
 
-    from specctl.hub import push_to_hub
+    from specctl.export.hub import push_to_hub
 
     class NoNetwork:
         def __init__(self, *args, **kwargs):

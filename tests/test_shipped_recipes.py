@@ -151,7 +151,7 @@ def test_shipped_recipe_builds_its_drafter_on_the_meta_device(name):
     algos = [recipe.drafter.algo] if recipe.drafter.algo else list(DRAFTERS)
     for algo in algos:
         drafter_config = getattr(recipe.drafter, algo)
-        published = DRAFTERS[algo].published  # each algorithm's published shape (formats.md), from its spec
+        published = DRAFTERS[algo].published  # the published shape (docs/algorithms.md), from its spec
         eight_gpu = not recipe.verifier.name_or_path.startswith("smollm2")
         if eight_gpu and published is not None:
             assert published(drafter_config), (name, algo, drafter_config)

@@ -23,7 +23,6 @@ from reliability_matrix import fault
 from torch import nn
 
 from specctl import checkpoint as ckpt
-from specctl import train as train_mod
 from specctl.batching import length_buckets
 from specctl.collect import collect
 from specctl.data import load_token_freq
@@ -57,8 +56,9 @@ from specctl.optim import (
     scheduler_at,
 )
 from specctl.recipe import Recipe, TrainSection, config_diff, load_recipe, recipe_from_dict
-from specctl.train import Source, run_training, split_indices, tau_hat
-from specctl.train_input import StepSampler, collate, data_workers, micro_batch_at
+from specctl.train import loop as train_mod
+from specctl.train.loader import StepSampler, collate, data_workers, micro_batch_at
+from specctl.train.loop import Source, run_training, split_indices, tau_hat
 from specctl.verifier import capture_hidden_states, spec_from_config
 
 CPU = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
@@ -1167,7 +1167,7 @@ def test_report_to_tensorboard_gets_every_metrics_line(tmp_path, offline, toy):
 def test_report_to_a_missing_tracker_fails_before_training(tmp_path, offline, toy, monkeypatch):
     import importlib.util
 
-    from specctl import tracking
+    from specctl.train import tracking
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -1182,7 +1182,7 @@ def test_report_to_a_missing_tracker_fails_before_training(tmp_path, offline, to
 
 
 def test_tracker_scalars_and_flat_config():
-    from specctl.tracking import flat_config, scalars
+    from specctl.train.tracking import flat_config, scalars
 
     record = {"step": 4, "loss": 2.5, "val_acc_per_position": [0.5, 0.25], "bad": float("nan"), "ok": True}
     assert scalars(record) == {"loss": 2.5, "val_acc_per_position/1": 0.5, "val_acc_per_position/2": 0.25}
@@ -1201,7 +1201,7 @@ def test_tracker_scalars_and_flat_config():
     result="resume keeps every whole record up to the checkpoint and drops the torn line",
 )
 def test_resume_tolerates_a_torn_last_metrics_line(tmp_path):
-    from specctl.train import MetricsLog
+    from specctl.train.loop import MetricsLog
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 3, "lo')
@@ -1296,7 +1296,7 @@ def test_metrics_count_training_tokens_for_the_learning_curve(tmp_path, offline)
     assert [r["step"] for r in vals] == [2, 4, 6]
     assert all(r["tokens_seen"] == by_step[r["step"]] for r in vals)
     # the curve the stage plots is those validations, in order
-    from specctl.curves import read_curve
+    from specctl.train.curves import read_curve
 
     out_dir = recipe.run_dir / "drafters" / "dflash"
     curve = read_curve(out_dir / "metrics.jsonl")

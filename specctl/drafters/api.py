@@ -100,7 +100,7 @@ class VerifierSpec:
     """What a drafter needs to know about its verifier: read from the verifier's HF config.
 
     `aux_layer_ids` uses the HF `output_hidden_states` convention (0 = embeddings,
-    k = residual stream after k decoder layers); see formats.md "Layer indexing".
+    k = residual stream after k decoder layers), for both backends: docs/features.md, "vLLM backend".
     """
 
     name_or_path: str

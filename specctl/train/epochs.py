@@ -4,7 +4,7 @@ Training counts steps (`train.max_steps`), as the loop, its checkpoints and its 
 schedule do; users coming from speculators or HF Trainer think in epochs. The conversion is exact,
 not a token estimate: the loop's stream visits every training micro-batch (a length bucket of at
 most `train.batch_tokens` padded tokens) once per epoch, and a step takes world_size x grad_accum
-of them (specctl.train_input), so an epoch is ceil(buckets / (world_size x grad_accum)) steps.
+of them (specctl.train.loader), so an epoch is ceil(buckets / (world_size x grad_accum)) steps.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def epoch_steps(recipe: Recipe, epochs: float) -> EpochSteps:
     """`epochs` of the recipe's feature store as steps, with the settings `specctl train` runs
     (train.per_algo applied), under torchrun with its WORLD_SIZE ranks."""
     from specctl.features import open_features
-    from specctl.train import split_indices
+    from specctl.train.loop import split_indices
 
     if epochs <= 0:
         raise UsageError(f"--epochs {epochs:g}: need a positive number of epochs (e.g. 1 or 0.5)")

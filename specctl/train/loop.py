@@ -40,7 +40,6 @@ from specctl.checkpoint import (
     resume_line,
     save_checkpoint,
 )
-from specctl.curves import plot_curves, read_curve
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum
 from specctl.drafters import DRAFTERS
@@ -56,8 +55,9 @@ from specctl.recipe import Recipe, dump_recipe
 from specctl.recipe_origin import check_store_origin
 from specctl.resources import check_stage
 from specctl.runlock import RunLocked, run_lock
-from specctl.tracking import Tracker, check_tracker, open_tracker
-from specctl.train_input import StepSampler, collate, data_workers, micro_batch_at, micro_batches, pieces
+from specctl.train.curves import plot_curves, read_curve
+from specctl.train.loader import StepSampler, collate, data_workers, micro_batch_at, micro_batches, pieces
+from specctl.train.tracking import Tracker, check_tracker, open_tracker
 from specctl.verifier import (
     BorrowedVerifier,
     Verifier,

@@ -1,8 +1,9 @@
 """Sizes for people: the byte counts the export and hub summaries print, in binary units.
 
-A bottom module so that the stages which print a size (export, hub) need not import each other
-for it. specctl.estimate keeps its own SI spelling (`12.4 kB`) for the disk estimates of collect
-and the data stage, which compare against `df`-style free space.
+Its own module so that the export directory's summary and the hub's push plan, two jobs of the
+export stage, print sizes alike without one importing the other. specctl.estimate keeps its own SI
+spelling (`12.4 kB`) for the disk estimates of collect and the data stage, which compare against
+`df`-style free space.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`specctl export --push-to-hub`: upload a validated export directory to a hub model repo, with
-its model card (specctl.card: README.md, rewritten for the upload so that the `vllm serve` line
+its model card (specctl.export.card: README.md, rewritten for the upload so that the `vllm serve` line
 names the hub repo, unless the user wrote their own)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specctl.card import CARD_FILE, model_card, written_by_specctl
 from specctl.errors import SpecctlError, UsageError, first_line
+from specctl.export.card import CARD_FILE, model_card, written_by_specctl
+from specctl.export.units import human_bytes
 from specctl.speculators.validate import validate_export
-from specctl.units import human_bytes
 
 __all__ = [
     "CARD_FILE",

@@ -9,7 +9,7 @@ The recipe's layout (`features.target` / `aux_dtype`) is applied where the state
 (`encode_features`: on the verifier's device for the HF backend), so a GPU does the top-k over
 the vocabulary and the fp8 scaling, and only the compact tensors travel to the host.
 
-Workers share a store through shard claims (specctl/claims.py). A torchrun rank (one per GPU, on
+Workers share a store through shard claims (specctl/collect/claims.py). A torchrun rank (one per GPU, on
 LOCAL_RANK's GPU: devices.resolve_device) first takes its own shards (j % WORLD_SIZE == RANK),
 then any shard nobody holds or whose holder is gone, and waits for shards that live workers hold
 until they are written or their holder's lease runs out; so the surviving ranks, or a rerun,
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from specctl.claims import Claim, ShardClaims
+from specctl.collect.claims import Claim, ShardClaims
 from specctl.data import DATA_OWNER, load_samples, prepare_data
 from specctl.data.prepare import read_manifest
 from specctl.durable import recover_dirs

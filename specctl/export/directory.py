@@ -1,7 +1,7 @@
 """The export stage: trained drafters written as speculators directories vLLM loads, re-exports.
 
 An export is a directory with the drafter's own two files (`config.json`, `model.safetensors`:
-specctl.speculators.io writes and reads them), its model card `README.md` (specctl.card), the
+specctl.speculators.io writes and reads them), its model card `README.md` (specctl.export.card), the
 `origin.json` of the features it was trained on and, exported from a training run, the verifier's
 tokenizer files (what hub users and `vllm serve DRAFTER_DIR`-style tools look for beside a model).
 This stage adds what goes around the two files: where they come from (a training checkpoint, or an
@@ -9,7 +9,7 @@ export re-cast to another dtype), the card, the atomic swap into the output dire
 `--check`.
 
 The jobs beside this one: specctl.speculators (the format: typed config, validation, reading and
-writing), specctl.vllm.check (`--check`: vLLM's own parser), specctl.hub (`--push-to-hub`);
+writing), specctl.vllm.check (`--check`: vLLM's own parser), specctl.export.hub (`--push-to-hub`);
 rebuilding a drafter from a training checkpoint is specctl.checkpoint.drafter_from_checkpoint.
 """
 
@@ -23,15 +23,15 @@ from typing import Any
 
 from torch import nn
 
-from specctl.card import CARD_FILE, model_card, written_by_specctl
 from specctl.drafters import DRAFTERS
 from specctl.durable import Owner, disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError
+from specctl.export.card import CARD_FILE, model_card, written_by_specctl
+from specctl.export.units import human_bytes
 from specctl.origin import FeatureOrigin, origin_of_meta, write_origin
 from specctl.recipe import VerifierSection
 from specctl.runlock import run_lock
 from specctl.speculators.io import drafter_files, dtype_name, export_dtype, read_files
-from specctl.speculators.io import load_drafter as load_drafter  # the path docs/serving.md named
 from specctl.speculators.validate import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -39,7 +39,6 @@ from specctl.speculators.validate import (
     is_export_dir,
     validate_export,
 )
-from specctl.units import human_bytes
 from specctl.verifier import locate_verifier, read_tokenizer_and_config
 from specctl.vllm.check import CheckResult, check_result, refuse_check
 
@@ -140,7 +139,7 @@ def save_drafter(
 
 def _write_card(export: ExportDir, output: Path, tmp: Path) -> None:
     """README.md in `tmp` (becoming `output`): the user's own README.md at `output` copied as it
-    is, else the model card of this export (specctl.card), the facts read around `output`."""
+    is, else the model card of this export (specctl.export.card), the facts read around `output`."""
     if (output / CARD_FILE).is_file() and not written_by_specctl(output):
         shutil.copy2(output / CARD_FILE, tmp / CARD_FILE)
     else:
