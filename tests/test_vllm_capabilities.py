@@ -184,24 +184,11 @@ def test_bench_refuses_peagle_on_0_34(tmp_path, tiny_verifier_dir, vllm_0_34, mo
 
 def test_bench_serves_the_others_on_0_34(tmp_path, tiny_verifier_dir, vllm_0_34):
     """DFlash, DSpark and EAGLE-3 plan as before on 0.34 on a GPU: only what it lacks is refused."""
-    from specctl.bench.plan import bench_settings
-    from specctl.bench.run import plan_run
+    from conftest import plan_with_flags
 
     algos = ("dflash", "dspark", "eagle3")
     dirs = [_write_drafter(tmp_path / a, a, 3, str(tiny_verifier_dir)) for a in algos]
-    plan = plan_run(
-        None,
-        bench_settings(None, backend="vllm")[0],
-        None,
-        dirs,
-        None,
-        None,
-        False,
-        [],
-        None,
-        tmp_path / "b",
-        print,
-    )
+    plan = plan_with_flags(dirs, tmp_path / "b", backend="vllm")
     assert sorted(m.name for m in plan.methods) == ["dflash", "dspark", "eagle3", "no-spec"]
 
 
