@@ -1765,7 +1765,7 @@ def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tin
     assert "| 6, T 0.6 |" in md and "drafted per accepted" in md
     assert "concurrency 1, dspark: K=6, confidence threshold 0.6" in md
     with pytest.raises(
-        UsageError, match="dspark: --confidence-threshold is measured with the embedded engine"
+        UsageError, match="dspark: --confidence-threshold is measured with --backend embedded;"
     ):
         bench_with_flags(
             drafters=[s], output=tmp_path / "v", backend="vllm", confidence_thresholds=[0.3], **fake_engine

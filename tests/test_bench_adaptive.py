@@ -185,8 +185,8 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
     line = refused_before_start(argv, monkeypatch, capsys)
     assert line == (
         "error: --adaptive: adaptive verification needs vLLM on a GPU (vLLM on CPU runs the V1 model "
-        "runner, which does not have it); this is 0.32.0 on CPU: measure --adaptive on the embedded "
-        "engine (--backend embedded)"
+        "runner, which does not have it); this is 0.32.0 on CPU: measure --adaptive with --backend "
+        "embedded"
     )
     assert not (tmp_path / "b").exists()
     with pytest.raises(UsageError, match="--base-url benches the server as it runs"):

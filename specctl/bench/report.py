@@ -41,7 +41,7 @@ from specctl.bench.intervals import (
 from specctl.bench.plan import PLAIN, Method, speculative_config
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, UsageError
-from specctl.recipe import BenchSection
+from specctl.recipe import VLLM_BACKENDS, BenchSection  # VLLM_BACKENDS: the backends measuring vLLM's own
 from specctl.redact import redact_tree
 
 
@@ -770,9 +770,6 @@ def best_results(points: Sequence[Point], level: int | Level) -> list[MethodResu
         chosen = recommend((setting_of(r.method), median_rate(r.total)) for r in results)
         best.append(next(r for r in results if setting_of(r.method) == chosen))
     return best
-
-
-VLLM_BACKENDS = ("vllm", "vllm-offline")  # the backends whose measurements are vLLM's own
 
 
 def rate_json(rate: float) -> float | str:
