@@ -183,12 +183,6 @@ def engine_name(backend: str) -> str:
     return spec.title if spec is not None else backend
 
 
-def vllm_measured(backend: str) -> bool:
-    """Whether the report's figures are vLLM's own, so a --speculative-config is recommended."""
-    spec = backend_of(backend)
-    return spec is not None and spec.vllm_measured
-
-
 def _headers(report: BenchReport) -> list[str]:
     base = report.baseline or "EAGLE-3"
     return [
@@ -329,7 +323,7 @@ def recommendation_lines(
             )
             spec = r.speculative_config
             lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
-    if lines and not vllm_measured(report.backend):
+    if lines and not report.vllm_measured:
         lines.append((NO_VLLM_MEASUREMENT.format(engine=engine_name(report.backend)), None))
     return lines
 
@@ -679,7 +673,7 @@ def _md_sweep(report: BenchReport, f: ReportFigures, image: str | None) -> list[
         "",
     ]
     lines += _md_table([level_header(report), *SWEEP_HEADERS[1:]], _sweep_rows(f))
-    vllm = vllm_measured(report.backend)
+    vllm = report.vllm_measured
     heading = "Recommended `--speculative-config`" if vllm else "Recommended K"
     lines += ["", f"### {heading} (measured on {engine_name(report.backend)})", ""]
     for text, arg in recommendation_lines(report, f):

@@ -294,6 +294,7 @@ def new_report(
         concurrency=plan.levels[0],
         repeats=s.repeats or 1,
         engine_rounds=1 if plan.backend.interleave else len(rounds),  # engines per configuration
+        vllm_measured=plan.backend.vllm_measured,
         baseline=plan.baseline,
         requirements=[r.text for r in plan.requirements],
         output_dir=plan.out_dir,
