@@ -150,3 +150,24 @@ def test_open_backend_passes_the_opening_to_the_spec(tmp_path, monkeypatch):
     got = open_backend("vllm", None, BenchSection(), [2, 8], [], log_dir=tmp_path, vllm_args=("--x",))
     assert got == "opened" and seen[0].levels == [2, 8] and seen[0].vllm_args == ("--x",)
     assert seen[0].log_dir == tmp_path and seen[0].settings == BenchSection()
+
+
+def test_the_docs_table_is_the_specs(monkeypatch):
+    """docs/benchmarking.md's backend table is `markdown()` (`make docs` rewrites it), and a spec
+    that changes changes its column."""
+    from pathlib import Path
+
+    from specctl.bench.backends import markdown, with_table
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "benchmarking.md"
+    text = doc.read_text()
+    assert with_table(text) == text, (
+        "docs/benchmarking.md is stale: python -m specctl.bench.backends --update"
+    )
+    assert text.count(markdown()) == 1
+    row = next(line for line in markdown().splitlines() if line.startswith("| `--tree` |"))
+    assert row == "| `--tree` | yes | no | no | no |"
+    monkeypatch.setitem(BACKENDS, "remote", replace(BACKENDS["remote"], trees=True))
+    assert "| `--tree` | yes | no | no | yes |" in markdown()
+    with pytest.raises(UsageError, match="no <!-- bench-backends"):
+        with_table("# a page without the block\n")

@@ -18,11 +18,13 @@ The server-backed ones stream every request (specctl.bench.client): their points
 TPOT and ITL besides the counters.
 
 Each module exports its spec as `SPEC`; this module imports them and nothing imports it back, so
-registration runs one way. `BACKENDS` keeps their order: the usage errors list backends in it.
+registration runs one way. `BACKENDS` keeps their order: the usage errors list backends in it,
+and docs/benchmarking.md's backend table (`markdown`, `make docs`) has a column per spec.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,77 @@ def open_backend(
     return backend_spec(name).open(opening)
 
 
+# ---------------------------------------------------------------- the docs' table
+
+ADAPTIVE = {
+    "engine": "its own cut",
+    "vllm": "vLLM's, where the installed vLLM has it",
+    "server": "as the server was started",
+}
+
+
+def _drafters(s: BackendSpec) -> str:
+    if s.as_it_runs:
+        return "none: the server as it runs"
+    return "those vLLM serves" if s.vllm_drafters else "every registered one"
+
+
+ROWS: tuple[tuple[str, Callable[[BackendSpec], str | bool]], ...] = (
+    ("drafters", _drafters),
+    ("several `--concurrency` levels", lambda s: s.levels),
+    ("`--request-rate`", lambda s: s.request_rates),
+    ("`--engine-rounds`", lambda s: s.engine_rounds),
+    ("methods take turns prompt by prompt", lambda s: s.interleave),
+    ("`--confidence-threshold`", lambda s: s.confidence_thresholds),
+    ("`--adaptive`", lambda s: ADAPTIVE[s.adaptive]),
+    ("`--tree`", lambda s: s.trees),
+    ("`--ngram`", lambda s: s.ngram),
+    ("recommends a `--speculative-config`", lambda s: s.vllm_measured),
+    ("TTFT, TPOT, ITL from", lambda s: s.latency),
+)
+
+
+def markdown() -> str:
+    """docs/benchmarking.md's backend table: a column per spec, a row per capability."""
+    specs = list(BACKENDS.values())
+    lines = ["| | " + " | ".join(f"`{s.flag}`" for s in specs) + " |", "|---|" + "---|" * len(specs)]
+    for what, cell in ROWS:
+        values = [cell(s) for s in specs]
+        lines.append(
+            f"| {what} | "
+            + " | ".join(("yes" if v else "no") if isinstance(v, bool) else v for v in values)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+BEGIN = "<!-- bench-backends: python -m specctl.bench.backends --update docs/benchmarking.md -->"
+END = "<!-- end bench-backends -->"
+
+
+def with_table(text: str) -> str:
+    """`text` (a markdown page) with the table between its BEGIN and END lines replaced."""
+    head, begin, rest = text.partition(BEGIN + "\n")
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise UsageError(f"the page has no {BEGIN} ... {END} block to put the backend table in")
+    return f"{head}{begin}{markdown()}{end}{tail}"
+
+
+def main(argv: Sequence[str]) -> int:
+    """--markdown: print the table; --update PAGE: rewrite the table in PAGE (docs/benchmarking.md)."""
+    args = list(argv)
+    if args == ["--markdown"]:
+        sys.stdout.write(markdown())
+        return 0
+    if len(args) == 2 and args[0] == "--update":
+        page = Path(args[1])
+        page.write_text(with_table(page.read_text()))
+        return 0
+    print("usage: python -m specctl.bench.backends --markdown | --update PAGE", file=sys.stderr)
+    return 2
+
+
 __all__ = [
     "BACKENDS",
     "Backend",
@@ -106,7 +179,13 @@ __all__ = [
     "Opening",
     "able",
     "backend_spec",
+    "markdown",
     "open_backend",
     "run_backend",
     "selectable",
+    "with_table",
 ]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
