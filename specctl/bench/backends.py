@@ -89,14 +89,14 @@ def open_backend(
         settings,
         levels,
         configs,
-        log_dir,
-        vllm_args,
-        sweeping,
-        on_done,
-        say,
-        generate_fn,
-        load_drafter_fn,
-        warn,
+        log_dir=log_dir,
+        vllm_args=vllm_args,
+        sweeping=sweeping,
+        on_done=on_done,
+        say=say,
+        generate_fn=generate_fn,
+        load_drafter_fn=load_drafter_fn,
+        warn=warn,
     )
     return backend_spec(name).open(opening)
 
