@@ -111,6 +111,7 @@ rehearse: install
 docs: install
 	$(PY) -m specctl.recipe --markdown > docs/recipe.md
 	$(PY) -m specctl.vllm.capabilities --update docs/serving.md
+	$(PY) -m specctl.bench.backends --update docs/benchmarking.md
 	$(PY) tests/reliability_matrix.py > docs/reliability.md
 
 clean:

@@ -434,8 +434,9 @@ def bench(
 
     Example: specctl bench --backend vllm --ngram 3 --request-rate 1,4,inf --num-prompts 8
     """
-    from specctl.bench.plan import parse_int_list, parse_sweep_k, settings_from_flags
+    from specctl.bench.plan import parse_int_list, parse_sweep_k
     from specctl.bench.run import default_recipe, run_bench
+    from specctl.bench.settings import settings_from_flags
     from specctl.cli_schema import given_settings
 
     section = _bench_section()

@@ -433,6 +433,13 @@ class Sampling:
         return self.seed + index
 
 
+# The backends' names and capabilities are their specs' (specctl.bench.backends). The recipe sits
+# below bench, so it names them here: tests/test_backends.py holds the Literal equal to the specs
+# picked by --backend, and VLLM_BACKENDS (read by specctl.resources, below bench, to plan a
+# bench's memory) equal to those whose spec is vllm_measured.
+VLLM_BACKENDS = ("vllm", "vllm-offline")  # the backends that start the installed vLLM
+
+
 class BenchSection(Section):
     backend: Literal["embedded", "vllm", "vllm-offline"] = Field(
         "embedded",

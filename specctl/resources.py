@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from specctl.errors import SpecctlError, UsageError
+from specctl.recipe import VLLM_BACKENDS
 
 GIB = 1 << 30
 # Assumptions that no trace sees, each printed with the plan it enters.
@@ -680,7 +681,7 @@ def plan_bench(x: Inputs) -> StagePlan:
     """Serving the exported drafter beside the verifier: vLLM engines, or the embedded engine
     (the whole verifier on one device)."""
     draft = drafter_tensors(x)[1] * _bytes_of(getattr(torch, x.recipe.export.dtype))
-    if x.recipe.bench.backend != "embedded" and x.cuda:
+    if x.recipe.bench.backend in VLLM_BACKENDS and x.cuda:
         return vllm_stage("bench", x, 0, None, 0, extra=draft)
     weights = x.params * x.vdtype_bytes
     terms = [

@@ -264,10 +264,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def bench_with_flags(recipe=None, **kw):
     """run_bench as `specctl bench` calls it: the bench-section fields among `kw` (num_prompts=3,
-    backend="vllm", ...) go over the recipe's section as its flags do (plan.settings_from_flags:
+    backend="vllm", ...) go over the recipe's section as its flags do (settings.settings_from_flags:
     the same checks and messages), the rest are run options (drafters, concurrency levels, ...)."""
-    from specctl.bench.plan import settings_from_flags
     from specctl.bench.run import default_recipe, run_bench
+    from specctl.bench.settings import settings_from_flags
     from specctl.recipe import BenchSection
 
     flags = {k: kw.pop(k) for k in list(kw) if k in BenchSection.model_fields and k != "concurrency"}
@@ -279,8 +279,8 @@ def bench_with_flags(recipe=None, **kw):
 def plan_with_flags(drafters, output, verifier=None, **flags):
     """bench.run.plan_run as `specctl bench` calls it with `flags` on the command line and no
     recipe, concurrency, baseline, ngram, K sweep or requirement."""
-    from specctl.bench.plan import bench_settings
     from specctl.bench.run import plan_run
+    from specctl.bench.settings import bench_settings
 
     settings = bench_settings(None, **flags)[0]
     return plan_run(None, settings, None, drafters, None, None, False, [], verifier, output, print)

@@ -1300,7 +1300,7 @@ def test_recommend_takes_the_fastest_and_ties_go_to_the_smaller_k_then_no_thresh
 def _sweep_report() -> BenchReport:
     """A sweep at concurrency 1 and 4: dflash is fastest at K=3 at 1; at 4, K=2 and K=3 tie
     (K=2 recommended) and no-spec is faster than either."""
-    r = BenchReport("tiny", "vllm", "builtin", 2, 0.0, 1.0, 32, 0, 1, complete=True)
+    r = BenchReport("tiny", "vllm", "builtin", 2, 0.0, 1.0, 32, 0, 1, complete=True, vllm_measured=True)
     r.sweep, r.sweep_levels = [], [1, 4]
     r.sweep_skipped = ["dflash: K=9 not measured, it drafts at most 4 per step"]
     tps = {1: {1: 20.0, 2: 30.0, 3: 36.0, 4: 33.0}, 4: {1: 50.0, 2: 70.0, 3: 70.0, 4: 60.0}}
@@ -1765,7 +1765,7 @@ def test_run_bench_sweeps_confidence_thresholds_with_a_fake_engine(tmp_path, tin
     assert "| 6, T 0.6 |" in md and "drafted per accepted" in md
     assert "concurrency 1, dspark: K=6, confidence threshold 0.6" in md
     with pytest.raises(
-        UsageError, match="dspark: --confidence-threshold is measured with the embedded engine"
+        UsageError, match="dspark: --confidence-threshold is measured with --backend embedded;"
     ):
         bench_with_flags(
             drafters=[s], output=tmp_path / "v", backend="vllm", confidence_thresholds=[0.3], **fake_engine

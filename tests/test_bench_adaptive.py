@@ -80,13 +80,13 @@ def _point(name, k, adaptive, tps, level=1, drafter="/x/d"):
 def test_the_recommended_speculative_config_carries_the_flag_only_from_vllm():
     points = [_point("d", 4, False, 20.0), _point("d", 4, True, 25.0), _point("d", 4, False, 30.0, 16)]
     points.append(_point("d", 4, True, 24.0, 16))
-    rec = {level: r.to_dict() for level, r in recommendations(points, "vllm")["d"].items()}
+    rec = {level: r.to_dict() for level, r in recommendations(points, "vllm", True)["d"].items()}
     assert rec["1"]["adaptive"] is True and rec["1"]["speculative_config"]["enable_adaptive_verification"]
     assert (
         rec["16"]["adaptive"] is False
         and "enable_adaptive_verification" not in rec["16"]["speculative_config"]
     )
-    embedded = recommendations(points, "embedded")["d"]["1"].to_dict()
+    embedded = recommendations(points, "embedded", False)["d"]["1"].to_dict()
     assert embedded["adaptive"] is True and embedded["speculative_config"] is None
 
 
@@ -185,8 +185,8 @@ def test_cli_refuses_adaptive_on_vllm_cpu_before_starting(tmp_path, tiny_verifie
     line = refused_before_start(argv, monkeypatch, capsys)
     assert line == (
         "error: --adaptive: adaptive verification needs vLLM on a GPU (vLLM on CPU runs the V1 model "
-        "runner, which does not have it); this is 0.32.0 on CPU: measure --adaptive on the embedded "
-        "engine (--backend embedded)"
+        "runner, which does not have it); this is 0.32.0 on CPU: measure --adaptive with --backend "
+        "embedded"
     )
     assert not (tmp_path / "b").exists()
     with pytest.raises(UsageError, match="--base-url benches the server as it runs"):

@@ -72,7 +72,7 @@ def test_bench_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir):
         rows = (r["num_drafts"] + r["num_draft_tokens"]) / (r["num_drafts"] + r["num_accepted_tokens"])
         assert r["verify_rows_per_token"] == pytest.approx(rows)
     assert report.sweep_skipped == ["eagle3: --tree does not apply (no block distributions to branch on)"]
-    with pytest.raises(UsageError, match="--tree is measured with the embedded engine"):
+    with pytest.raises(UsageError, match="--tree is measured with --backend embedded$"):
         bench_with_flags(
             drafters=exports[:1], output=tmp_path / "v", backend="vllm", tree_nodes=[4], progress=False
         )

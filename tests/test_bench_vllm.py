@@ -263,7 +263,7 @@ def test_engine_rounds_start_an_engine_per_configuration_per_round(tmp_path, tin
 
 
 def test_engine_rounds_need_an_engine_to_restart():
-    from specctl.bench.plan import bench_settings
+    from specctl.bench.settings import bench_settings
     from specctl.errors import UsageError
 
     with pytest.raises(
@@ -280,7 +280,8 @@ def test_engine_rounds_need_an_engine_to_restart():
 def test_every_backend_repeats(tmp_path):
     """--repeat R is one setting every backend reads: the embedded engine in rounds, the engine
     backends inside each engine; unset, the run's length decides (default_repeats)."""
-    from specctl.bench.plan import AUTO_REPEAT_TOKENS, AUTO_REPEATS, bench_settings, default_repeats
+    from specctl.bench.plan import AUTO_REPEAT_TOKENS, AUTO_REPEATS, default_repeats
+    from specctl.bench.settings import bench_settings
     from specctl.errors import UsageError
 
     for backend in ("embedded", "vllm", "vllm-offline"):
@@ -301,18 +302,19 @@ def test_every_backend_repeats(tmp_path):
 
 
 def test_backend_capabilities_are_one_table():
-    """--concurrency levels and --engine-rounds are checked against the same rows: each backend has one,
-    and the usage errors name the backends that can do what was asked."""
-    from specctl.bench.plan import BACKENDS, CAPS, REMOTE, backend_levels
+    """--concurrency levels and --engine-rounds are checked against the backends' specs, and the
+    usage errors name the backends that can do what was asked."""
+    from specctl.bench.backends import BACKENDS
+    from specctl.bench.settings import backend_levels
     from specctl.errors import UsageError
 
-    assert set(CAPS) == {*BACKENDS, REMOTE}
-    assert backend_levels("vllm", [1, 4, 16], 1) == [1, 4, 16]
-    assert backend_levels(REMOTE, None, 8) == [8]
-    assert backend_levels("vllm-offline", [4], 1) == [4]
-    assert backend_levels("embedded", [4], 1) == [1]  # batch 1, whatever was asked
+    assert set(BACKENDS) == {"embedded", "vllm", "vllm-offline", "remote"}
+    assert backend_levels(BACKENDS["vllm"], [1, 4, 16], 1) == [1, 4, 16]
+    assert backend_levels(BACKENDS["remote"], None, 8) == [8]
+    assert backend_levels(BACKENDS["vllm-offline"], [4], 1) == [4]
+    assert backend_levels(BACKENDS["embedded"], [4], 1) == [1]  # batch 1, whatever was asked
     with pytest.raises(UsageError, match="sweep concurrency levels with --backend vllm or --base-url$"):
-        backend_levels("vllm-offline", [1, 4], 1)
+        backend_levels(BACKENDS["vllm-offline"], [1, 4], 1)
 
 
 def test_offline_worker_result_round_trip(tmp_path):

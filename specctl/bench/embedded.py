@@ -16,6 +16,7 @@ from specctl.bench.client import Answer, Sent
 from specctl.bench.plan import Groups, Method
 from specctl.bench.prompts import BenchPrompt
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
+from specctl.bench.spec import BackendSpec, Opening
 from specctl.counters import SpecCounters
 from specctl.drafters.api import Drafter
 from specctl.kernels import apply_kernel
@@ -37,10 +38,7 @@ class EmbeddedBackend:
     generated ids are kept (the report compares them with plain decoding's), and each prompt is one
     Unit (round 0: the run says which repetition it was)."""
 
-    name = "embedded"
     levels = (1,)
-    interleave = True  # switching methods is free: they take turns prompt by prompt
-    counts_passes = True  # every repetition decodes each prompt again
 
     def __init__(
         self,
@@ -156,3 +154,24 @@ class EmbeddedBackend:
             m.ttft_s, m.tpot_s, m.itl_s = timed.ttft_s, timed.tpot_s, timed.itl_s
             categories[category] = m
         return [Point(1, MethodResult(method, categories))]
+
+
+def open_embedded(o: Opening) -> EmbeddedBackend:
+    """The verifier loads here, in this process (specctl.verifier)."""
+    return EmbeddedBackend(o.section, o.settings, o.on_done, o.generate_fn, o.load_drafter_fn)
+
+
+SPEC = BackendSpec(
+    name="embedded",
+    title="specctl's embedded engine",
+    open=open_embedded,
+    interleave=True,  # switching methods is free: they take turns prompt by prompt
+    counts_passes=True,  # every repetition decodes each prompt again
+    latency="specctl's embedded engine: each verifier step's tokens as one streamed chunk",
+    why_one_level="decodes one request at a time",
+    fixed_level=1,
+    why_no_engine_rounds="takes turns prompt by prompt already",
+    confidence_thresholds=True,
+    adaptive="engine",
+    trees=True,
+)

@@ -15,7 +15,8 @@ from typing import Any
 
 from specctl.bench.plan import Groups, Method, max_model_len
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
-from specctl.bench.vllm import VllmSetup, announce, engine_args, run_label, to_measurement
+from specctl.bench.spec import BackendSpec, Opening
+from specctl.bench.vllm import VllmSetup, announce, engine_args, open_vllm, run_label, to_measurement
 from specctl.counters import SpecCounters
 from specctl.procs import on_cpu, vllm_env
 from specctl.vllm import VllmError
@@ -115,10 +116,6 @@ class OfflineBackend:
     """measure(method, prompts): vLLM's offline LLM with the method, a category's prompts handed over
     at once and run at most `concurrency` at a time."""
 
-    name = "vllm-offline"
-    interleave = False  # an engine start per configuration (per round: bench --engine-rounds)
-    counts_passes = False  # the worker answers once per configuration, its passes inside
-
     def __init__(
         self,
         verifier: VllmVerifier,
@@ -199,3 +196,24 @@ def _one_pass(
         ],
         "outputs": {str(i): list(ids) for (i, _), ids in zip(prompts, outs, strict=True)},
     }
+
+
+def open_offline(o: Opening) -> OfflineBackend:
+    verifier, setup, max_k = open_vllm(o, SPEC.name)
+    return OfflineBackend(verifier, setup, max_k, o.sweeping, o.say, o.on_done)
+
+
+SPEC = BackendSpec(
+    name="vllm-offline",
+    title="vLLM (offline engine)",
+    open=open_offline,
+    interleave=False,  # an engine start per configuration (per round: bench --engine-rounds)
+    counts_passes=False,  # the worker answers once per configuration, its passes inside
+    latency="streamed requests",
+    why_one_level="starts one engine per configuration, at one level",
+    engine_rounds=True,
+    adaptive="vllm",
+    ngram=True,
+    vllm_drafters=True,
+    vllm_measured=True,
+)

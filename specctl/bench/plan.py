@@ -18,18 +18,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from specctl.bench.arrivals import rate_label
 from specctl.bench.prompts import BenchPrompt
 from specctl.errors import SpecctlError, UsageError
-from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection, flag_of
+from specctl.recipe import BUILTIN_RECIPES, BenchSection, Recipe, VerifierSection
 
 if TYPE_CHECKING:
     from specctl.drafters import DrafterConfig
 
-BACKENDS = ("embedded", "vllm", "vllm-offline")
-REMOTE = "remote"  # --base-url: a server that is already running (specctl.bench.remote)
 SERVER = "server"  # the algo, and the name, of the one method a remote run measures: the server as it runs
 BASELINE = "eagle3"  # the reference algorithm of "vs EAGLE-3" (--baseline names another directory)
 PLAIN = "none"  # the `algo` of plain decoding, the denominator of every speedup
@@ -38,36 +33,6 @@ NGRAM = "ngram"
 NGRAM_METHOD = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 Groups = dict[str, list[tuple[int, BenchPrompt]]]  # category -> (prompt index, prompt)
-
-
-@dataclass(frozen=True)
-class BackendCaps:
-    """What a backend measures beyond one pass at one concurrency level. The --concurrency and
-    --engine-rounds checks both read `CAPS`, so what a backend can do is written once, here. Every
-    backend repeats (bench.repeats): the embedded one round by round, methods taking turns; the
-    engine ones in each configuration's engine (`repeat_rounds`)."""
-
-    levels: bool  # several concurrency levels in one run (a server takes any load)
-    engine_rounds: bool  # the prompts split into rounds, an engine per configuration per round
-    why_one_level: str = ""  # why it measures a single level (the usage error says it)
-    fixed_level: int | None = None  # the one level it always measures at, whatever was asked
-
-
-CAPS = {
-    "embedded": BackendCaps(
-        levels=False,
-        engine_rounds=False,
-        why_one_level="decodes one request at a time",
-        fixed_level=1,
-    ),
-    "vllm": BackendCaps(levels=True, engine_rounds=True),
-    "vllm-offline": BackendCaps(
-        levels=False,
-        engine_rounds=True,
-        why_one_level="starts one engine per configuration, at one level",
-    ),
-    REMOTE: BackendCaps(levels=True, engine_rounds=False),
-}
 
 
 @dataclass(frozen=True)
@@ -94,53 +59,6 @@ class Method:
 # ---------------------------------------------------------------- settings and methods
 
 
-def settings_from_flags(base: BenchSection, given: dict[str, Any]) -> BenchSection:
-    """`base` (the recipe's bench section, or the defaults) with the command-line values that were
-    passed (not None) on top, validated once: the settings a run then reads whole.
-
-    Bad values are usage errors (exit 2) naming the flag they came from, else the recipe field;
-    flags that contradict each other, or that the backend cannot honour, fail here too."""
-    given = {k: v for k, v in given.items() if v is not None}
-    model = type(base)
-    if "backend" in given and given["backend"] not in BACKENDS:
-        raise UsageError(f"--backend {given['backend']!r}: choose one of {', '.join(BACKENDS)}")
-    if (given.get("base_url") or base.base_url) and "backend" in given:
-        raise UsageError(
-            f"--backend {given['backend']} starts its own engine; --base-url benches a server that "
-            "is already running: pass one of them"
-        )
-    try:  # the fields the recipe set stay set (rate_cap asks which ones it set)
-        settings = model.model_validate({**base.model_dump(exclude_unset=True), **given})
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = str(err["loc"][0])
-        if key in given:  # a command-line value: name the flag
-            raise UsageError(f"{flag_of(model, key)} {err.get('input')!r}: {err['msg']}") from None
-        where = ".".join(map(str, err["loc"]))
-        raise UsageError(f"bench.{where}: {err['msg']} (got {err.get('input')!r})") from None
-    backend = run_backend(settings)
-    if given.get("engine_rounds", 1) > 1 and not CAPS[backend].engine_rounds:
-        able = " or ".join(f"--backend {name}" for name, caps in CAPS.items() if caps.engine_rounds)
-        how = "takes turns prompt by prompt already" if backend == "embedded" else "starts no engine"
-        raise UsageError(
-            f"--engine-rounds {given['engine_rounds']}: the {backend} backend {how}; "
-            f"drop --engine-rounds or use {able}"
-        )
-    return settings
-
-
-def run_backend(settings: BenchSection) -> str:
-    """The backend a run uses: `remote` when bench.base_url names a running server, else bench.backend."""
-    return REMOTE if settings.base_url else settings.backend
-
-
-def bench_settings(recipe: Recipe | None, **given: Any) -> tuple[BenchSection, str]:
-    """The recipe's bench section (or the defaults) with the given values on top
-    (`settings_from_flags`), and the backend it runs on (`run_backend`)."""
-    settings = settings_from_flags(recipe.bench if recipe is not None else BenchSection(), given)
-    return settings, run_backend(settings)
-
-
 AUTO_REPEATS = 3  # rounds when bench.repeats is unset and the run is short (`default_repeats`)
 AUTO_REPEAT_TOKENS = 4096  # "short": at most this many tokens decoded per round, all configurations
 
@@ -152,43 +70,6 @@ def default_repeats(num_prompts: int, max_new_tokens: int, configs: int, levels:
     past the bound (a K sweep, long answers) would triple a wait that already takes minutes."""
     tokens = num_prompts * max_new_tokens * configs * levels
     return AUTO_REPEATS if tokens <= AUTO_REPEAT_TOKENS else 1
-
-
-def backend_levels(backend: str, asked: list[int] | None, default: int) -> list[int]:
-    """The concurrency levels a run measures: those asked (else the settings' one), checked
-    against what the backend can sweep."""
-    caps = CAPS[backend]
-    levels = asked or [default]
-    if len(levels) > 1 and not caps.levels:
-        able = " or ".join(
-            "--base-url" if name == REMOTE else f"--backend {name}" for name, c in CAPS.items() if c.levels
-        )
-        raise UsageError(
-            f"--concurrency {','.join(map(str, levels))}: the {backend} backend {caps.why_one_level}; "
-            f"sweep concurrency levels with {able}"
-        )
-    return [caps.fixed_level] if caps.fixed_level is not None else levels
-
-
-def backend_rates(backend: str, rates: Sequence[float], asked: list[int] | None) -> list[float]:
-    """The request rates a run sends at (bench.request_rate), ascending: a server's queue has
-    arrivals to time, an engine that takes the prompts itself has none; and one sweep dimension
-    at a time (beside rates, a single --concurrency caps the requests in flight)."""
-    if not rates:
-        return []
-    text = ",".join(rate_label(r) for r in sorted(set(rates)))
-    caps = CAPS[backend]
-    if not caps.levels:
-        raise UsageError(
-            f"--request-rate {text}: the {backend} backend has no request arrivals (it "
-            f"{caps.why_one_level}); request rates need a server: --backend vllm or --base-url"
-        )
-    if asked and len(asked) > 1:
-        raise UsageError(
-            f"--request-rate {text} with --concurrency {','.join(map(str, asked))}: sweep one of them; "
-            "beside --request-rate, one --concurrency N caps the requests in flight"
-        )
-    return sorted(set(rates))
 
 
 def rate_cap(recipe: Recipe | None, settings: BenchSection) -> int:

