@@ -10,7 +10,9 @@ Reproducibility: the torch RNG is reseeded from (train.seed, global micro-batch 
 each micro-batch, so whatever a drafter samples (anchors, sparsified rows) depends only on which
 micro-batch it is, not on the rank that runs it or on where a run was interrupted. With the data
 cursor and optimizer state in the checkpoint, a resumed run repeats an uninterrupted one, and
-W ranks x A accumulation steps see the same global batches as one rank with W*A.
+W ranks x A accumulation steps see the same global batches as one rank with W*A. Python's `random`
+and numpy's global RNG, which checkpoints also save and restore, are seeded from train.seed once
+when the run starts (checkpoint.seed_rngs).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from specctl.checkpoint import (
     resume_checkpoint,
     resume_line,
     save_checkpoint,
+    seed_rngs,
 )
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum
@@ -494,7 +497,7 @@ def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
     cfg, algo = recipe.train, recipe.drafter.algo
     source = open_source(recipe, ctx, progress)
     d2t = draft_vocab(recipe, source.spec.vocab_size)
-    torch.manual_seed(cfg.seed)
+    seed_rngs(cfg.seed)  # torch, Python's and numpy's: what checkpoints save and a resume restores
     built = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
     drafter = as_module(built)
     if cfg.activation_checkpointing:
