@@ -95,6 +95,17 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def seed_rngs(seed: int) -> None:
+    """Seed every RNG `rng_state` saves: torch's (CUDA's with it), Python's `random` and numpy's
+    global one. Seeding torch alone left the other two as the interpreter started them (from OS
+    entropy), so a checkpoint's saved states differed between two runs of the same recipe and a
+    drafter drawing from them could not be repeated; seeded, they are a function of the seed and
+    of what training drew (numpy takes the seed modulo 2**32)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]

@@ -502,7 +502,7 @@ def plan(
 
 def _print_plan(result) -> None:
     """The stages table, then each stage's terms and assumptions."""
-    from specctl.estimate import human_bytes, human_count
+    from specctl.estimate import human_count, si_bytes
     from specctl.progress import duration
 
     gib = lambda n: f"{n / (1 << 30):,.1f} GiB"  # noqa: E731
@@ -514,9 +514,7 @@ def _print_plan(result) -> None:
         fits = "-" if not s.capacity else ("yes" if s.fits else "[red]NO[/red]")
         peak = gib(s.peak) if s.capacity else f"{gib(s.peak)} host" if s.terms else "-"
         time = duration(s.seconds) if s.seconds else "-"
-        table.add_row(
-            s.stage, peak, fits, human_bytes(s.disk), human_count(s.tokens) if s.tokens else "-", time
-        )
+        table.add_row(s.stage, peak, fits, si_bytes(s.disk), human_count(s.tokens) if s.tokens else "-", time)
     out.print(table)
     for s in result.stages:
         for t in s.terms:

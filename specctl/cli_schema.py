@@ -132,9 +132,10 @@ class SectionOptionsCommand(typer.core.TyperCommand):
         return super().get_params(ctx)
 
     def _add_section_options(self) -> None:
-        """typer's parameters and callback rebuilt from the signature with the section's options."""
-        from typer.main import _get_params_name_from_function, get_callback
-
+        """typer's parameters and callback rebuilt from the signature with the section's options:
+        the command function, its `__signature__` extended by them, is registered on a bare Typer
+        app and built by typer's public `typer.main.get_command`, as `app.command()` would; only its
+        parameters and callback are taken (name, help and the rest stay this command's)."""
         func = self.callback.__wrapped__  # typer's wrapper around the command function
         signature = inspect.signature(func)
         generated = [option_parameter(o) for o in field_options(func.section_model())]
@@ -145,13 +146,10 @@ class SectionOptionsCommand(typer.core.TyperCommand):
         command.__signature__ = signature.replace(  # type: ignore[attr-defined]
             parameters=[*signature.parameters.values(), *generated]
         )
-        self.params, context_param_name = _get_params_name_from_function(command)
-        self.callback = get_callback(
-            callback=command,
-            params=self.params,
-            context_param_name=context_param_name,
-            pretty_exceptions_short=True,
-        )
+        app = typer.Typer(add_completion=False)
+        app.command()(command)
+        built = typer.main.get_command(app)
+        self.params, self.callback = built.params, built.callback
 
 
 def given_settings(model: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,8 @@ class DiskSpaceError(SpecctlError):
     """The estimate says the output will not fit on the disk (pass --force to start anyway)."""
 
 
-def human_bytes(n: float) -> str:
-    """SI units, three significant figures: 950 B, 12.4 kB, 5.08 TB."""
+def si_bytes(n: float) -> str:
+    """SI units (powers of 1000, as `df -H`), three significant figures: 950 B, 12.4 kB, 5.08 TB."""
     for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
         if abs(n) < 1000 or unit == "PB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
@@ -70,12 +70,12 @@ class StoreEstimate:
 
     def line(self, free: int) -> str:
         about = "" if self.exact else "~"
-        left = f", {human_bytes(self.written)} already written" if self.written else ""
+        left = f", {si_bytes(self.written)} already written" if self.written else ""
         return (
             f"collect: {about}{self.samples:,} samples, {about}{human_count(self.tokens)} tokens x "
             f"{self.bytes_per_token:,} B/token ({describe_layout(self.layout)}) = {about}"
-            f"{human_bytes(self.tokens * self.bytes_per_token)} of features{left}; "
-            f"{human_bytes(free)} free at {self.path}"
+            f"{si_bytes(self.tokens * self.bytes_per_token)} of features{left}; "
+            f"{si_bytes(free)} free at {self.path}"
         )
 
 
@@ -87,9 +87,9 @@ def check_store_fits(estimate: StoreEstimate, force: bool, say=None) -> None:
     if estimate.need <= free:
         return
     message = (
-        f"the feature store needs {'~' if not estimate.exact else ''}{human_bytes(estimate.need)} more "
+        f"the feature store needs {'~' if not estimate.exact else ''}{si_bytes(estimate.need)} more "
         f"({human_count(estimate.tokens)} tokens x {estimate.bytes_per_token:,} B/token, "
-        f"{describe_layout(estimate.layout)}) but {estimate.path} has {human_bytes(free)} free; free space, "
+        f"{describe_layout(estimate.layout)}) but {estimate.path} has {si_bytes(free)} free; free space, "
         "collect fewer or shorter samples (data.max_samples, data.max_length), store compact features "
         "(features.aux_dtype=fp8, features.target=topk) or train online (train.mode=online), "
         "or pass --force"

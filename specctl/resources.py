@@ -148,7 +148,7 @@ class Plan:
 
 def refusal(plan: Plan) -> str | None:
     """The one-line reason the plan does not fit (the first stage that does not), or None."""
-    from specctl.estimate import human_bytes
+    from specctl.estimate import si_bytes
 
     for s in plan.failures():
         return (
@@ -158,7 +158,7 @@ def refusal(plan: Plan) -> str | None:
     disk = plan.cluster.disk
     if disk is not None and plan.disk_total() > disk:
         return (
-            f"the run needs {human_bytes(plan.disk_total())} of disk but {human_bytes(disk)} is free; "
+            f"the run needs {si_bytes(plan.disk_total())} of disk but {si_bytes(disk)} is free; "
             "store compact features (features.aux_dtype=fp8, features.target=topk) or fewer samples"
         )
     return None

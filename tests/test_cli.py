@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import signal
 import subprocess
@@ -36,6 +37,52 @@ def test_help_lists_commands(monkeypatch, capsys):
 def test_version(monkeypatch, capsys):
     code, out, _ = run_main(monkeypatch, capsys, "--version")
     assert code == 0 and __version__ in out
+
+
+CLI_LIBRARIES = ("typer", "click")
+
+
+def private_cli_names(source: str) -> list[str]:
+    """Each `_name` (not a dunder) that a module imports from typer or click or reads off them
+    (`typer.main._get_params_name_from_function`): their private API, which any release may change."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in CLI_LIBRARIES:
+            names = [*node.module.split("."), *(a.name for a in node.names)]
+        elif isinstance(node, ast.Attribute):
+            parts = [node.attr]
+            while isinstance(node := node.value, ast.Attribute):
+                parts.append(node.attr)
+            names = [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+            names = names if names[:1] and names[0] in CLI_LIBRARIES else []
+        else:
+            continue
+        found |= {f"{node.lineno}: {n}" for n in names if n.startswith("_") and not n.startswith("__")}
+    return sorted(found)
+
+
+def test_the_cli_uses_typer_and_click_through_their_public_api():
+    root = Path(__file__).resolve().parents[1] / "specctl"
+    found = [
+        f"{p.relative_to(root.parent)}:{hit}"
+        for p in sorted(root.rglob("*.py"))
+        for hit in private_cli_names(p.read_text())
+    ]
+    assert found == []
+    # the check finds both forms (cli_schema.py's until 2026-12-05) and passes public names and dunders
+    synthetic = (
+        "from typer.main import _get_params_name_from_function, get_callback\n"
+        "import typer\n"
+        "params = typer.main._get_params_name_from_function(f)\n"
+        "from click._compat import term_len\n"
+        "typer.main.get_command(app).callback.__wrapped__\n"
+        "self._section_options = True\n"
+    )
+    assert private_cli_names(synthetic) == [
+        "1: _get_params_name_from_function",
+        "3: _get_params_name_from_function",
+        "4: _compat",
+    ]
 
 
 def test_collect_help_has_example(monkeypatch, capsys):

@@ -421,6 +421,28 @@ def test_quantize_fp8_is_the_nearest_e4m3_value_of_each_row_scaled_to_448():
     assert dequantize_fp8(q, scale, torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_si_bytes_names_the_largest_power_of_1000_below_at_three_figures():
+    from specctl.estimate import si_bytes
+
+    assert [si_bytes(n) for n in (0, 950, 999, 1000, 12_400, 999_499, 5.08e12, 3e18)] == [
+        "0 B",
+        "950 B",
+        "999 B",
+        "1 kB",
+        "12.4 kB",
+        "999 kB",
+        "5.08 TB",
+        "3e+03 PB",
+    ]
+    units = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "PB": 1e15}
+    for n in [int(1.37**k) for k in range(120)]:  # 1 B to ~2.5e16 B
+        value, unit = si_bytes(n).split()
+        # the unit the reference picks: the largest power of 1000 not above n (PB at most)
+        expected = max((u for u, size in units.items() if size <= n), key=units.get, default="B")
+        assert unit == expected, (n, si_bytes(n))
+        assert float(value) * units[unit] == pytest.approx(n, rel=5e-3 if unit != "B" else 0), n
+
+
 def test_layout_bytes_per_token():
     full, compact = Layout(), Layout("bfloat16", "fp8", "topk", 16)
     # SmolLM2-135M (H 576, vocab 49152: ids fit uint16) and Llama-3.1-8B (H 4096, vocab 128256), 3 aux layers

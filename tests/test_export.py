@@ -990,3 +990,23 @@ def test_vllm_model_class_loads_exactly_our_tensors(verifier, exports, algo, red
 
 
 # ---------------------------------------------------------------- vLLM: generating (slow)
+
+
+def test_binary_bytes_names_the_largest_power_of_1024_below_at_one_decimal():
+    from specctl.export.units import binary_bytes
+
+    assert [binary_bytes(n) for n in (0, 950, 1023, 1024, 1536, 16 * 2**20, 2048 * 2**30)] == [
+        "0 B",
+        "950 B",
+        "1,023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "16.0 MiB",
+        "2,048.0 GiB",
+    ]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    for n in [int(1.37**k) for k in range(110)]:  # 1 B to ~1e15 B
+        value, unit = binary_bytes(n).split()
+        expected = max((u for u, size in units.items() if size <= n), key=units.get, default="B")
+        assert unit == expected, (n, binary_bytes(n))
+        assert float(value.replace(",", "")) * units[unit] == pytest.approx(n, abs=0.05 * units[unit]), n

@@ -14,9 +14,11 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from reliability_matrix import fault
@@ -788,6 +790,59 @@ def test_resume_extends_a_finished_run(tmp_path, offline, toy):
     assert [r["step"] for r in train_lines(read_metrics(tiny_recipe(tmp_path)))] == [1, 2, 3, 4, 5, 6]
     done = run_training(tiny_recipe(tmp_path, max_steps=6), resume=True, progress=False)  # nothing left
     assert done.steps == 6 and done.loss == summary.loss
+
+
+def drawing(monkeypatch, base: DrafterSpec) -> None:
+    """Register `base` so that its drafter draws once from Python's `random` and once from numpy's
+    global RNG on each training forward (a drafter that samples with them)."""
+
+    def build(*args):
+        module = base.build(*args)
+        forward = module.forward
+
+        def forward_and_draw(batch):
+            if module.training:
+                random.random()
+                np.random.random_sample()
+            return forward(batch)
+
+        module.forward = forward_and_draw
+        return module
+
+    monkeypatch.setitem(DRAFTERS, "dflash", dataclasses.replace(base, build=build))
+
+
+def saved_rngs(recipe: Recipe, step: int) -> tuple[tuple, list[int], int]:
+    """The Python and numpy RNG states of step `step`'s checkpoint: (python, numpy keys, numpy pos)."""
+    path = recipe.run_dir / "drafters" / "dflash" / "checkpoints" / f"step-{step}" / ckpt.TRAINER_FILE
+    rng = torch.load(path, weights_only=True)["rng"]
+    return rng["python"], rng["numpy"][1].tolist(), rng["numpy"][2]
+
+
+def test_checkpoints_save_the_python_and_numpy_rngs_seeded_and_advanced_by_training_only(
+    tmp_path, offline, monkeypatch
+):
+    """Training seeds Python's `random` and numpy's global RNG from train.seed, as it seeds torch's:
+    a checkpoint saves (and a resume restores) those seeded states advanced by what training drew
+    (here one draw of each per training forward, none at validation), whatever the process drew
+    before. Unseeded, they were the interpreter's start-up states from OS entropy plus whatever any
+    import drew (rich.style draws one getrandbits(24)): different in every run of the same recipe."""
+    drawing(monkeypatch, use_toy_drafter()["dflash"])
+    whole = tiny_recipe(tmp_path / "whole", seed=7)  # 6 steps of one forward, checkpoints at 3 and 6
+    random.seed(123), random.random(), np.random.seed(123), np.random.random_sample()  # the process's draws
+    run_training(whole, progress=False)
+    python, numpy = random.Random(7), np.random.RandomState(7)
+    for step in (3, 6):
+        for _ in range(3):
+            python.random(), numpy.random_sample()
+        _, keys, pos, *_ = numpy.get_state()
+        assert saved_rngs(whole, step) == (python.getstate(), keys.tolist(), pos)
+
+    # interrupted after step 3 (a new process: other states), then resumed: the same draws follow
+    run_training(tiny_recipe(tmp_path / "split", seed=7, max_steps=3), progress=False)
+    random.seed(999), np.random.seed(999)
+    run_training(tiny_recipe(tmp_path / "split", seed=7), resume=True, progress=False)
+    assert saved_rngs(tiny_recipe(tmp_path / "split"), 6) == saved_rngs(whole, 6)
 
 
 @fault(

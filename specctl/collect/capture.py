@@ -25,6 +25,7 @@ forced, once from the generation warm-up's estimate and again on the exact data.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from specctl.estimate import StoreEstimate, check_store_fits, human_count
 from specctl.features import OWNER as FEATURES_OWNER
 from specctl.features import (
     Layout,
+    Manifest,
     StorePlan,
     continued_layout,
     finalize_store,
@@ -128,8 +130,8 @@ def collect(
     run_dir = recipe.run_dir
     DATA_OWNER.check(run_dir / "data")  # a user's directory at either: refused before any work
     FEATURES_OWNER.check(run_dir / "features")
-    # the data stage's generation runs here too
-    check_stage(recipe, ("data", "collect"), force, lambda text: note(text, enabled=progress), run_dir)
+    say = lambda text: note(text, enabled=progress)  # noqa: E731
+    check_stage(recipe, ("data", "collect"), force, say, run_dir)  # the data stage's generation runs here too
     if verifier is None:  # the vLLM engine's log beside the data stage's (one per shard worker)
         log = run_dir / "logs" / ("collect-vllm.log" if world == 1 else f"collect-vllm-{rank}.log")
         verifier = _load_verifier(recipe, log)
@@ -140,24 +142,8 @@ def collect(
     bytes_per_token = layout_bytes_per_token(
         layout, verifier.config.hidden_size, len(aux_ids), verifier.config.vocab_size
     )
-    say = lambda text: note(text, enabled=progress)  # noqa: E731
-
-    def on_plan(samples: int, tokens: int) -> None:  # the generation warm-up's estimate
-        check_store_fits(
-            StoreEstimate(path, samples, tokens, bytes_per_token, layout, exact=False), force, say
-        )
-
-    prepare_data(
-        recipe.data,
-        verifier.tokenizer,
-        run_dir / "data",
-        model=verifier.generation_model,  # None unless the HF model is loaded: generation loads what it needs
-        progress=progress,
-        verifier=recipe.verifier,
-        on_plan=on_plan,
-    )
-    samples = load_samples(run_dir / "data")
-    lengths = [s["input_ids"].numel() for s in samples]
+    estimate = functools.partial(StoreEstimate, path, bytes_per_token=bytes_per_token, layout=layout)
+    samples = _prepare_data(recipe, verifier, estimate, force, progress)
     origin = feature_origin(recipe, verifier, aux_ids, layout, read_manifest(run_dir / "data")["fingerprint"])
     plan = _store_plan(verifier, aux_ids, layout, samples, origin, recipe.features.shard_tokens)
     claims = ShardClaims(path, recipe.features.claim_lease_s)
@@ -168,19 +154,13 @@ def collect(
     todo = [j for j in order if not shard_done(path, j)]
     if todo:
         written = sum(f.stat().st_size for f in path.glob("shard-*.safetensors"))
-        estimate = StoreEstimate(path, len(samples), sum(lengths), bytes_per_token, layout, written)
-        check_store_fits(estimate, force, say)
+        check_store_fits(estimate(len(samples), sum(plan.lengths), written=written), force, say)
         if isinstance(verifier, VerifierFiles):  # the data stage is done: its GPUs are free
             verifier = load_verifier(recipe.verifier)
     forward_start = time.perf_counter()
     capture = _Capture(verifier, recipe, aux_ids, layout, plan, samples, claims, say)
     capture.run(todo, own=[j for j in todo if j % world == rank], progress=progress)
-    manifest = finalize_store(path)
-    bpt = None
-    if manifest:  # claims mean nothing any more; nor do the leftovers of workers that died meanwhile
-        claims.clear()
-        recover_dirs(path, claims.writer_alive)
-        bpt = sum(f["bytes"] for f in manifest.shard_files) / max(1, manifest.num_tokens)
+    manifest = _finish_store(path, claims)
     return CollectSummary(
         features_dir=path,
         num_samples=len(samples),
@@ -190,9 +170,52 @@ def collect(
         complete=manifest is not None,
         seconds=time.perf_counter() - start,
         forward_seconds=time.perf_counter() - forward_start,
-        bytes_per_token=bpt,
+        bytes_per_token=None if manifest is None else manifest_bytes_per_token(manifest),
         device="-" if isinstance(verifier, VerifierFiles) else str(verifier.device),  # no weights loaded
     )
+
+
+def _prepare_data(
+    recipe: Recipe,
+    verifier: VerifierBackend | VerifierFiles,
+    estimate: Callable[..., StoreEstimate],
+    force: bool,
+    progress: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """The data stage (`prepare_data`), its generation on `verifier`; the store's size is checked
+    against the disk from the generation warm-up's estimate, before hours of generation
+    (`estimate(samples, tokens, ...)`: the store's StoreEstimate). Returns the samples."""
+    say = lambda text: note(text, enabled=progress)  # noqa: E731
+
+    def on_plan(samples: int, tokens: int) -> None:  # the generation warm-up's estimate
+        check_store_fits(estimate(samples, tokens, exact=False), force, say)
+
+    prepare_data(
+        recipe.data,
+        verifier.tokenizer,
+        recipe.run_dir / "data",
+        model=verifier.generation_model,  # None unless the HF model is loaded: generation loads what it needs
+        progress=progress,
+        verifier=recipe.verifier,
+        on_plan=on_plan,
+    )
+    return load_samples(recipe.run_dir / "data")
+
+
+def _finish_store(path: Path, claims: ShardClaims) -> Manifest | None:
+    """The store's manifest, written by whoever finds every shard done first (None: work remains).
+    Once complete, the claims mean nothing any more; nor do the leftovers of workers that died
+    meanwhile: both are cleared."""
+    manifest = finalize_store(path)
+    if manifest is not None:
+        claims.clear()
+        recover_dirs(path, claims.writer_alive)
+    return manifest
+
+
+def manifest_bytes_per_token(manifest: Manifest) -> float:
+    """What the complete store takes on disk per token: its shard files' bytes over its tokens."""
+    return sum(f["bytes"] for f in manifest.shard_files) / max(1, manifest.num_tokens)
 
 
 def work_order(num_shards: int, rank: int, world: int, whole: bool = True) -> list[int]:

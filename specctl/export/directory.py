@@ -27,7 +27,7 @@ from specctl.drafters import DRAFTERS
 from specctl.durable import Owner, disk_full, recover_dir, replace_dir
 from specctl.errors import SpecctlError
 from specctl.export.card import CARD_FILE, model_card, written_by_specctl
-from specctl.export.units import human_bytes
+from specctl.export.units import binary_bytes
 from specctl.origin import FeatureOrigin, origin_of_meta, write_origin
 from specctl.recipe import VerifierSection
 from specctl.runlock import run_lock
@@ -61,7 +61,7 @@ class ExportResult:
             ("re-exported from" if self.reexport else "checkpoint", f"{self.checkpoint}{step}"),
             ("output", str(self.output)),
             ("dtype", self.dtype),
-            ("size", human_bytes(self.size_bytes)),
+            ("size", binary_bytes(self.size_bytes)),
             ("model card", str(self.output / CARD_FILE)),
         ]
         return rows + [r for r in self.check.rows() if r[0] not in ("export", "algorithm")]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specctl.errors import SpecctlError, UsageError, first_line
 from specctl.export.card import CARD_FILE, model_card, written_by_specctl
-from specctl.export.units import human_bytes
+from specctl.export.units import binary_bytes
 from specctl.speculators.validate import validate_export
 
 __all__ = [
@@ -37,8 +37,8 @@ class PushPlan:
     def rows(self) -> list[tuple[str, str]]:
         card = "README.md written by specctl" if self.card_written else "README.md of the directory"
         rows = [("repo", self.repo), ("from", str(self.path)), ("model card", card)]
-        rows += [(name, human_bytes(size)) for name, size in self.files]
-        rows.append(("total", human_bytes(sum(size for _, size in self.files))))
+        rows += [(name, binary_bytes(size)) for name, size in self.files]
+        rows.append(("total", binary_bytes(sum(size for _, size in self.files))))
         rows.append(("status", f"uploaded: {self.url}" if self.pushed else "dry run: nothing uploaded"))
         rows += [("warning", w) for w in self.warnings]
         return rows

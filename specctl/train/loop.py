@@ -10,7 +10,9 @@ Reproducibility: the torch RNG is reseeded from (train.seed, global micro-batch 
 each micro-batch, so whatever a drafter samples (anchors, sparsified rows) depends only on which
 micro-batch it is, not on the rank that runs it or on where a run was interrupted. With the data
 cursor and optimizer state in the checkpoint, a resumed run repeats an uninterrupted one, and
-W ranks x A accumulation steps see the same global batches as one rank with W*A.
+W ranks x A accumulation steps see the same global batches as one rank with W*A. Python's `random`
+and numpy's global RNG, which checkpoints also save and restore, are seeded from train.seed once
+when the run starts (checkpoint.seed_rngs).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from specctl.checkpoint import (
     resume_checkpoint,
     resume_line,
     save_checkpoint,
+    seed_rngs,
 )
 from specctl.data import load_samples, load_token_freq, prepare_data
 from specctl.distributed import DistContext, all_reduce_sum
@@ -494,7 +497,7 @@ def build_pieces(recipe: Recipe, ctx: DistContext, progress: bool) -> Pieces:
     cfg, algo = recipe.train, recipe.drafter.algo
     source = open_source(recipe, ctx, progress)
     d2t = draft_vocab(recipe, source.spec.vocab_size)
-    torch.manual_seed(cfg.seed)
+    seed_rngs(cfg.seed)  # torch, Python's and numpy's: what checkpoints save and a resume restores
     built = DRAFTERS[algo].build(getattr(recipe.drafter, algo), source.spec, source.weights, d2t, cfg.loss)
     drafter = as_module(built)
     if cfg.activation_checkpointing:
@@ -754,28 +757,24 @@ def interrupted_line(ckpt_root: Path) -> str:
     return f"rerunning the same command continues from {last}"
 
 
-def train_locked(
-    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool, restart: bool
-) -> TrainSummary | None:
-    cfg, algo = recipe.train, recipe.drafter.algo
-    out_dir = recipe.run_dir / "drafters" / algo
-    ckpt_root = out_dir / "checkpoints"
-    say = lambda text: note(text, enabled=progress and ctx.is_main)  # noqa: E731
-    resume_from = starting_point(recipe, ctx, out_dir, resume, restart, say)
-    check_stage(recipe, "train", force, say, recipe.run_dir)
-    p = build_pieces(recipe, ctx, progress)
-
-    step, cursor, seen, skips = restore(p, resume_from, ctx, cfg)
-    start, checkpoint = step, resume_from
+def open_metrics(recipe: Recipe, ctx: DistContext, out_dir: Path, step: int, resumed: bool) -> MetricsLog:
+    """metrics.jsonl and the `train.report_to` tracker (rank 0), starting after `step`: a resumed
+    run keeps the lines up to it, and the tracker drops what an interrupted run logged past it."""
     tracker = None
-    if ctx.is_main:  # the tracker drops what an interrupted run logged past `step`, as the log does
+    if ctx.is_main:
         config = recipe.model_dump(mode="json")
-        tracker = open_tracker(cfg.report_to, out_dir, recipe.name, algo, config, first_step=step + 1)
-    kept = step if resume_from is not None else None  # metrics lines of the run continued
-    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker).open(kept)
-    saved, keep = (dump_recipe(recipe), p.meta), cfg.keep_checkpoints  # what each checkpoint records
-    tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
+        tracker = open_tracker(
+            recipe.train.report_to, out_dir, recipe.name, recipe.drafter.algo, config, first_step=step + 1
+        )
+    log = MetricsLog(out_dir / "metrics.jsonl", ctx.is_main, tracker=tracker)
+    return log.open(step if resumed else None)
 
+
+def batch_stream(
+    p: Pieces, cfg: Any, ctx: DistContext, cursor: int
+) -> contextlib.AbstractContextManager[Iterator[dict[str, torch.Tensor]]]:
+    """This rank's micro-batches from global micro-batch `cursor` on, in the order `optimizer_step`
+    takes them, loaded by `train.data_workers` (`cfg`: the train section)."""
     sampler = StepSampler(
         p.buckets,
         cfg.seed,
@@ -787,9 +786,69 @@ def train_locked(
         cfg.micro_batch_tokens,
     )
     workers = data_workers(cfg.data_workers, ctx.device, ctx.local_world_size)
+    return micro_batches(p.source.sample, sampler, cfg.batch_tokens, workers, ctx)
+
+
+def trainer_state(p: Pieces, step: int, cursor: int, seen: int | None, skips: Skips) -> dict[str, Any]:
+    """What a checkpoint records of the loop beside the weights and the optimizer: enough to resume
+    exactly (the RNG states are added by `save_checkpoint`)."""
+    return {
+        "step": step,
+        "cursor": cursor,
+        "scheduler": p.scheduler.state_dict(),
+        "tokens_seen": seen,
+        **skips.state(),
+    }
+
+
+def step_record(
+    step: int, seen: int | None, s: StepFigures, lr: float, tokens_per_s: float, skips: Skips
+) -> dict[str, Any]:
+    """The metrics.jsonl line of optimizer step `step` (grad_norm only when the step was applied)."""
+    record = {"step": step, **tokens_field(seen), "loss": s.loss, "lr": lr, "tokens_per_s": tokens_per_s}
+    if s.grad_norm is not None and not s.skipped:
+        record["grad_norm"] = s.grad_norm
+    record["skipped_steps"] = skips.total
+    return record
+
+
+def finish(
+    recipe: Recipe, ctx: DistContext, log: MetricsLog, step: int, checkpoint: Path | None
+) -> TrainSummary | None:
+    """Close the log; on rank 0, draw the learning curve and return the run's summary."""
+    log.close()
+    if not ctx.is_main:
+        return None
+    algo = recipe.drafter.algo
+    out_dir = log.path.parent
+    if log.path.is_file():
+        plot_curves({algo: read_curve(log.path)}, out_dir / "learning-curve.png", f"{algo}: held-out tau_hat")
+    latest = {k: log.last.get(k) for k in ("loss", "val_loss", "tau_hat", "val_acc_per_position")}
+    return TrainSummary(
+        algo, step, **latest, run_dir=recipe.run_dir, output_dir=out_dir, checkpoint=checkpoint
+    )
+
+
+def train_locked(
+    recipe: Recipe, ctx: DistContext, resume: bool, progress: bool, force: bool, restart: bool
+) -> TrainSummary | None:
+    """The loop: set up (where to start, the stage's resource check, the pieces, the log), then
+    validate / checkpoint / step / log until train.max_steps, then the summary."""
+    cfg = recipe.train
+    out_dir = recipe.run_dir / "drafters" / recipe.drafter.algo
+    say = lambda text: note(text, enabled=progress and ctx.is_main)  # noqa: E731
+    resume_from = starting_point(recipe, ctx, out_dir, resume, restart, say)
+    check_stage(recipe, "train", force, say, recipe.run_dir)
+    p = build_pieces(recipe, ctx, progress)
+
+    step, cursor, seen, skips = restore(p, resume_from, ctx, cfg)
+    start, checkpoint = step, resume_from
+    log = open_metrics(recipe, ctx, out_dir, step, resumed=resume_from is not None)
+    saved, keep = (dump_recipe(recipe), p.meta), cfg.keep_checkpoints  # what each checkpoint records
+    tokens_since, busy = 0.0, 0.0  # tokens and seconds of training steps since the last log line
     with (
         live_view(progress and ctx.is_main, cfg.max_steps, step) as live,
-        micro_batches(p.source.sample, sampler, cfg.batch_tokens, workers, ctx) as batches,
+        batch_stream(p, cfg, ctx, cursor) as batches,
     ):
         while True:
             done = step >= cfg.max_steps
@@ -800,15 +859,9 @@ def train_locked(
                     log.write({"step": step, **tokens_field(seen), **val})
                     live(tau=f"{val['tau_hat']:.2f}")
             if step > start and (step % cfg.save_every == 0 or done):
-                trainer = {
-                    "step": step,
-                    "cursor": cursor,
-                    "scheduler": p.scheduler.state_dict(),
-                    "tokens_seen": seen,
-                    **skips.state(),
-                }
+                trainer = trainer_state(p, step, cursor, seen, skips)
                 checkpoint = save_checkpoint(
-                    ckpt_root, step, p.model, p.optimizer, trainer, *saved, ctx, keep
+                    out_dir / "checkpoints", step, p.model, p.optimizer, trainer, *saved, ctx, keep
                 )
             if done:
                 break
@@ -826,22 +879,10 @@ def train_locked(
 
             # ---- log
             if step % cfg.log_every == 0 or step == cfg.max_steps:
-                record = {"step": step, **tokens_field(seen), "loss": s.loss, "lr": lr}
-                record["tokens_per_s"] = tokens_since / busy
-                if s.grad_norm is not None and not s.skipped:
-                    record["grad_norm"] = s.grad_norm
-                record["skipped_steps"] = skips.total
+                record = step_record(step, seen, s, lr, tokens_since / busy, skips)
                 log.write(record)
                 live(loss=f"{s.loss:.4f}", lr=f"{lr:.2e}", tps=f"{record['tokens_per_s']:.0f}")
                 tokens_since, busy = 0.0, 0.0
             live(completed=step)
 
-    log.close()
-    if not ctx.is_main:
-        return None
-    if log.path.is_file():
-        plot_curves({algo: read_curve(log.path)}, out_dir / "learning-curve.png", f"{algo}: held-out tau_hat")
-    latest = {k: log.last.get(k) for k in ("loss", "val_loss", "tau_hat", "val_acc_per_position")}
-    return TrainSummary(
-        algo, step, **latest, run_dir=recipe.run_dir, output_dir=out_dir, checkpoint=checkpoint
-    )
+    return finish(recipe, ctx, log, step, checkpoint)
