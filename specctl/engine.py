@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -36,10 +36,9 @@ import torch
 from specctl.acceptance import AcceptanceEstimator
 from specctl.counters import SpecCounters
 from specctl.drafters import DRAFTERS
-from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose
-from specctl.drafters.targets import draft_to_target
+from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose, propose_tree
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
-from specctl.trees import DraftTree, build_tree, greedy_tree_accept, tree_rejection_sample, verify_rows_mask
+from specctl.trees import DraftTree, greedy_tree_accept, tree_rejection_sample, verify_rows_mask
 from specctl.verifier import Verifier, record_layers
 
 
@@ -78,14 +77,8 @@ class _Drafting:
     threshold: float | None = None
     estimator: AcceptanceEstimator | None = None
     scored: tuple[torch.Tensor, torch.Tensor] | None = None  # (features, predictions) of the last cut
-    tree_nodes: int | None = None  # draft a tree of this many nodes from the block's distributions
-    to_target: Any = None  # draft-vocabulary ids -> verifier ids (trees)
-
-    def tree(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> DraftTree:
-        """The best tree of `tree_nodes` nodes, depth <= k, from the drafter's k block distributions."""
-        _, logits = self.propose(ids, aux, k, state=state)  # [k, Vd]
-        tree = build_tree(torch.log_softmax(logits.float(), -1), self.tree_nodes)
-        return replace(tree, tokens=self.to_target(tree.tokens))
+    # (ids, aux, depth k, state=) -> a draft tree of depth <= k (None: draft a chain)
+    tree: Callable[..., DraftTree] | None = None
 
     def drafts(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:
         """The [<= k] drafts to verify after ids[-1]."""
@@ -158,8 +151,9 @@ def _proposer(
 def _tree_proposer(
     drafter: Drafter, K: int | None, confidence: float | None, adaptive: float | None, tree_nodes: int
 ) -> _Drafting:
-    """Trees need one forward's distribution for every block position: a parallel drafter's
-    (`propose_with_logits`); an autoregressive drafter's later logits hang on its own argmax."""
+    """Trees of `tree_nodes` nodes, made as the drafter's spec says (`DrafterSpec.tree`: from a
+    parallel drafter's block distributions, or EAGLE-3's top-k expansion); a drafter no spec
+    registers (a test's) drafts from its block."""
     if tree_nodes < 1:
         raise ValueError(f"tree_nodes must be >= 1, got {tree_nodes}")
     if K is not None and K < 1:
@@ -167,18 +161,15 @@ def _tree_proposer(
     if confidence is not None or adaptive is not None:
         raise ValueError("tree_nodes replaces the draft-length cut: pass no confidence or adaptive threshold")
     spec = DRAFTERS.get(drafter.algo)
-    if spec is not None and not spec.parallel:
-        raise ValueError(
-            "tree_nodes needs a parallel drafter (DFlash, DSpark, P-EAGLE): one with block distributions"
-        )
-    drafting = _Drafting(
+    style = "block" if spec is None else spec.tree
+    if style is None:
+        raise ValueError(f"tree_nodes: the {drafter.algo} drafter cannot draft a tree (its spec has no tree)")
+    return _Drafting(
         K or default_num_speculative_tokens(drafter),
         tuple(drafter.verifier.aux_layer_ids),
-        drafter.propose_with_logits,
-        tree_nodes=tree_nodes,
-        to_target=partial(draft_to_target, d2t=drafter.d2t),
+        None,
+        tree=lambda ids, aux, k, state: propose_tree(drafter, style, ids, aux, k, tree_nodes, state),
     )
-    return drafting
 
 
 def _accept(
@@ -340,7 +331,7 @@ def generate(
         pending = prompt  # verified tokens whose keys/values are not cached yet
         while len(out) < max_new_tokens:
             k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
-            if k > 0 and drafting.tree_nodes is not None:
+            if k > 0 and drafting.tree is not None:
                 tree = drafting.tree(ids[:n], aux_buffer[: n - 1], k, draft_state)
                 step = _verify_tree(model, cache, pending, tree, sampling)
             else:
