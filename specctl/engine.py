@@ -291,77 +291,132 @@ def generate(
     confidence head where the drafter has one, else with acceptances predicted from the drafter's
     logits by `estimator` (specctl.acceptance, vLLM's online estimator; None: a fresh one for this
     request). Greedy outputs stay plain decoding's: a cut only shortens what is verified.
-    `tree_nodes` N verifies a draft tree of N nodes (depth <= K) built from a parallel drafter's
-    block distributions (specctl.trees) in each pass instead of one chain; counters then count
-    the N nodes as draft tokens and the accepted path as accepted tokens.
+    `tree_nodes` N verifies a draft tree of at most N nodes (depth <= K) in each pass instead of
+    one chain, made as the drafter's spec says (`DrafterSpec.tree`: a parallel drafter's block
+    distributions, EAGLE-3's top-k expansion); counters then count the tree's nodes as draft
+    tokens and the accepted path as accepted tokens.
     """
     model = verifier.model if isinstance(verifier, Verifier) else verifier
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    apply_temperature_top_p(torch.zeros(1), temperature, top_p)  # validates both
     device = next(model.parameters()).device
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)  # [P]
-    if prompt.numel() == 0:
-        raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
+    prompt = _checked_prompt(prompt_ids, max_new_tokens, temperature, top_p, device)  # [P]
     eos = {int(t) for t in eos_token_ids}
     drafting = _proposer(
         drafter, num_speculative_tokens, confidence_threshold, adaptive_threshold, estimator, tree_nodes
     )
-    K, aux_layer_ids = drafting.K, drafting.aux_layer_ids
-    counters = SpecCounters(accepted_per_position=[0] * K)
-
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    if drafter is not None and not cache.is_croppable:
-        raise ValueError("this verifier's KV cache cannot drop rejected drafts (not croppable)")
+    counters = SpecCounters(accepted_per_position=[0] * drafting.K)
+    cache = _verifier_cache(model, speculating=drafter is not None)
     sampling = (temperature, top_p, torch.Generator(device=device).manual_seed(seed))
-    P = prompt.numel()
-    ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=device)  # [P + max_new] sequence so far
-    ids[:P] = prompt
-    aux_buffer: torch.Tensor | None = None  # [P + max_new, n_aux, H] verified positions' features
-    draft_state: dict[str, Any] = {}  # the drafter's own cache of its work on the verified prefix
+    seq = _Sequence.start(prompt, max_new_tokens)
     out: list[int] = []
     marks: list[float] = []
 
     _sync(device)
     start = time.perf_counter()
-    with record_layers(model, aux_layer_ids) as captured:
-        n = P  # tokens in `ids`; the cache holds the first `n - len(pending)` of them
-        pending = prompt  # verified tokens whose keys/values are not cached yet
+    with record_layers(model, drafting.aux_layer_ids) as captured:
         while len(out) < max_new_tokens:
-            k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
-            if k > 0 and drafting.tree is not None:
-                tree = drafting.tree(ids[:n], aux_buffer[: n - 1], k, draft_state)
-                step = _verify_tree(model, cache, pending, tree, sampling)
-            else:
-                drafts = (
-                    drafting.drafts(ids[:n], aux_buffer[: n - 1], k, draft_state).to(device) if k else ids[:0]
-                )
-                step = _verify_chain(model, cache, pending, drafts, sampling)
-            accepted = step.accepted.numel()
+            k = seq.draft_length(drafting.K, max_new_tokens - len(out))
+            step_fn = _tree_step if k > 0 and drafting.tree is not None else _chain_step
+            step = step_fn(model, cache, drafting, seq, k, sampling)
             if step.num_drafted > 0:
-                counters.record(step.num_drafted, accepted)
-                drafting.verified(accepted)
-            if aux_layer_ids:
-                aux_buffer = _keep_features(
-                    captured, aux_layer_ids, step, len(pending), aux_buffer, n, ids.numel()
-                )
-            ids[n : n + accepted] = step.accepted
-            ids[n + accepted] = step.next_token
-            new = ids[n : n + accepted + 1].tolist()
-            n += accepted + 1
-            pending = ids[n - 1 : n]
+                counters.record(step.num_drafted, step.accepted.numel())
+                drafting.verified(step.accepted.numel())
+            new = seq.extend(step, captured, drafting.aux_layer_ids)
             stop = next((i for i, t in enumerate(new) if t in eos), None)
             out += new if stop is None else new[: stop + 1]
             marks.append(time.perf_counter() - start)  # `new` is host ints: the step has synchronised
             if stop is not None:
                 break
-    del counters.accepted_per_position[K:]  # a tree's N nodes padded it to N; paths end by depth K
+    del counters.accepted_per_position[drafting.K :]  # a tree's N nodes padded it to N; paths end by depth K
     _sync(device)
     return GenerationResult(
         tokens=out, counters=counters, wall_s=time.perf_counter() - start, step_times_s=marks
     )
+
+
+def _checked_prompt(
+    prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, device
+) -> torch.Tensor:
+    """The prompt as [P] ids on the device, after checking generate's arguments."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    apply_temperature_top_p(torch.zeros(1), temperature, top_p)  # validates both
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)  # [P]
+    if prompt.numel() == 0:
+        raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
+    return prompt
+
+
+def _verifier_cache(model: Any, speculating: bool) -> Any:
+    """An empty KV cache for the verifier; speculation needs one that can drop rejected drafts."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if speculating and not cache.is_croppable:
+        raise ValueError("this verifier's KV cache cannot drop rejected drafts (not croppable)")
+    return cache
+
+
+@dataclass
+class _Sequence:
+    """One request's tokens so far: ids [P + max_new] of which the first `n` are verified,
+    `pending` the verified ones whose K/V the verifier's cache lacks yet (the prompt, then the
+    last step's own token), aux [P + max_new, n_aux, H] the features of the verified positions
+    whose K/V are cached, and the drafter's own cache of its work on that prefix."""
+
+    ids: torch.Tensor
+    n: int
+    pending: torch.Tensor
+    aux: torch.Tensor | None = None
+    draft_state: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, prompt: torch.Tensor, max_new_tokens: int) -> _Sequence:
+        P = prompt.numel()
+        ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=prompt.device)
+        ids[:P] = prompt
+        return cls(ids, P, prompt)
+
+    def draft_length(self, K: int, left: int) -> int:
+        """Drafts this step: K, fewer when fewer tokens are left (never overshoot), 0 on the
+        prefill (several pending tokens: the drafter has no features of them yet)."""
+        return min(K, left - 1) if len(self.pending) == 1 else 0
+
+    def context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the drafter drafts from: ids [n] and the features [n - 1, n_aux, H] of all but the last."""
+        return self.ids[: self.n], self.aux[: self.n - 1]
+
+    def extend(
+        self, step: _Verified, captured: dict[int, torch.Tensor], aux_layer_ids: tuple[int, ...]
+    ) -> list[int]:
+        """Append what `step` kept (its accepted drafts and next token, returned as host ints)
+        and the features of the rows it verified."""
+        accepted = step.accepted.numel()
+        if aux_layer_ids:
+            self.aux = _keep_features(
+                captured, aux_layer_ids, step, len(self.pending), self.aux, self.n, self.ids.numel()
+            )
+        n = self.n
+        self.ids[n : n + accepted] = step.accepted
+        self.ids[n + accepted] = step.next_token
+        self.n = n + accepted + 1
+        self.pending = self.ids[self.n - 1 : self.n]
+        return self.ids[n : self.n].tolist()
+
+
+def _chain_step(
+    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: tuple[float, float, Any]
+) -> _Verified:
+    """Draft k tokens as a chain (none: a plain decoding or prefill pass) and verify them."""
+    drafts = drafting.drafts(*seq.context(), k, seq.draft_state).to(seq.ids.device) if k else seq.ids[:0]
+    return _verify_chain(model, cache, seq.pending, drafts, sampling)
+
+
+def _tree_step(
+    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: tuple[float, float, Any]
+) -> _Verified:
+    """Draft a tree of depth <= k and verify it in one pass."""
+    tree = drafting.tree(*seq.context(), k, seq.draft_state)
+    return _verify_tree(model, cache, seq.pending, tree, sampling)
 
 
 def _keep_features(
