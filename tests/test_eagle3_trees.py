@@ -237,3 +237,20 @@ def test_greedy_generate_with_eagle3_trees_is_plain_decoding(small_vocab, nodes)
     for ids, aux, depth, max_nodes, tree in calls[::5]:  # the engine's state gave the fresh trees
         fresh = propose(ids, aux, depth, max_nodes)
         assert fresh.tokens.tolist() == tree.tokens.tolist()
+
+
+@pytest.mark.parametrize("algo,nodes", [("eagle3", None), ("eagle3", 6), ("eagle3", 16), ("dflash", 8)])
+def test_the_acceptance_replay_is_what_generate_counts(small_vocab, algo, nodes):
+    """benchmarks.trees --acceptance replays speculation along plain decoding's output without
+    verifier passes: its per-pass counts must add up to generate's counters, chain or tree."""
+    from benchmarks.trees import replay_acceptance
+
+    prompt = [t % 24 for t in PROMPT]
+    plain = generate(small_vocab, None, prompt, 40).tokens
+    drafter = sharp_eagle3(small_vocab) if algo == "eagle3" else build_drafter(algo, small_vocab)
+    K = 3
+    passes = replay_acceptance(small_vocab, drafter, prompt, plain, K, nodes, AUX_IDS)
+    c = generate(small_vocab, drafter, prompt, 40, num_speculative_tokens=K, tree_nodes=nodes).counters
+    assert len(passes) == c.num_drafts
+    assert sum(a for a, _ in passes) == c.num_accepted_tokens > 0
+    assert sum(d for _, d in passes) == c.num_draft_tokens
