@@ -5,11 +5,13 @@ Usage: python -m benchmarks.trees [--verifier smollm2-135m-instruct] [--dtype bf
        python -m benchmarks.trees --acceptance DRAFTER_DIR --outputs OUTPUTS.jsonl [--split test]
 
 `--acceptance`: the accepted length per verifier pass of a drafter's chain and of its trees of
-each size, replayed exactly along plain decoding's greedy outputs (a bench's outputs.jsonl, method
-no-spec): greedy tree verification emits plain decoding's tokens (tests/test_engine_trees.py), so
-a pass accepts the longest tree path that matches them, and no verifier pass is needed beyond one
-forward per prompt for the drafter's features. The same trajectory as the engine (K capped by the
-tokens left), in seconds instead of a bench's minutes on a busy machine.
+each size (a parallel drafter's from its block, EAGLE-3's by its top-k expansion), replayed
+exactly along plain decoding's greedy outputs (a bench's outputs.jsonl, method no-spec): greedy
+tree verification emits plain decoding's tokens (tests/test_engine_trees.py), so a pass accepts
+the longest tree path that matches them, and no verifier pass is needed beyond one forward per
+prompt for the drafter's features. The same trajectory as the engine (K capped by the tokens
+left), in seconds instead of a bench's minutes on a busy machine. `rows_per_pass` is the mean
+verify rows a drafting pass used (1 + its drafts or tree nodes).
 
 Prints one JSON object: `tree_ms_n<N>`, `chain_ms_n<N>` (median ms of a forward over 1 + N rows),
 `decode_ms` (one row), and the ratios to a decode step. Trees, chains and the decode step take
@@ -75,34 +77,35 @@ def tree_verify_costs(model, prefix: int = 200, rounds: int = 9, depth: int = 3)
 
 def replay_acceptance(
     model, drafter, prompt: list[int], output: list[int], K: int, nodes: int | None, aux_ids
-) -> list[int]:
-    """Drafts accepted per drafting pass when `drafter` (chain when `nodes` is None, else trees of
-    `nodes` nodes) speculates along plain decoding's `output` after `prompt`, as generate() steps."""
-    from specctl.trees import build_tree, greedy_tree_accept
+) -> list[tuple[int, int]]:
+    """(drafts accepted, drafts verified) per drafting pass when `drafter` (chain when `nodes` is
+    None, else trees of `nodes` nodes, made as the drafter's spec says:
+    specctl.drafters.api.propose_tree) speculates along plain decoding's `output` after `prompt`,
+    as generate() steps."""
+    from specctl.drafters import DRAFTERS
+    from specctl.drafters.api import propose_tree
+    from specctl.trees import greedy_tree_accept
     from specctl.verifier import capture_hidden_states
 
     seq = torch.tensor(prompt + output)
     aux = capture_hidden_states(model, seq[None], None, aux_ids)[0][0]  # [T, n_aux, H]
-    to_target = getattr(drafter, "to_target_ids", None) or (
-        lambda ids: ids if drafter.d2t is None else ids + drafter.d2t[ids]
-    )
+    style = DRAFTERS[drafter.algo].tree
     n, end, state, accepted = len(prompt) + 1, len(seq), {}, []
     while n < end:
         k = min(K, end - n - 1)
         if k == 0:
             n += 1
             continue
-        drafts, logits = drafter.propose_with_logits(seq[:n], aux[: n - 1], k, state=state)
         if nodes is None:
-            a = int((drafts == seq[n : n + k]).int().cumprod(0).sum())
+            drafts, _ = drafter.propose_with_logits(seq[:n], aux[: n - 1], k, state=state)
+            a, drafted = int((drafts == seq[n : n + k]).int().cumprod(0).sum()), k
         else:
-            tree = build_tree(torch.log_softmax(logits.float(), -1), nodes)
-            tokens = to_target(tree.tokens)
+            tree = propose_tree(drafter, style, seq[:n], aux[: n - 1], k, nodes, state)
             # the verifier's argmax after the root and after each node: plain's next token at its depth
             # (a node off plain's path never extends an accepted path, so any value will do there)
             target = torch.cat([seq[n : n + 1], seq[(n + tree.depths).clamp(max=end - 1)]])
-            a = len(greedy_tree_accept(tokens, tree.parents, target)[0])
-        accepted.append(a)
+            a, drafted = len(greedy_tree_accept(tree.tokens, tree.parents, target)[0]), tree.num_nodes
+        accepted.append((a, drafted))
         n += a + 1
     return accepted
 
@@ -128,12 +131,13 @@ def acceptance_main(args) -> None:
                 )
                 for i, out in sorted(plain.items())
             ]
-            flat = [a for p in passes for a in p]
+            flat = [a for p in passes for a, _ in p]
+            rows = [1 + drafted for p in passes for _, drafted in p]
             depth = [sum(a > d for a in flat) / len(flat) for d in range(K)]
             result["chain" if nodes is None else f"tree{nodes}"] = {
                 "accepted_length": round(1 + sum(flat) / len(flat), 3),
                 "passes": len(flat),
-                "rows_per_pass": 1 + (K if nodes is None else nodes),
+                "rows_per_pass": round(sum(rows) / len(rows), 2),
                 "reached_depth": [round(x, 3) for x in depth],
             }
     print(json.dumps({"drafter": str(args.acceptance), "K": K, "split": args.split, **result}))

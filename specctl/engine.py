@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -36,10 +36,9 @@ import torch
 from specctl.acceptance import AcceptanceEstimator
 from specctl.counters import SpecCounters
 from specctl.drafters import DRAFTERS
-from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose
-from specctl.drafters.targets import draft_to_target
+from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose, propose_tree
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
-from specctl.trees import DraftTree, build_tree, greedy_tree_accept, tree_rejection_sample, verify_rows_mask
+from specctl.trees import DraftTree, greedy_tree_accept, tree_rejection_sample, verify_rows_mask
 from specctl.verifier import Verifier, record_layers
 
 
@@ -78,14 +77,8 @@ class _Drafting:
     threshold: float | None = None
     estimator: AcceptanceEstimator | None = None
     scored: tuple[torch.Tensor, torch.Tensor] | None = None  # (features, predictions) of the last cut
-    tree_nodes: int | None = None  # draft a tree of this many nodes from the block's distributions
-    to_target: Any = None  # draft-vocabulary ids -> verifier ids (trees)
-
-    def tree(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> DraftTree:
-        """The best tree of `tree_nodes` nodes, depth <= k, from the drafter's k block distributions."""
-        _, logits = self.propose(ids, aux, k, state=state)  # [k, Vd]
-        tree = build_tree(torch.log_softmax(logits.float(), -1), self.tree_nodes)
-        return replace(tree, tokens=self.to_target(tree.tokens))
+    # (ids, aux, depth k, state=) -> a draft tree of depth <= k (None: draft a chain)
+    tree: Callable[..., DraftTree] | None = None
 
     def drafts(self, ids: torch.Tensor, aux: torch.Tensor, k: int, state: dict[str, Any]) -> torch.Tensor:
         """The [<= k] drafts to verify after ids[-1]."""
@@ -158,8 +151,9 @@ def _proposer(
 def _tree_proposer(
     drafter: Drafter, K: int | None, confidence: float | None, adaptive: float | None, tree_nodes: int
 ) -> _Drafting:
-    """Trees need one forward's distribution for every block position: a parallel drafter's
-    (`propose_with_logits`); an autoregressive drafter's later logits hang on its own argmax."""
+    """Trees of `tree_nodes` nodes, made as the drafter's spec says (`DrafterSpec.tree`: from a
+    parallel drafter's block distributions, or EAGLE-3's top-k expansion); a drafter no spec
+    registers (a test's) drafts from its block."""
     if tree_nodes < 1:
         raise ValueError(f"tree_nodes must be >= 1, got {tree_nodes}")
     if K is not None and K < 1:
@@ -167,18 +161,15 @@ def _tree_proposer(
     if confidence is not None or adaptive is not None:
         raise ValueError("tree_nodes replaces the draft-length cut: pass no confidence or adaptive threshold")
     spec = DRAFTERS.get(drafter.algo)
-    if spec is not None and not spec.parallel:
-        raise ValueError(
-            "tree_nodes needs a parallel drafter (DFlash, DSpark, P-EAGLE): one with block distributions"
-        )
-    drafting = _Drafting(
+    style = "block" if spec is None else spec.tree
+    if style is None:
+        raise ValueError(f"tree_nodes: the {drafter.algo} drafter cannot draft a tree (its spec has no tree)")
+    return _Drafting(
         K or default_num_speculative_tokens(drafter),
         tuple(drafter.verifier.aux_layer_ids),
-        drafter.propose_with_logits,
-        tree_nodes=tree_nodes,
-        to_target=partial(draft_to_target, d2t=drafter.d2t),
+        None,
+        tree=lambda ids, aux, k, state: propose_tree(drafter, style, ids, aux, k, tree_nodes, state),
     )
-    return drafting
 
 
 def _accept(
@@ -300,77 +291,132 @@ def generate(
     confidence head where the drafter has one, else with acceptances predicted from the drafter's
     logits by `estimator` (specctl.acceptance, vLLM's online estimator; None: a fresh one for this
     request). Greedy outputs stay plain decoding's: a cut only shortens what is verified.
-    `tree_nodes` N verifies a draft tree of N nodes (depth <= K) built from a parallel drafter's
-    block distributions (specctl.trees) in each pass instead of one chain; counters then count
-    the N nodes as draft tokens and the accepted path as accepted tokens.
+    `tree_nodes` N verifies a draft tree of at most N nodes (depth <= K) in each pass instead of
+    one chain, made as the drafter's spec says (`DrafterSpec.tree`: a parallel drafter's block
+    distributions, EAGLE-3's top-k expansion); counters then count the tree's nodes as draft
+    tokens and the accepted path as accepted tokens.
     """
     model = verifier.model if isinstance(verifier, Verifier) else verifier
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    apply_temperature_top_p(torch.zeros(1), temperature, top_p)  # validates both
     device = next(model.parameters()).device
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)  # [P]
-    if prompt.numel() == 0:
-        raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
+    prompt = _checked_prompt(prompt_ids, max_new_tokens, temperature, top_p, device)  # [P]
     eos = {int(t) for t in eos_token_ids}
     drafting = _proposer(
         drafter, num_speculative_tokens, confidence_threshold, adaptive_threshold, estimator, tree_nodes
     )
-    K, aux_layer_ids = drafting.K, drafting.aux_layer_ids
-    counters = SpecCounters(accepted_per_position=[0] * K)
-
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    if drafter is not None and not cache.is_croppable:
-        raise ValueError("this verifier's KV cache cannot drop rejected drafts (not croppable)")
+    counters = SpecCounters(accepted_per_position=[0] * drafting.K)
+    cache = _verifier_cache(model, speculating=drafter is not None)
     sampling = (temperature, top_p, torch.Generator(device=device).manual_seed(seed))
-    P = prompt.numel()
-    ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=device)  # [P + max_new] sequence so far
-    ids[:P] = prompt
-    aux_buffer: torch.Tensor | None = None  # [P + max_new, n_aux, H] verified positions' features
-    draft_state: dict[str, Any] = {}  # the drafter's own cache of its work on the verified prefix
+    seq = _Sequence.start(prompt, max_new_tokens)
     out: list[int] = []
     marks: list[float] = []
 
     _sync(device)
     start = time.perf_counter()
-    with record_layers(model, aux_layer_ids) as captured:
-        n = P  # tokens in `ids`; the cache holds the first `n - len(pending)` of them
-        pending = prompt  # verified tokens whose keys/values are not cached yet
+    with record_layers(model, drafting.aux_layer_ids) as captured:
         while len(out) < max_new_tokens:
-            k = min(K, max_new_tokens - len(out) - 1) if len(pending) == 1 else 0  # never overshoot
-            if k > 0 and drafting.tree_nodes is not None:
-                tree = drafting.tree(ids[:n], aux_buffer[: n - 1], k, draft_state)
-                step = _verify_tree(model, cache, pending, tree, sampling)
-            else:
-                drafts = (
-                    drafting.drafts(ids[:n], aux_buffer[: n - 1], k, draft_state).to(device) if k else ids[:0]
-                )
-                step = _verify_chain(model, cache, pending, drafts, sampling)
-            accepted = step.accepted.numel()
+            k = seq.draft_length(drafting.K, max_new_tokens - len(out))
+            step_fn = _tree_step if k > 0 and drafting.tree is not None else _chain_step
+            step = step_fn(model, cache, drafting, seq, k, sampling)
             if step.num_drafted > 0:
-                counters.record(step.num_drafted, accepted)
-                drafting.verified(accepted)
-            if aux_layer_ids:
-                aux_buffer = _keep_features(
-                    captured, aux_layer_ids, step, len(pending), aux_buffer, n, ids.numel()
-                )
-            ids[n : n + accepted] = step.accepted
-            ids[n + accepted] = step.next_token
-            new = ids[n : n + accepted + 1].tolist()
-            n += accepted + 1
-            pending = ids[n - 1 : n]
+                counters.record(step.num_drafted, step.accepted.numel())
+                drafting.verified(step.accepted.numel())
+            new = seq.extend(step, captured, drafting.aux_layer_ids)
             stop = next((i for i, t in enumerate(new) if t in eos), None)
             out += new if stop is None else new[: stop + 1]
             marks.append(time.perf_counter() - start)  # `new` is host ints: the step has synchronised
             if stop is not None:
                 break
-    del counters.accepted_per_position[K:]  # a tree's N nodes padded it to N; paths end by depth K
+    del counters.accepted_per_position[drafting.K :]  # a tree's N nodes padded it to N; paths end by depth K
     _sync(device)
     return GenerationResult(
         tokens=out, counters=counters, wall_s=time.perf_counter() - start, step_times_s=marks
     )
+
+
+def _checked_prompt(
+    prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, temperature: float, top_p: float, device
+) -> torch.Tensor:
+    """The prompt as [P] ids on the device, after checking generate's arguments."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    apply_temperature_top_p(torch.zeros(1), temperature, top_p)  # validates both
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(device)  # [P]
+    if prompt.numel() == 0:
+        raise ValueError("the prompt is empty: the verifier needs at least one token to continue")
+    return prompt
+
+
+def _verifier_cache(model: Any, speculating: bool) -> Any:
+    """An empty KV cache for the verifier; speculation needs one that can drop rejected drafts."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if speculating and not cache.is_croppable:
+        raise ValueError("this verifier's KV cache cannot drop rejected drafts (not croppable)")
+    return cache
+
+
+@dataclass
+class _Sequence:
+    """One request's tokens so far: ids [P + max_new] of which the first `n` are verified,
+    `pending` the verified ones whose K/V the verifier's cache lacks yet (the prompt, then the
+    last step's own token), aux [P + max_new, n_aux, H] the features of the verified positions
+    whose K/V are cached, and the drafter's own cache of its work on that prefix."""
+
+    ids: torch.Tensor
+    n: int
+    pending: torch.Tensor
+    aux: torch.Tensor | None = None
+    draft_state: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, prompt: torch.Tensor, max_new_tokens: int) -> _Sequence:
+        P = prompt.numel()
+        ids = torch.empty(P + max_new_tokens, dtype=torch.long, device=prompt.device)
+        ids[:P] = prompt
+        return cls(ids, P, prompt)
+
+    def draft_length(self, K: int, left: int) -> int:
+        """Drafts this step: K, fewer when fewer tokens are left (never overshoot), 0 on the
+        prefill (several pending tokens: the drafter has no features of them yet)."""
+        return min(K, left - 1) if len(self.pending) == 1 else 0
+
+    def context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the drafter drafts from: ids [n] and the features [n - 1, n_aux, H] of all but the last."""
+        return self.ids[: self.n], self.aux[: self.n - 1]
+
+    def extend(
+        self, step: _Verified, captured: dict[int, torch.Tensor], aux_layer_ids: tuple[int, ...]
+    ) -> list[int]:
+        """Append what `step` kept (its accepted drafts and next token, returned as host ints)
+        and the features of the rows it verified."""
+        accepted = step.accepted.numel()
+        if aux_layer_ids:
+            self.aux = _keep_features(
+                captured, aux_layer_ids, step, len(self.pending), self.aux, self.n, self.ids.numel()
+            )
+        n = self.n
+        self.ids[n : n + accepted] = step.accepted
+        self.ids[n + accepted] = step.next_token
+        self.n = n + accepted + 1
+        self.pending = self.ids[self.n - 1 : self.n]
+        return self.ids[n : self.n].tolist()
+
+
+def _chain_step(
+    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: tuple[float, float, Any]
+) -> _Verified:
+    """Draft k tokens as a chain (none: a plain decoding or prefill pass) and verify them."""
+    drafts = drafting.drafts(*seq.context(), k, seq.draft_state).to(seq.ids.device) if k else seq.ids[:0]
+    return _verify_chain(model, cache, seq.pending, drafts, sampling)
+
+
+def _tree_step(
+    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: tuple[float, float, Any]
+) -> _Verified:
+    """Draft a tree of depth <= k and verify it in one pass."""
+    tree = drafting.tree(*seq.context(), k, seq.draft_state)
+    return _verify_tree(model, cache, seq.pending, tree, sampling)
 
 
 def _keep_features(

@@ -535,10 +535,11 @@ class BenchSection(Section):
     )
     tree_nodes: list[Annotated[int, Field(ge=1, le=31)]] = Field(
         default_factory=list,
-        description="Draft trees (`bench --tree N,...`, embedded backend): each parallel drafter (DFlash, "
-        "DSpark, P-EAGLE) is also measured verifying, per pass, the best tree of N nodes built from its "
-        "block distributions instead of its argmax chain, as a method of its own named `<name>-treeN` "
-        "beside the chain. At most 31 nodes: a verify of 32 rows stays bit-identical to plain decoding.",
+        description="Draft trees (`bench --tree N,...`, embedded backend): each drafter is also measured "
+        "verifying, per pass, a tree of at most N nodes instead of its argmax chain -- the best tree of "
+        "a parallel drafter's (DFlash, DSpark, P-EAGLE) block distributions, EAGLE-3's top-k expansion "
+        "-- as a method of its own named `<name>-treeN` beside the chain. At most 31 nodes: a verify of "
+        "32 rows stays bit-identical to plain decoding.",
         json_schema_extra=cli("--tree", metavar="N,..."),
     )
     linear_kernel: LinearKernel = Field(

@@ -1,4 +1,4 @@
-"""Draft trees from a parallel drafter's block distributions: the pure functions of one tree step.
+"""Draft trees from a drafter's distributions: the pure functions of one tree step.
 
 A parallel drafter (DFlash, DSpark, P-EAGLE) predicts a distribution for every position of its
 block in one pass, but a chain verifies only the argmax at each position, and acceptance
@@ -11,6 +11,8 @@ likely tokens at the early positions instead (DDTree, SpecInfer, EAGLE-2):
   values. Values shrink going down (child <= parent) and across (next sibling <= sibling), so the
   N highest-valued nodes form a tree, and greedy best-first expansion finds them: pop the best
   frontier node, push its best child and its next sibling.
+- `select_top_nodes`: the best N nodes of a larger candidate tree (EAGLE-3's top-k expansion,
+  `Eagle3Drafter.propose_tree`, whose candidates' values come from one drafter forward per depth).
 - `tree_attention_mask`: what each row of the verify forward may see (ancestor-or-self).
 - `greedy_tree_accept` / `tree_rejection_sample`: which root path the verifier keeps.
 
@@ -90,6 +92,32 @@ def build_tree(logprobs: torch.Tensor, max_nodes: int) -> DraftTree:
         parents=torch.tensor(parents, dtype=torch.long, device=device),
         depths=torch.tensor(depths, dtype=torch.long, device=device),
         log_values=torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def select_top_nodes(pool: DraftTree, max_nodes: int) -> DraftTree:
+    """The best `max_nodes` nodes of a candidate tree, as a tree: pool [M] nodes (parents before
+    children, siblings by rank, child log value <= parent's) -> [min(M, max_nodes)] nodes.
+
+    The highest-valued nodes form a tree because a parent is worth at least its child; ties go
+    to the earlier pool node (a stable sort), so a parent beats an equal-valued child and an
+    earlier sibling a later one. Kept nodes come best first: parents still precede children and
+    siblings keep their rank order, as a DraftTree needs.
+    """
+    M = pool.num_nodes
+    if max_nodes < 1:
+        raise ValueError(f"a draft tree needs at least 1 node, got {max_nodes}")
+    kept = torch.sort(pool.log_values, descending=True, stable=True).indices[:max_nodes]  # [N]
+    slot = torch.full((M + 1,), -1, dtype=torch.long, device=kept.device)  # pool index + 1 -> kept index
+    slot[kept + 1] = torch.arange(kept.numel(), device=kept.device)
+    pool_parents = pool.parents[kept]  # [N]
+    parents = slot[pool_parents + 1]  # [N]; -1 for children of the root
+    order = torch.arange(kept.numel(), device=kept.device)
+    orphans = (pool_parents >= 0) & ((parents < 0) | (parents >= order))  # a kept child without its parent
+    if bool(orphans.any()):
+        raise ValueError("select_top_nodes: a child is worth more than its parent; log values must not grow")
+    return DraftTree(
+        tokens=pool.tokens[kept], parents=parents, depths=pool.depths[kept], log_values=pool.log_values[kept]
     )
 
 

@@ -1,4 +1,4 @@
-"""`specctl bench --tree N,...`: each parallel drafter measured with draft trees beside its chain
+"""`specctl bench --tree N,...`: each drafter measured with draft trees beside its chain
 on the embedded engine, with the tree's node count and its verify rows per token in the report."""
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from specctl.errors import UsageError
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_plan_trees_adds_a_tree_method_per_node_count_to_parallel_drafters_only(tmp_path):
+def test_plan_trees_adds_a_tree_method_per_node_count_to_drafters_that_make_trees(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from specctl.drafters import DRAFTERS
+
     d = _write_drafter(tmp_path / "d", "dflash", 3, "v")
     e = _write_drafter(tmp_path / "e", "eagle3", 3, "v")
     methods, _ = plan_methods([d, e], None)
@@ -23,18 +27,33 @@ def test_plan_trees_adds_a_tree_method_per_node_count_to_parallel_drafters_only(
     configs, notes = plan_trees(methods, [8, 4, 8])
     assert [(m.name, m.tree_nodes) for m in configs] == [
         ("no-spec", None),
-        ("eagle3", None),  # the baseline comes first
+        ("eagle3", None),  # the baseline comes first, with its own top-k expansion trees
+        ("eagle3-tree4", 4),
+        ("eagle3-tree8", 8),
         ("dflash", None),
         ("dflash-tree4", 4),
         ("dflash-tree8", 8),
     ]
-    assert notes == ["eagle3: --tree does not apply (no block distributions to branch on)"]
+    assert notes == []
+    with_ngram, _ = plan_methods([d, e], None, ngram=3)
+    cut = [*with_ngram, replace(methods[2], name="dflash-adaptive", adaptive=True)]
+    monkeypatch.setitem(DRAFTERS, "eagle3", replace(DRAFTERS["eagle3"], tree=None))  # a spec without trees
+    configs, notes = plan_trees(cut, [4])
+    assert [m.name for m in configs] == [m.name for m in cut[:3]] + ["dflash-tree4"] + [
+        m.name for m in cut[3:]
+    ]
+    assert notes == [
+        "eagle3: --tree does not apply (no drafter model that makes draft trees)",
+        f"{cut[3].name}: --tree does not apply (no drafter model that makes draft trees)",  # ngram
+        "dflash-adaptive: --tree does not apply (its draft length is cut; a tree replaces the cut)",
+    ]
 
 
 def test_bench_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir):
-    """A random DFlash (block 4) and EAGLE-3 on the real engine, --tree 4,8: the trees are methods
-    of their own with their node count, greedy outputs equal plain decoding's, and verify rows per
-    token are what the counters say (1 + N rows per drafting pass)."""
+    """A random DFlash (block 4) and EAGLE-3 on the real engine, --tree 4,8: the trees (DFlash's
+    from its block, EAGLE-3's by top-k expansion) are methods of their own with their node count,
+    greedy outputs equal plain decoding's, and verify rows per token are what the counters say
+    (1 + N rows per drafting pass)."""
     from specctl.drafters import DRAFTERS
     from specctl.export import save_drafter
     from specctl.recipe import VerifierSection
@@ -63,15 +82,16 @@ def test_bench_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir):
     d = report.to_dict()
     assert report.ok and d["complete"]
     by_name = {r["name"]: r for r in d["results"]}
-    assert {"no-spec", "dflash", "dflash-tree4", "dflash-tree8", "eagle3"} == set(by_name)
-    assert [by_name[n]["tree_nodes"] for n in ("dflash", "dflash-tree4", "dflash-tree8")] == [None, 4, 8]
-    for name in ("dflash-tree4", "dflash-tree8"):
+    trees = ("dflash-tree4", "dflash-tree8", "eagle3-tree4", "eagle3-tree8")
+    assert {"no-spec", "dflash", "eagle3", *trees} == set(by_name)
+    assert [by_name[n]["tree_nodes"] for n in ("dflash", "eagle3", *trees)] == [None, None, 4, 8, 4, 8]
+    for name in trees:
         r = by_name[name]
         assert r["outputs_match_plain"] == 1.0
         assert r["num_draft_tokens"] == r["tree_nodes"] * r["num_drafts"]
         rows = (r["num_drafts"] + r["num_draft_tokens"]) / (r["num_drafts"] + r["num_accepted_tokens"])
         assert r["verify_rows_per_token"] == pytest.approx(rows)
-    assert report.sweep_skipped == ["eagle3: --tree does not apply (no block distributions to branch on)"]
+    assert report.sweep_skipped == []
     with pytest.raises(UsageError, match="--tree is measured with --backend embedded$"):
         bench_with_flags(
             drafters=exports[:1], output=tmp_path / "v", backend="vllm", tree_nodes=[4], progress=False

@@ -5,6 +5,7 @@ tokens; sampled outputs follow the verifier's distribution."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -151,8 +152,11 @@ def test_tree_greedy_is_lossless_with_parallel_drafters_built_in_code(algo, veri
         assert result.counters.num_draft_tokens == nodes * result.counters.num_drafts
 
 
-def test_tree_refuses_eagle3_plain_decoding_and_a_draft_length_cut(verifier):
-    with pytest.raises(ValueError, match="parallel drafter"):
+def test_tree_refuses_a_drafter_without_trees_plain_decoding_and_a_draft_length_cut(verifier, monkeypatch):
+    from specctl.drafters import DRAFTERS
+
+    monkeypatch.setitem(DRAFTERS, "eagle3", replace(DRAFTERS["eagle3"], tree=None))  # a spec without trees
+    with pytest.raises(ValueError, match="cannot draft a tree"):
         generate(verifier, build_drafter("eagle3", verifier), PROMPT, 4, tree_nodes=4)
     with pytest.raises(ValueError, match="needs a drafter"):
         generate(verifier, None, PROMPT, 4, tree_nodes=4)

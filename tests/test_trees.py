@@ -11,9 +11,11 @@ import torch
 from test_sampling import chi_square_p_value
 
 from specctl.trees import (
+    DraftTree,
     build_tree,
     greedy_tree_accept,
     root_path,
+    select_top_nodes,
     tree_attention_mask,
     tree_rejection_sample,
     verify_rows_mask,
@@ -78,6 +80,82 @@ def test_build_tree_refuses_bad_input():
         build_tree(torch.zeros(2, 3), 0)
     with pytest.raises(ValueError, match=r"\[K >= 1, V\]"):
         build_tree(torch.zeros(3), 4)
+
+
+# ---------------------------------------------------------------- select_top_nodes
+
+
+def random_pool(M: int, seed: int, ties: bool) -> DraftTree:
+    """A candidate tree of M nodes as EAGLE-3's expansion makes one (breadth first, a node's
+    children side by side in rank order, values falling down every path); `ties`: integer
+    log-prob steps, 0 included, so children tie with parents and siblings with each other."""
+    g = torch.Generator().manual_seed(seed)
+    pars: list[int] = []
+    depths: list[int] = []
+    values: list[float] = []
+    queue = [(-1, 0.0, 0)]  # (node, value, depth) waiting for children
+    while len(pars) < M:
+        node, value, depth = queue.pop(0)
+        n = int(torch.randint(0 if queue else 1, 4, (), generator=g))
+        if ties:
+            steps = (-torch.randint(0, 3, (n,), generator=g)).float()
+        else:
+            steps = torch.log(torch.rand(n, generator=g))
+        for step in sorted(steps.tolist(), reverse=True)[: M - len(pars)]:
+            pars.append(node)
+            depths.append(depth + 1)
+            values.append(value + step)
+            queue.append((len(pars) - 1, values[-1], depth + 1))
+    return DraftTree(
+        tokens=torch.arange(M) + 100,  # pool index + 100: which pool node a kept one is
+        parents=torch.tensor(pars),
+        depths=torch.tensor(depths),
+        log_values=torch.tensor(values),
+    )
+
+
+@pytest.mark.parametrize(
+    "M,N,seed,ties", [(9, n, s, t) for n in (1, 4, 7, 9, 12) for s in range(3) for t in (0, 1)]
+)
+def test_select_top_nodes_is_the_best_tree_of_every_parent_closed_subset(M, N, seed, ties):
+    """Exhaustive over the pool's parent-closed subsets of N nodes: none holds more expected
+    accepted length; the kept nodes are a DraftTree of the pool's root paths, best first."""
+    pool = random_pool(M, seed, bool(ties))
+    tree = select_top_nodes(pool, N)
+    pars, values = pool.parents.tolist(), pool.log_values.tolist()
+    best = max(
+        sum(math.exp(values[i]) for i in subset)
+        for subset in itertools.combinations(range(M), min(N, M))
+        if all(pars[i] < 0 or pars[i] in subset for i in subset)
+    )
+    assert tree.num_nodes == min(N, M)
+    assert tree.expected_accepted() == pytest.approx(best, rel=1e-6)
+    kept = (tree.tokens - 100).tolist()
+    new_pars = tree.parents.tolist()
+    for j, i in enumerate(kept):
+        assert new_pars[j] < j  # parents precede children
+        assert new_pars[j] == (-1 if pars[i] < 0 else kept.index(pars[i]))  # the pool's parent
+        assert tree.depths[j] == pool.depths[i] and tree.log_values[j] == pool.log_values[i]
+    assert tree.log_values.tolist() == sorted(tree.log_values.tolist(), reverse=True)  # best first
+    for p in set(new_pars):  # siblings keep their pool (rank) order
+        sib = [kept[j] for j in range(len(kept)) if new_pars[j] == p]
+        assert sib == sorted(sib)
+
+
+def test_select_top_nodes_breaks_ties_toward_parents_and_earlier_siblings():
+    pool = DraftTree(
+        tokens=torch.tensor([5, 6, 7, 8]),
+        parents=torch.tensor([-1, 0, 0, -1]),
+        depths=torch.tensor([1, 2, 2, 1]),
+        log_values=torch.tensor([-1.0, -1.0, -1.0, -2.0]),  # both children tie with their parent
+    )
+    assert select_top_nodes(pool, 2).tokens.tolist() == [5, 6]
+    assert select_top_nodes(pool, 3).parents.tolist() == [-1, 0, 0]
+    grows = DraftTree(pool.tokens, pool.parents, pool.depths, torch.tensor([-2.0, -1.0, -3.0, -4.0]))
+    with pytest.raises(ValueError, match="worth more than its parent"):
+        select_top_nodes(grows, 1)
+    with pytest.raises(ValueError, match="at least 1 node"):
+        select_top_nodes(pool, 0)
 
 
 def test_tree_mask_is_ancestor_or_self_and_the_verify_mask_adds_cache_and_root():

@@ -49,7 +49,7 @@ class Method:
     # adaptive verification: vLLM's enable_adaptive_verification, or the embedded engine's cut at
     # bench.adaptive_threshold (the confidence head, else vLLM's estimator on the drafter's logits)
     adaptive: bool = False
-    # a draft tree of this many nodes from a parallel drafter's block distributions (None: a chain)
+    # a draft tree of at most this many nodes, made as the drafter's spec says (None: a chain)
     tree_nodes: int | None = None
     # the drafter's own config, parsed once from its config.json by `drafter_method`: the K limit
     # and the confidence head are read from it, not from the file again (None without a drafter)
@@ -371,26 +371,30 @@ def plan_adaptive(configs: Sequence[Method], mode: str) -> tuple[list[Method], l
 
 
 def plan_trees(configs: Sequence[Method], tree_nodes: Sequence[int]) -> tuple[list[Method], list[str]]:
-    """Add, after each parallel drafter's chain configuration, one tree configuration per node
-    count (a method of its own, `<name>-treeN`, so the report compares chain and tree side by
-    side), and one line per drafter a tree does not apply to: plain decoding, ngram, EAGLE-3
-    (its later logits follow its own argmax, not a block distribution), and configurations
+    """Add, after each drafter's chain configuration, one tree configuration per node count (a
+    method of its own, `<name>-treeN`, so the report compares chain and tree side by side) for
+    every drafter whose spec makes trees (`DrafterSpec.tree`: parallel drafters from their block
+    distributions, EAGLE-3 by its top-k expansion), and one line per configuration a tree does
+    not apply to: ngram (no drafter model), a drafter whose spec makes none, and configurations
     already cut by a confidence threshold or adaptive verification."""
     if not tree_nodes:
         return list(configs), []
     from specctl.drafters import DRAFTERS
 
-    parallel = {s.speculators_model_type for s in DRAFTERS.values() if s.parallel}
+    growing = {s.speculators_model_type for s in DRAFTERS.values() if s.tree is not None}
     out: list[Method] = []
-    unable: dict[str, None] = {}
+    unable: dict[str, str] = {}
     for m in configs:
         out.append(m)
-        if m.drafter is None or m.algo not in parallel or m.adaptive or m.confidence_threshold is not None:
-            if m.algo != PLAIN:
-                unable[m.name] = None
+        if m.algo == PLAIN:
             continue
-        out += [replace(m, name=f"{m.name}-tree{n}", tree_nodes=n) for n in sorted(set(tree_nodes))]
-    return out, [f"{name}: --tree does not apply (no block distributions to branch on)" for name in unable]
+        if m.drafter is None or m.algo not in growing:
+            unable[m.name] = "no drafter model that makes draft trees"
+        elif m.adaptive or m.confidence_threshold is not None:
+            unable[m.name] = "its draft length is cut; a tree replaces the cut"
+        else:
+            out += [replace(m, name=f"{m.name}-tree{n}", tree_nodes=n) for n in sorted(set(tree_nodes))]
+    return out, [f"{name}: --tree does not apply ({why})" for name, why in unable.items()]
 
 
 # ---------------------------------------------------------------- the verifier

@@ -351,7 +351,7 @@ def run_bench(
     backends), one level per rate, and several `settings.confidence_thresholds` (plan_thresholds);
     `settings.adaptive` measures adaptive verification instead of, or beside, each drafter's
     fixed K (plan_adaptive); `settings.tree_nodes` adds a draft-tree method per node count beside
-    each parallel drafter's chain (plan_trees, embedded backend). `settings.base_url` benches a
+    each drafter's chain (plan_trees, embedded backend). `settings.base_url` benches a
     running OpenAI-compatible server instead (specctl.bench.remote): the server as it runs is the
     one method, `server`; the tokenizer is `verifier`, else the recipe's, else the server's model.
     `generate_fn` / `load_drafter_fn` replace the embedded engine's (tests).

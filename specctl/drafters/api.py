@@ -12,17 +12,25 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specctl.drafters.targets import draft_to_target
 from specctl.drafters.vocab import t2d_from_d2t
 from specctl.errors import SpecctlError
 from specctl.speculators.config import SpeculatorsConfig, rope_fields, window_fields
+from specctl.trees import DraftTree, build_tree
 from specctl.vllm.capabilities import Need
 
 LOSSES = ("kl", "ce")  # train.loss: kl = match the verifier's distribution, ce = its argmax
+
+# How a drafter makes a draft tree (`DrafterSpec.tree`): "block" = the best tree of its K block
+# distributions (`propose_with_logits`, specctl.trees.build_tree: parallel drafters); "expand" =
+# its own `propose_tree`, a top-k expansion one drafter forward per depth (EAGLE-3: an
+# autoregressive drafter's later distributions depend on the token drafted before them)
+TreeStyle = Literal["block", "expand"]
 
 
 class DrafterConfig(BaseModel):
@@ -310,6 +318,45 @@ def greedy_propose(
     return drafter.propose_with_logits(input_ids, aux_hidden_states, num_tokens, state)[0]
 
 
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that grows its own draft tree (`DrafterSpec.tree` "expand", EAGLE-3).
+
+    propose_tree(input_ids [N+1], aux_hidden_states [N, n_aux, H], depth, max_nodes, state=None)
+    -> a DraftTree of at most max_nodes nodes, depth <= `depth`, tokens in the verifier's
+    vocabulary, log_values the drafter's log-probability of each node's root path.
+    """
+
+    def propose_tree(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        depth: int,
+        max_nodes: int,
+        state: dict[str, Any] | None = None,
+    ) -> DraftTree: ...
+
+
+def propose_tree(
+    drafter: Drafter,
+    style: TreeStyle,
+    input_ids: torch.Tensor,
+    aux_hidden_states: torch.Tensor,
+    depth: int,
+    max_nodes: int,
+    state: dict[str, Any] | None = None,
+) -> DraftTree:
+    """The draft tree after input_ids[-1] (shapes: `TreeDrafter.propose_tree`), made the way the
+    drafter's spec says (`style`): one function for the engine and the tree benchmark."""
+    if style == "expand":
+        if not isinstance(drafter, TreeDrafter):
+            raise TypeError(f"{drafter.algo}: its spec's tree style is 'expand' but it has no propose_tree")
+        return drafter.propose_tree(input_ids, aux_hidden_states, depth, max_nodes, state=state)
+    _, logits = drafter.propose_with_logits(input_ids, aux_hidden_states, depth, state=state)  # [depth, Vd]
+    tree = build_tree(torch.log_softmax(logits.float(), -1), max_nodes)
+    return dataclasses.replace(tree, tokens=draft_to_target(tree.tokens, drafter.d2t))
+
+
 def as_module(drafter: Drafter) -> torch.nn.Module:
     """The drafter as the `nn.Module` it must be where torch acts on it as a whole (the trainer
     wraps it for DDP/FSDP and optimises its parameters); the contract above types only what
@@ -340,6 +387,8 @@ class DrafterSpec:
     tiny: the smallest recipe section that trains (tests, dry runs).
     published: whether a recipe section has the published shape (shipped 8B recipes are checked).
     parallel: drafts its K tokens in one forward pass (not autoregressively, like EAGLE-3).
+    tree: how it drafts a draft tree (`TreeStyle`: from its block distributions, or by its own
+        top-k expansion); None: it cannot.
     """
 
     name: str
@@ -355,6 +404,7 @@ class DrafterSpec:
     tiny: dict[str, Any] = field(default_factory=dict)
     published: Callable[[Any], bool] | None = None
     parallel: bool = True
+    tree: TreeStyle | None = "block"
 
     def build_from_format(
         self, config: SpeculatorsConfig, weights: VerifierWeights, d2t: torch.Tensor | None

@@ -20,6 +20,7 @@ The backbone (`Eagle3Backbone`) is shared with P-EAGLE, which drafts with the sa
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -61,6 +62,7 @@ from specctl.drafters.targets import (
 )
 from specctl.drafters.vocab import check_d2t, t2d_from_d2t
 from specctl.speculators.config import SpeculatorsConfig, base_fields
+from specctl.trees import DraftTree, select_top_nodes
 from specctl.vllm.capabilities import Need
 
 LayerStyle = Literal["llama", "qwen3"]
@@ -394,6 +396,55 @@ def layer_settings(config: SpeculatorsConfig) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- EAGLE-3
 
+# frontier width and children per node of EAGLE-3's tree (EAGLE-2: 10 and 10 for 60 nodes): at the
+# <= 31 nodes and depth K <= 5 a CPU verifier pass affords, 8 candidates per depth cover the kept
+# nodes, and the frontier rows cost one drafter forward per depth, as the chain's one row does
+TREE_TOP_K = 8
+
+
+class _CandidatePool:
+    """The candidate tree EAGLE-3's top-k expansion grows, in creation order (parents first, a
+    node's children together in rank order: a DraftTree) and its frontier, the best `top_k`
+    nodes of the newest depth by cumulative log-prob."""
+
+    def __init__(self, top_k: int):
+        self.top_k = top_k
+        self.tokens: list[torch.Tensor] = []  # per depth [M_d] draft ids
+        self.parents: list[torch.Tensor] = []  # per depth [M_d] pool indices (-1: the root)
+        self.values: list[torch.Tensor] = []  # per depth [M_d] cumulative log-probs
+        self.size = 0
+        self.frontier = torch.empty(0, dtype=torch.long)  # [F] pool indices
+        self.frontier_tokens = torch.empty(0, dtype=torch.long)  # [F] draft ids
+        self.frontier_values = torch.zeros(1)  # [F]; the root's 0 before the first expansion
+
+    def expand(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """logprobs [F, Vd]: each frontier node's (the root's, first) next-token log-probs ->
+        [F'] the frontier row each new frontier node is a child of. Adds each row's top_k
+        children to the pool; the best top_k of them (ties: the earlier) become the frontier."""
+        F_, V = logprobs.shape
+        lp, ids = logprobs.topk(min(self.top_k, V), dim=-1)  # [F, k] each, best first
+        k = lp.shape[1]
+        values = (self.frontier_values.to(lp.device)[:, None] + lp).flatten()  # [F*k], row-major
+        parents = self.frontier.to(lp.device) if self.size else torch.full((1,), -1, device=lp.device)
+        best = torch.sort(values, descending=True, stable=True).indices[: self.top_k].sort().values  # [F']
+        self.tokens.append(ids.flatten())
+        self.parents.append(parents.repeat_interleave(k))
+        self.values.append(values)
+        self.frontier = self.size + best
+        self.frontier_tokens, self.frontier_values = ids.flatten()[best], values[best]
+        self.size += F_ * k
+        return best // k
+
+    def tree(self) -> DraftTree:
+        """Every candidate as a DraftTree (draft ids)."""
+        depths = [torch.full_like(t, d + 1) for d, t in enumerate(self.tokens)]
+        return DraftTree(
+            tokens=torch.cat(self.tokens),
+            parents=torch.cat(self.parents),
+            depths=torch.cat(depths),
+            log_values=torch.cat(self.values),
+        )
+
 
 class Eagle3Drafter(Eagle3Backbone):
     algo = "eagle3"
@@ -508,6 +559,38 @@ class Eagle3Drafter(Eagle3Backbone):
         cache[i].append((k, v))
         return attend_after_prefix(attn, q, k, v, windows[i])
 
+    def _context_pass(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        depth: int,
+        state: dict[str, Any] | None,
+    ) -> tuple[list[list], torch.Tensor, torch.Tensor]:
+        """Step 0 over the context rows (those `state` lacks): -> (per layer [context (k, v)
+        [1, kvh, N, hd]], normed out [1, 1, H] and fed-back hidden [1, 1, H] of the newest row,
+        whose out makes the first draft). `state` then holds the N rows' K/V."""
+        N = aux_hidden_states.shape[0]
+        if input_ids.shape[0] != N + 1:
+            raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
+        windows = [w for w in self.windows if w is not None]
+        if windows and depth >= min(windows):
+            raise ValueError(f"{depth} drafts do not fit the sliding window of {min(windows)} positions")
+        # the newest row is always run: its output makes the first draft
+        done = min(cached_rows(state, N), N - 1)
+        tokens = input_ids[1 + done :][None]  # [1, N - done]
+        hidden = self.combine(aux_hidden_states[None, done:])  # [1, N - done, H]
+        positions = torch.arange(done, N, device=input_ids.device)[None]
+        cache: list[list] = [[] for _ in self.layers]
+        if done:
+            old = [(k[:, :, :done], v[:, :, :done]) for k, v in state["context_kv"]]
+            attend = partial(self._attend_new_context, cache, old, self.windows)
+        else:
+            attend = partial(self._attend, cache, True, self.context_visible(positions[0], N, causal=True))
+        out, hidden = self.run_layers(tokens, hidden, positions, attend)
+        if state is not None:
+            state.update(context_rows=N, context_kv=[layer_cache[0] for layer_cache in cache])
+        return cache, out[:, -1:], hidden[:, -1:]
+
     @torch.no_grad()
     def propose_with_logits(
         self,
@@ -523,40 +606,85 @@ class Eagle3Drafter(Eagle3Backbone):
         rows' K/V are kept, as in vLLM's drafter KV cache, and only rows not seen before are
         run: a request's verified prefix only grows, so those K/V never change.
         """
-        N = aux_hidden_states.shape[0]
-        if input_ids.shape[0] != N + 1:
-            raise ValueError(f"propose needs N+1 input ids for N feature rows, got {input_ids.shape[0]}, {N}")
-        windows = [w for w in self.windows if w is not None]
-        if windows and num_tokens >= min(windows):
-            raise ValueError(f"{num_tokens} drafts do not fit the sliding window of {min(windows)} positions")
-        # the newest row is always run: its output makes the first draft
-        done = min(cached_rows(state, N), N - 1)
-        device = input_ids.device
-        tokens = input_ids[1 + done :][None]  # [1, N - done]
-        hidden = self.combine(aux_hidden_states[None, done:])  # [1, N - done, H]
-        positions = torch.arange(done, N, device=device)[None]
-        cache: list[list] = [[] for _ in self.layers]
-        if done:
-            old = [(k[:, :, :done], v[:, :, :done]) for k, v in state["context_kv"]]
-            first_step = partial(self._attend_new_context, cache, old, self.windows)
-        else:
-            first_step = partial(
-                self._attend, cache, True, self.context_visible(positions[0], N, causal=True)
-            )
+        N, device = aux_hidden_states.shape[0], input_ids.device
+        cache, out, hidden = self._context_pass(input_ids, aux_hidden_states, num_tokens, state)
         drafts, logits = [], []
         for s in range(num_tokens):
-            # step 0: the context pass (causal); later: the newest row (at N-1+s), after all the context
-            later = self.context_visible(torch.tensor([N - 1 + s], device=device), N, causal=False)
-            attend = first_step if s == 0 else partial(self._attend, cache, False, later)
-            out, hidden = self.run_layers(tokens, hidden, positions, attend)
-            if s == 0 and state is not None:
-                state.update(context_rows=N, context_kv=[layer_cache[0] for layer_cache in cache])
-            out, hidden = out[:, -1:], hidden[:, -1:]
+            if s:  # step s: the newest draft (at N-1+s), after all the context and its own steps
+                later = self.context_visible(torch.tensor([N - 1 + s], device=device), N, causal=False)
+                positions = torch.full((1, 1), N - 1 + s, device=device)
+                attend = partial(self._attend, cache, False, later)
+                out, hidden = self.run_layers(drafts[-1].view(1, 1), hidden, positions, attend)
             logits.append(self.lm_head(out)[0, 0])  # [Vd]
             drafts.append(self.to_target_ids(logits[-1].argmax()))
-            tokens = drafts[-1].view(1, 1)
-            positions = torch.full((1, 1), N + s, device=device)
         return torch.stack(drafts), torch.stack(logits)
+
+    @staticmethod
+    def _attend_frontier(
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        own: list[tuple[torch.Tensor, torch.Tensor] | None],
+        visible: list[torch.Tensor | None] | None,
+        i: int,
+        attn: Attention,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """One tree depth d: x [1, F, d_in] the F frontier nodes side by side. Each row attends
+        the context (k, v) [1, kvh, N, hd] and its own steps: own[i] (k, v) [1, kvh, F, d-1, hd]
+        holds row f's ancestors' K/V (None at depth 1); this depth's K/V are appended to it --
+        the chain's `_attend` for F chains at once, whose steps are each row's root path."""
+        q = attn.project_q(x, cos, sin)  # [1, h, F, hd]
+        k, v = attn.project_kv(x, cos, sin)  # [1, kvh, F, hd]
+        k, v = k[:, :, :, None], v[:, :, :, None]
+        if own[i] is not None:
+            k, v = torch.cat([own[i][0], k], 3), torch.cat([own[i][1], v], 3)
+        own[i] = k, v  # [1, kvh, F, d, hd]
+        sliding = None if visible is None else visible[i]
+        return attn.output(ttt_attention(q, context[i], own[i], False, sliding))
+
+    @torch.no_grad()
+    def propose_tree(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        depth: int,
+        max_nodes: int,
+        state: dict[str, Any] | None = None,
+        top_k: int | None = None,
+    ) -> DraftTree:
+        """EAGLE-2's dynamic draft tree after input_ids[-1] (inputs as `propose_with_logits`): at
+        most `max_nodes` nodes of depth <= `depth`, tokens in the verifier's vocabulary.
+
+        Depth by depth, the frontier -- the `top_k` best nodes of that depth by cumulative
+        log-prob -- runs through the drafter in ONE forward (`_attend_frontier`), each frontier
+        node proposes its top_k children, and the best top_k children form the next frontier;
+        finally the best `max_nodes` of all candidates are kept (`select_top_nodes`). top_k
+        defaults to min(max_nodes, TREE_TOP_K): a kept node of sibling rank r needs r better
+        siblings kept, so ranks >= max_nodes are never used. The context pass and its cache in
+        `state` are the chain's: a top_k 1 tree of depth K is propose_with_logits's chain.
+        """
+        if max_nodes < 1 or depth < 1:
+            raise ValueError(f"a draft tree needs depth >= 1 and max_nodes >= 1, got {depth}, {max_nodes}")
+        top_k = top_k or min(max_nodes, TREE_TOP_K)
+        N, device = aux_hidden_states.shape[0], input_ids.device
+        cache, out, hidden = self._context_pass(input_ids, aux_hidden_states, depth, state)
+        context = [layer_cache[0] for layer_cache in cache]
+        own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.layers)
+        pool = _CandidatePool(top_k)
+        pool.expand(torch.log_softmax(self.lm_head(out)[0].float(), -1))  # the root's children: depth 1
+        hidden = hidden.expand(1, pool.frontier.numel(), -1)  # [1, F, H]: all fed by the root's row
+        for d in range(1, depth):
+            positions = torch.full((1, pool.frontier.numel()), N - 1 + d, device=device)
+            visible = self.context_visible(positions[0], N, causal=False)
+            tokens = self.to_target_ids(pool.frontier_tokens)[None]  # [1, F]
+            attend = partial(self._attend_frontier, context, own, visible)
+            out, fed = self.run_layers(tokens, hidden, positions, attend)  # [1, F, H] each
+            rows = pool.expand(torch.log_softmax(self.lm_head(out)[0].float(), -1))  # [F'] parents' rows
+            hidden = fed[:, rows]  # [1, F', H]: the row that proposed each new frontier node
+            own = [(k[:, :, rows], v[:, :, rows]) for k, v in own]  # their root paths' K/V
+        tree = select_top_nodes(pool.tree(), max_nodes)
+        return replace(tree, tokens=self.to_target_ids(tree.tokens))
 
     def export_config(self) -> Format:
         c = self.config
@@ -611,4 +739,5 @@ SPEC = DrafterSpec(
     tiny={"ttt_steps": 2, "num_speculative_tokens": 2},
     published=lambda c: c.num_layers == 1 and c.ttt_steps >= 3,
     parallel=False,
+    tree="expand",
 )
