@@ -152,8 +152,18 @@ def plan_run(
     configs, not_tree = plan_trees(configs, settings.tree_nodes)
     unable += not_adaptive + not_tree
     if settings.tree_nodes and backend != "embedded":
-        raise UsageError("--tree is measured with the embedded engine (--backend embedded)")
-    sweeping = sweeping or settings.adaptive == "both"
+        from specctl.vllm.capabilities import Need, unsupported
+
+        raise UsageError(
+            unsupported(
+                Need.TREE,
+                f"--tree with --backend {backend}",
+                "measure trees with the embedded engine (--backend embedded) and serve the drafter's chain "
+                "in vLLM",
+            )
+        )
+    # trees are settings of their drafter: the sweep's recommendation picks chain or tree
+    sweeping = sweeping or settings.adaptive == "both" or bool(settings.tree_nodes)
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
