@@ -531,7 +531,9 @@ class BenchSection(Section):
         description="Draft trees (`bench --tree N,...`, embedded backend): each parallel drafter (DFlash, "
         "DSpark, P-EAGLE) is also measured verifying, per pass, the best tree of N nodes built from its "
         "block distributions instead of its argmax chain, as a method of its own named `<name>-treeN` "
-        "beside the chain. At most 31 nodes: a verify of 32 rows stays bit-identical to plain decoding.",
+        "beside the chain; the recommendation takes a tree over the drafter's best chain only where it "
+        "is faster beyond noise. At most 31 nodes: a verify of 32 rows stays bit-identical to plain "
+        "decoding.",
         json_schema_extra=cli("--tree", metavar="N,..."),
     )
     linear_kernel: LinearKernel = Field(

@@ -55,6 +55,7 @@ def entry_method(r: dict[str, Any]) -> Method:
         r["num_speculative_tokens"],
         confidence_threshold=r.get("confidence_threshold"),
         adaptive=bool(r.get("adaptive")),  # older reports have no adaptive
+        tree_nodes=r.get("tree_nodes"),  # nor trees
     )
 
 

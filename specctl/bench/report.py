@@ -333,6 +333,12 @@ def units_dict(units: Sequence[Unit]) -> dict[str, list[Any]]:
     }
 
 
+def units_from_dict(columns: dict[str, list[Any]]) -> list[Unit]:
+    """report.json's `units` (units_dict) back as cells, so a page re-rendered from a report
+    bootstraps the same paired intervals the report did."""
+    return [Unit(*cell) for cell in zip(*(columns[f] for f in UNIT_FIELDS), strict=True)]
+
+
 @dataclass(frozen=True)
 class Figures:
     """One measurement's figures against its references (plain decoding, the baseline): what
