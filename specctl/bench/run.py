@@ -152,18 +152,8 @@ def plan_run(
     configs, not_tree = plan_trees(configs, settings.tree_nodes)
     unable += not_adaptive + not_tree
     if settings.tree_nodes and backend != "embedded":
-        from specctl.vllm.capabilities import Need, unsupported
-
-        raise UsageError(
-            unsupported(
-                Need.TREE,
-                f"--tree with --backend {backend}",
-                "measure trees with the embedded engine (--backend embedded) and serve the drafter's chain "
-                "in vLLM",
-            )
-        )
-    # trees are settings of their drafter: the sweep's recommendation picks chain or tree
-    sweeping = sweeping or settings.adaptive == "both" or bool(settings.tree_nodes)
+        raise UsageError(tree_refusal(backend))
+    sweeping = sweeping or settings.adaptive == "both" or bool(settings.tree_nodes)  # chain or tree
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
@@ -260,6 +250,16 @@ def _drafter_methods(
         for m in methods:
             speculative_config(m)  # algorithms vLLM has no method for fail now, not after the first server
     return methods, baseline_name
+
+
+def tree_refusal(backend: str) -> str:
+    """Why --tree runs on the embedded engine only, cited from vLLM's capability table."""
+    from specctl.vllm.capabilities import Need, unsupported
+
+    instead = (
+        "measure trees with the embedded engine (--backend embedded) and serve the drafter's chain in vLLM"
+    )
+    return unsupported(Need.TREE, f"--tree with --backend {backend}", instead)
 
 
 def _remote_methods(
