@@ -31,9 +31,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from specctl.bench.plan import BASELINE, PLAIN
-from specctl.bench.render import hardware, k_cell, passes, ranking_lines, rates, with_interval
-from specctl.bench.report import point_setting
+from specctl.bench.intervals import Estimate, compare, paired_ratio
+from specctl.bench.plan import BASELINE, PLAIN, chain_name
+from specctl.bench.render import entry_method, hardware, k_cell, passes, ranking_lines, rates, with_interval
+from specctl.bench.report import point_setting, unit_grids, units_from_dict
 from specctl.drafters import DRAFTERS
 from specctl.durable import write_atomic
 from specctl.provenance import git_state, provenance
@@ -74,6 +75,13 @@ def vllm_served() -> list[str]:
         for name, s in DRAFTERS.items()
         if s.vllm_method is not None and missing(s.vllm_needs, version, cpu) is None
     ]
+
+
+def tree_drafters() -> list[str]:
+    """The algorithms a draft tree applies to: those whose spec says how they make one
+    (`DrafterSpec.tree`: a parallel drafter's block distributions, EAGLE-3's top-k expansion), so
+    the baseline gets the same advantage (specctl.bench.plan.plan_trees)."""
+    return [name for name, s in DRAFTERS.items() if s.tree is not None]
 
 
 def confidence_drafters(recipe: Recipe) -> list[str]:
@@ -120,6 +128,9 @@ def bench_stages(recipe_arg: str, recipe: Recipe, exports: dict[str, Path], has_
     # every test bench runs TEST_REPEATS rounds, not the default for its size (bench.repeats); the
     # thresholds of a test run are the ones dev chose, pinned per drafter (`DIR@K,T`), not the
     # recipe's list, which dev swept
+    # the recipe's tree node counts are measured on dev only (their own stage); every other bench
+    # runs without them, and the test bench with the counts dev chose (`--tree`, late)
+    no_trees = ["--set", "bench.tree_nodes=[]"] if recipe.bench.tree_nodes else []
     test = [
         recipe_arg,
         "--dataset-split",
@@ -128,6 +139,7 @@ def bench_stages(recipe_arg: str, recipe: Recipe, exports: dict[str, Path], has_
         str(TEST_REPEATS),
         "--set",
         "bench.confidence_thresholds=[]",
+        *no_trees,
     ]
     served = [a for a in vllm_served() if a != BASELINE] if has_vllm else []
     cutting = confidence_drafters(recipe) if recipe.bench.confidence_thresholds else []
@@ -137,22 +149,27 @@ def bench_stages(recipe_arg: str, recipe: Recipe, exports: dict[str, Path], has_
         out.append(
             (
                 "bench vllm dev",
-                [*dev, *sweep, *(f"--drafter={exports[a]}" for a in served)],
+                [*dev, *no_trees, *sweep, *(f"--drafter={exports[a]}" for a in served)],
                 run / DEV_VLLM,
                 list,
             )
         )
     if cutting:
         sweep = ["--sweep-k", DRAFT_LENGTH_SWEEP_K, *(f"--drafter={exports[a]}" for a in cutting)]
-        out.append(("bench embedded dev", [*dev, *sweep], run / DEV_EMBEDDED, list))
+        out.append(("bench embedded dev", [*dev, *no_trees, *sweep], run / DEV_EMBEDDED, list))
+    if recipe.bench.tree_nodes:
+        trees = [*dev, "--set", "bench.confidence_thresholds=[]"]
+        out.append(("bench trees dev", trees, run / DEV_TREES, partial(trees_dev, run, exports, cutting)))
 
     def embedded_test() -> list[str]:
         chosen = choices(run / DEV_EMBEDDED / "report.json", cutting)
-        return [
+        drafters = [
             f"--drafter={exports[a]}{chosen.get(a, '')}"
             for a in DRAFTERS
             if (exports[a] / "config.json").exists()
         ]
+        nodes = sorted(set(tree_choices(run / DEV_TREES / "report.json").values()))
+        return drafters + ([f"--tree={','.join(map(str, nodes))}"] if nodes else [])
 
     def vllm_test() -> list[str]:
         chosen = choices(run / DEV_VLLM / "report.json", [BASELINE, *served])
@@ -176,7 +193,35 @@ def bench_stages(recipe_arg: str, recipe: Recipe, exports: dict[str, Path], has_
     ]
 
 
-DEV_VLLM, DEV_EMBEDDED = "bench-vllm-dev", "bench-embedded-dev"
+DEV_VLLM, DEV_EMBEDDED, DEV_TREES = "bench-vllm-dev", "bench-embedded-dev", "bench-trees-dev"
+
+
+def trees_dev(run: Path, exports: dict[str, Path], cutting: list[str]) -> list[str]:
+    """The tree dev bench's drafters: each drafter that makes trees at the K the test bench will run it at
+    (its export's, or the K dev chose for a drafter that cuts its own drafts), so a tree is chosen
+    at the depth it is reported at. A drafter whose dev choice is a confidence threshold is left
+    out: a tree does not apply to a cut block (plan_trees)."""
+    chosen = choices(run / DEV_EMBEDDED / "report.json", cutting)
+    return [
+        f"--drafter={exports[a]}{chosen.get(a, '')}"
+        for a in tree_drafters()
+        if (exports[a] / "config.json").exists() and "," not in chosen.get(a, "")
+    ]
+
+
+def tree_choices(report_path: Path) -> dict[str, int]:
+    """drafter name -> the node count of its fastest tree on a dev bench with trees (the tree its
+    recommendation compared with its chain at concurrency 1): what the test bench measures beside
+    the chain, whichever of the two dev recommended, so the page reports the comparison on test."""
+    if not report_path.is_file():
+        return {}
+    recommended = (json.loads(report_path.read_text()).get("sweep") or {}).get("recommended", {})
+    out = {}
+    for name, levels in recommended.items():
+        versus = (levels.get("1") or {}).get("tree_vs_chain")
+        if versus:
+            out[name] = versus["tree_nodes"]
+    return out
 
 
 def choices(report_path: Path, names: list[str]) -> dict[str, str]:
@@ -300,7 +345,7 @@ def run_logged(command: list[str], entry: dict[str, Any], log: list[dict[str, An
 # ---------------------------------------------------------------- the run's files, committed
 
 PUBLISHED_MARK = "source.json"  # written last by publish(): proves a directory is one publish() wrote
-BENCHES = ("bench", "bench-vllm", DEV_EMBEDDED, DEV_VLLM)  # the run's bench directories, page order
+BENCHES = ("bench", "bench-vllm", DEV_EMBEDDED, DEV_VLLM, DEV_TREES)  # the run's bench directories
 BENCH_FILES = ("report.json", "report.md")
 RUN_FILES = ("results-stages.json", "data/manifest.json")
 
@@ -667,6 +712,7 @@ def render(published: Path, figures: Path | None = None) -> str:
         report = _json(published / name / "report.json")
         if report is not None:
             out += bench_section(published, title, name, report)
+    out += tree_section(published)
     out += dev_section(published)
     out += draft_length_section(published)
     out += made_section(times, run_commit(published))
@@ -769,6 +815,117 @@ def bench_section(published: Path, title: str, name: str, report: dict[str, Any]
     if (published.parent / f"acceptance-{name}.png").exists():
         out += ["", f"![acceptance and throughput, {title}](results/acceptance-{name}.png)"]
     return out
+
+
+TREE_INTRO = (
+    "Each drafter also verified, per pass, the best tree of N nodes instead of its argmax chain (a "
+    "parallel drafter's from its block distributions, EAGLE-3's by top-k expansion; depth <= K; "
+    "[benchmarking.md](benchmarking.md#draft-trees---tree)). "
+    "N is the drafter's fastest tree on the **dev** prompts (`bench trees dev`, its table below: a "
+    "choice, not a result); the figures are the test bench's above, chain and tree taking turns in the "
+    "same rounds. Tree / chain = the tree's output tok/s over the chain's, paired on the same (prompt, "
+    "round) cells, with its 95% interval; a tree is called faster only when that interval lies above 1."
+)
+
+
+def tree_section(published: Path) -> list[str]:
+    """Chain against tree: each drafter's chain and the tree dev chose for it, on the test
+    bench (accepted length per pass, verify rows per token, tok/s, the paired tree / chain ratio),
+    then the dev bench the node count was chosen on."""
+    dev = _json(published / DEV_TREES / "report.json")
+    test = _json(published / "bench" / "report.json")
+    chosen = tree_choices(published / DEV_TREES / "report.json")
+    if dev is None or test is None or not chosen:
+        return []
+    rows, verdicts = [], []
+    for name, nodes in chosen.items():
+        pair = _chain_and_tree(test, name, nodes)
+        if pair is None:
+            continue
+        chain, tree = pair
+        versus = _tree_over_chain(tree, chain, test.get("seed", 0))
+        rows += [_tree_row(chain, f"chain K {chain['num_speculative_tokens']}", chain, None)]
+        rows += [_tree_row(tree, f"tree {nodes}, depth {tree['num_speculative_tokens']}", chain, versus)]
+        verdicts.append(_tree_verdict(name, nodes, dev, chain, tree, versus))
+    if not rows:
+        return []
+    head = [
+        "| method | setting | accepted length per pass | vs chain | verify rows per token | output tok/s "
+        "| speedup | tree / chain tok/s | = plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    points = [p for p in (dev.get("sweep") or {}).get("points", []) if p["algo"] != PLAIN]
+    out = ["", "## Draft trees against the chain (embedded engine)", "", TREE_INTRO, "", *head, *rows, ""]
+    out += verdicts
+    out += ["", f"Dev ({dev['num_prompts']} prompts, {dev['max_new_tokens']} new tokens, one pass):", ""]
+    return out + sweep_point_table(points)
+
+
+def _chain_and_tree(report: dict[str, Any], name: str, nodes: int) -> tuple[dict, dict] | None:
+    """A drafter's chain entry and its `nodes`-node tree entry in a report's results (None: the
+    report does not hold both)."""
+    mine = [r for r in report["results"] if chain_name(entry_method(r)) == name]
+    chain = next((r for r in mine if r.get("tree_nodes") is None), None)
+    tree = next((r for r in mine if r.get("tree_nodes") == nodes), None)
+    return None if chain is None or tree is None else (chain, tree)
+
+
+def _tree_over_chain(tree: dict[str, Any], chain: dict[str, Any], seed: int) -> Estimate | None:
+    """The tree's tok/s over the chain's on their shared cells, bootstrapped from the report's
+    units as the report bootstraps a speedup (None: the entries carry no units)."""
+    if not tree.get("units") or not chain.get("units"):
+        return None
+    grids = unit_grids(
+        [units_from_dict(tree["units"]), units_from_dict(chain["units"])], ("output_tokens", "wall_s")
+    )
+    return None if grids is None else paired_ratio(*grids[0], *grids[1], seed=seed)
+
+
+def _tree_row(r: dict[str, Any], setting: str, chain: dict[str, Any], versus: Estimate | None) -> str:
+    tau, base = r.get("acceptance_length"), chain.get("acceptance_length")
+    ratio = f"{tau / base:.2f}x" if tau and base and r is not chain else "-"
+    rows = r.get("verify_rows_per_token")
+    match = r.get("outputs_match_plain")
+    same = f"{round(match * r['outputs_compared'])}/{r['outputs_compared']}" if match is not None else "-"
+    cells = [
+        r["name"],
+        setting,
+        with_interval(r, "acceptance_length"),
+        ratio,
+        "-" if rows is None else f"{rows:.2f}",
+        with_interval(r, "output_tokens_per_s", 1),
+        with_interval(r, "speedup", 2, "x"),
+        "-" if versus is None else _estimate_text(versus),
+        same,
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _estimate_text(e: Estimate) -> str:
+    return f"{e.value:.2f}x [{e.low:.2f}-{e.high:.2f}]"
+
+
+def _tree_verdict(
+    name: str,
+    nodes: int,
+    dev: dict[str, Any],
+    chain: dict[str, Any],
+    tree: dict[str, Any],
+    versus: Estimate | None,
+) -> str:
+    """One line per drafter: what dev recommended, and on test whether the tree beat the chain."""
+    rec = ((dev.get("sweep") or {}).get("recommended", {}).get(name) or {}).get("1") or {}
+    picked = f"the tree of {nodes} nodes" if rec.get("tree_nodes") else "the chain"
+    if versus is None:
+        order = "not compared (no units)"
+    else:
+        order = {1: "the tree is faster", -1: "the chain is faster", 0: "they tie"}[
+            compare(versus, Estimate(1.0, 1.0, 1.0))
+        ]
+    return (
+        f"- {name}: dev recommended {picked}; on test the tree of {nodes} nodes runs at "
+        f"{'-' if versus is None else _estimate_text(versus)} the chain's tok/s: {order}."
+    )
 
 
 def dev_section(published: Path) -> list[str]:

@@ -538,8 +538,9 @@ class BenchSection(Section):
         description="Draft trees (`bench --tree N,...`, embedded backend): each drafter is also measured "
         "verifying, per pass, a tree of at most N nodes instead of its argmax chain -- the best tree of "
         "a parallel drafter's (DFlash, DSpark, P-EAGLE) block distributions, EAGLE-3's top-k expansion "
-        "-- as a method of its own named `<name>-treeN` beside the chain. At most 31 nodes: a verify of "
-        "32 rows stays bit-identical to plain decoding.",
+        "-- as a method of its own named `<name>-treeN` beside the chain; the recommendation takes a "
+        "tree over the drafter's best chain only where it is faster beyond noise. At most 31 nodes: a "
+        "verify of 32 rows stays bit-identical to plain decoding.",
         json_schema_extra=cli("--tree", metavar="N,..."),
     )
     linear_kernel: LinearKernel = Field(

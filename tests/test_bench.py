@@ -1339,9 +1339,11 @@ def test_sweep_report_points_and_recommendations(tmp_path):
     assert s["recommended"] == {
         "dflash": {
             "1": {
+                "method": "dflash",
                 "num_speculative_tokens": 3,
                 "confidence_threshold": None,
                 "adaptive": False,
+                "tree_nodes": None,
                 "acceptance_length": pytest.approx(1 + 18 / 10),
                 "draft_tokens_per_accepted": pytest.approx(30 / 18),
                 "output_tokens_per_s": pytest.approx(36.0),
@@ -1353,11 +1355,14 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                     "num_speculative_tokens": 3,
                 },
                 "measured_on": "vllm",
+                "tree_vs_chain": None,  # no tree measured beside the chain
             },
             "4": {
+                "method": "dflash",
                 "num_speculative_tokens": 2,
                 "confidence_threshold": None,
                 "adaptive": False,
+                "tree_nodes": None,
                 "acceptance_length": pytest.approx(1 + 14 / 10),
                 "draft_tokens_per_accepted": pytest.approx(20 / 14),
                 "output_tokens_per_s": pytest.approx(70.0),
@@ -1369,6 +1374,7 @@ def test_sweep_report_points_and_recommendations(tmp_path):
                     "num_speculative_tokens": 2,
                 },
                 "measured_on": "vllm",
+                "tree_vs_chain": None,  # no tree measured beside the chain
             },
         }
     }

@@ -95,3 +95,24 @@ def test_results_render_only_rewrites_the_page_from_its_committed_files(tmp_path
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert page.read_text() == (ROOT / "docs" / "results.md").read_text()
     assert (tmp_path / "docs" / "results" / "learning-curves.png").is_file()
+
+
+def test_results_render_only_renders_chain_against_tree_from_a_run_with_trees(tmp_path):
+    """The same command on the committed run plus a tree dev bench and a test bench with trees (as
+    `make results` writes them now): the page gains its chain-against-tree section."""
+    from test_bench_trees import _tree_report
+
+    from specctl.bench.render import write_report
+
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "docs" / "results")
+    run = tmp_path / "docs" / "results" / "run"
+    write_report(_tree_report(ratio=1.3, noise=0.02), run / "bench-trees-dev", figures=False)
+    write_report(_tree_report(ratio=1.3, noise=0.02), run / "bench", figures=False)
+    page = tmp_path / "docs" / "results.md"
+    done = run_module("benchmarks.results", "--render-only", "--doc", str(page))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    text = page.read_text()
+    section = text[text.index("## Draft trees against the chain (embedded engine)") :]
+    assert "| dflash-tree8 | tree 8, depth 3 |" in section
+    assert "- dflash: dev recommended the tree of 8 nodes; on test" in section
+    assert "the chain's tok/s: the tree is faster." in section

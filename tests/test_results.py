@@ -53,12 +53,16 @@ def test_results_recipe_trains_every_drafter_on_the_budget_the_recipe_gives(reci
         "export",
         "bench vllm dev",
         "bench embedded dev",
+        "bench trees dev",
         "bench embedded",
         "bench vllm",
     ]
     for s in plan:  # each budget from the recipe (train.per_algo), none from flags
         overrides = [v for k, v in zip(s.args, s.args[1:], strict=False) if k == "--set"]
-        assert set(overrides) <= {"bench.confidence_thresholds=[]"}
+        assert set(overrides) <= {"bench.confidence_thresholds=[]", "bench.tree_nodes=[]"}
+        # the recipe's tree node counts are measured on dev, in their own stage only
+        if s.name.startswith("bench"):
+            assert ("bench.tree_nodes=[]" in overrides) == (s.name != "bench trees dev")
     by_name = {s.name: s.args for s in plan}
     # settings are chosen on dev prompts, figures reported on test prompts, never the other way
     for name, args in by_name.items():
@@ -76,7 +80,7 @@ def test_results_recipe_trains_every_drafter_on_the_budget_the_recipe_gives(reci
         f"--drafter={recipe.run_dir / 'drafters' / 'dspark' / 'export'}"
     ]
     embedded_only = [s.name for s in stages("recipes/results.yaml", recipe, has_vllm=False)]
-    assert embedded_only[-2:] == ["bench embedded dev", "bench embedded"]
+    assert embedded_only[-3:] == ["bench embedded dev", "bench trees dev", "bench embedded"]
 
 
 def test_test_benches_run_each_drafter_at_the_setting_dev_chose(recipe):
@@ -100,6 +104,39 @@ def test_test_benches_run_each_drafter_at_the_setting_dev_chose(recipe):
     assert f"--drafter={run / 'drafters' / 'dflash' / 'export'}" in plan["bench embedded"].late()
     assert plan["bench vllm"].late()[0] == f"--baseline={run / 'drafters' / 'eagle3' / 'export'}@2"
     assert f"--drafter={run / 'drafters' / 'dflash' / 'export'}@2" in plan["bench vllm"].late()
+
+
+def test_trees_are_chosen_on_dev_and_the_chosen_ones_measured_on_test(recipe):
+    """The tree dev bench runs each parallel drafter at the K the test bench runs it at (a drafter
+    cut by a confidence threshold has no tree); the test bench then adds the node count of each
+    drafter's fastest dev tree, whether dev recommended the tree or the chain."""
+    run = recipe.run_dir
+    for algo in DRAFTERS:
+        (run / "drafters" / algo / "export").mkdir(parents=True)
+        (run / "drafters" / algo / "export" / "config.json").write_text("{}")
+    plan = {s.name: s for s in stages("recipes/results.yaml", recipe, has_vllm=False)}
+    parallel = [a for a, spec in DRAFTERS.items() if spec.parallel]
+    assert plan["bench trees dev"].late() == [
+        f"--drafter={run / 'drafters' / a / 'export'}" for a in parallel
+    ]
+    assert not any(a.startswith("--tree") for a in plan["bench embedded"].late())  # no dev choice yet
+    (run / "bench-embedded-dev").mkdir()
+    cut = {"dspark": {"1": {"num_speculative_tokens": 3, "confidence_threshold": 0.1}}}
+    (run / "bench-embedded-dev" / "report.json").write_text(json.dumps({"sweep": {"recommended": cut}}))
+    assert f"--drafter={run / 'drafters' / 'dspark' / 'export'}" not in " ".join(
+        plan["bench trees dev"].late()
+    )
+    versus = lambda n: {"tree_nodes": n, "ratio": 1.0, "interval": [0.9, 1.1]}  # noqa: E731
+    recommended = {
+        "dflash": {"1": {"num_speculative_tokens": 3, "tree_nodes": None, "tree_vs_chain": versus(8)}},
+        "peagle": {"1": {"num_speculative_tokens": 3, "tree_nodes": 4, "tree_vs_chain": versus(4)}},
+        "eagle3": {"1": {"num_speculative_tokens": 3, "tree_nodes": None, "tree_vs_chain": None}},
+    }
+    (run / "bench-trees-dev").mkdir()
+    (run / "bench-trees-dev" / "report.json").write_text(json.dumps({"sweep": {"recommended": recommended}}))
+    assert plan["bench embedded"].late()[-1] == "--tree=4,8"
+    args = plan["bench embedded"].args
+    assert args[args.index("--dataset-split") + 1] == "test" and "bench.tree_nodes=[]" in args
 
 
 def test_no_draft_length_stage_without_thresholds(recipe):
@@ -314,6 +351,31 @@ def test_the_draft_length_section_names_the_fastest_fixed_k_and_threshold(recipe
     assert "no-spec" not in section  # plain decoding is the denominator, not a row
     best = "- dspark: fastest fixed K 2 at 1.18x plain; fastest with a threshold K 8, T 0.2 at 1.24x (1.05x"
     assert best in section
+
+
+def test_the_tree_section_reports_the_dev_chosen_tree_against_the_chain_on_test(recipe, tmp_path):
+    """Reports written by bench (report.json) and read back by the page: the tree dev chose (its
+    fastest, 8 nodes) beside the chain on test, the paired tree / chain ratio bootstrapped again
+    from the test report's units -- the interval the test report's own recommendation states."""
+    from test_bench_trees import _tree_report
+
+    from specctl.bench.render import write_report
+
+    run = recipe.run_dir
+    write_report(_tree_report(ratio=1.3, noise=0.02), run / "bench-trees-dev")
+    for ratio, noise, verdict in ((1.04, 0.15, "they tie"), (1.3, 0.02, "the tree is faster")):
+        paths = write_report(_tree_report(ratio=ratio, noise=noise), run / "bench")
+        versus = json.loads(paths["json"].read_text())["sweep"]["recommended"]["dflash"]["1"]["tree_vs_chain"]
+        page = _page(recipe, tmp_path / "docs" / "results.md")
+        section = page[page.index("## Draft trees against the chain") : page.index("## How it was made")]
+        stated = f"{versus['ratio']:.2f}x [{versus['interval'][0]:.2f}-{versus['interval'][1]:.2f}]"
+        assert "| dflash | chain K 3 | 1.60 [1.60-1.60] | - | 2.50 |" in section
+        assert "| dflash-tree8 | tree 8, depth 3 | 1.60 [1.60-1.60] | 1.00x | 5.62 |" in section
+        assert f"| {stated} | - |" in section
+        line = f"- dflash: dev recommended the tree of 8 nodes; on test the tree of 8 nodes runs at {stated}"
+        assert f"{line} the chain's tok/s: {verdict}." in section
+        assert "dflash-tree4" not in section[: section.index("Dev (")]  # dev's other trees: its table only
+        assert "| dflash-tree4 | 3 | 1.60 |" in section[section.index("Dev (") :]
 
 
 def test_recipe_hash_covers_the_extended_recipe(tmp_path):

@@ -238,3 +238,23 @@ def test_serving_doc_carries_the_table():
         with_table("# a page without the block\n")
     stale = with_table(text).replace("| P-EAGLE | a", "| P-EAGLE | an old", 1)
     assert stale != text and with_table(stale) == text
+
+
+def test_needs_line_cites_the_tables_row_and_where_it_was_read():
+    """What a refusal or a bench recommendation says of a missing capability: the row's title, what
+    vLLM calls it, which versions have it, and the source line it was read from."""
+    from specctl.vllm.capabilities import Need, capability, needs_line, unsupported
+
+    tree = capability(Need.TREE)
+    assert needs_line(Need.TREE) == (
+        f"tree drafting ({tree.what}) needs a vLLM that has it "
+        f"(0.32-0.34 do not; read in vLLM's {tree.evidence})"
+    )
+    peagle = capability(Need.PEAGLE)
+    assert (
+        needs_line(Need.PEAGLE)
+        == f"P-EAGLE ({peagle.what}) needs vLLM <= 0.33 (read in vLLM's {peagle.evidence})"
+    )
+    line = unsupported(Need.TREE, "--tree with --backend vllm", "measure trees with --backend embedded")
+    assert line.startswith("--tree with --backend vllm: tree drafting (")
+    assert line.endswith("0.32-0.34): measure trees with --backend embedded") and "\n" not in line

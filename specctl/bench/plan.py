@@ -397,6 +397,15 @@ def plan_trees(configs: Sequence[Method], tree_nodes: Sequence[int]) -> tuple[li
     return out, [f"{name}: --tree does not apply ({why})" for name, why in unable.items()]
 
 
+def chain_name(method: Method) -> str:
+    """The name of the chain configuration a tree was planned beside (plan_trees names a tree
+    `<chain>-treeN`); a chain's own name otherwise. What groups a drafter's chain and trees when
+    the report recommends one of them."""
+    if method.tree_nodes is None:
+        return method.name
+    return method.name.removesuffix(f"-tree{method.tree_nodes}")
+
+
 # ---------------------------------------------------------------- the verifier
 
 

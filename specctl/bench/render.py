@@ -12,28 +12,30 @@ they go through the same typed helpers (`k_label`, `estimate_cell`, `rank_speedu
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specctl.bench.backends import BACKENDS
 from specctl.bench.intervals import Estimate, compare, rank
-from specctl.bench.plan import PLAIN, Method
+from specctl.bench.plan import PLAIN, Method, chain_name
 from specctl.bench.report import (
     LATENCIES,
     BenchReport,
     Figures,
     MethodFigures,
     PointFigures,
+    Recommendation,
     ReportFigures,
     fmt,
     outputs_lines,
     report_dict,
-    setting_of,
 )
 from specctl.bench.spec import BackendSpec
 from specctl.durable import write_atomic
 from specctl.redact import redact_text, redact_tree
+from specctl.vllm.capabilities import Need, needs_line
 
 
 def k_label(method: Method) -> str:
@@ -54,6 +56,7 @@ def entry_method(r: dict[str, Any]) -> Method:
         r["num_speculative_tokens"],
         confidence_threshold=r.get("confidence_threshold"),
         adaptive=bool(r.get("adaptive")),  # older reports have no adaptive
+        tree_nodes=r.get("tree_nodes"),  # nor trees
     )
 
 
@@ -261,7 +264,6 @@ def _sweep_rows(f: ReportFigures) -> list[list[str]]:
     rows = []
     for p in sorted(f.points or [], key=lambda p: p.level_order):
         spec, x = p.speculative, p.figures
-        best = f.recommended.get(p.name, {}).get(p.level_key)
         rows.append(
             [
                 level_cell(p),
@@ -273,7 +275,7 @@ def _sweep_rows(f: ReportFigures) -> list[list[str]]:
                 fmt(x.output_tokens_per_s, 1),
                 fmt(x.speedup, 2, "x"),
                 match_cell(p),
-                "*" if best is not None and setting_of(best.point.method) == setting_of(p.method) else "",
+                "*" if f.is_recommended(p) else "",
             ]
         )
     return rows
@@ -297,7 +299,9 @@ _SWEEP_NOTE = (
     "per accepted = draft tokens the verifier checked per draft token it kept. Under T, tau counts "
     "only the passes that verified a draft (vLLM's definition): a pass whose block was cut to nothing "
     "still costs a forward, so compare output tok/s. Speedups are against no-spec at the same "
-    "concurrency."
+    "concurrency. A draft tree (`<name>-treeN`) is a setting of its drafter: it is best only when its "
+    "tok/s over the drafter's best chain's, paired on the same prompts and rounds, has a 95% interval "
+    "wholly above 1 (a tie goes to the chain: fewer verify rows, and vLLM serves it)."
 )
 
 
@@ -311,21 +315,58 @@ def recommendation_lines(
     lines = []
     for name, levels in f.recommended.items():
         for level, r in levels.items():
-            m, x = r.point.method, r.point.figures
-            t = m.confidence_threshold
-            cut = "" if t is None else f", confidence threshold {t:g}"
-            cut += ", adaptive verification" if m.adaptive else ""
+            x = r.point.figures
             text = (
-                f"{level_phrase(level)}, {name}: K={m.num_speculative_tokens}{cut}, measured on "
+                f"{level_phrase(level)}, {name}: {setting_text(r)}, measured on "
                 f"{engine_name(r.measured_on)} ({fmt(x.output_tokens_per_s, 1)} tok/s, "
                 f"{figure_cell(x, 'speedup', 2, 'x')} no-spec, tau {fmt(x.acceptance_length)}"
-                f"{_against_plain(name, x)})"
+                f"{_against_plain(name, x)}){tree_text(r)}"
             )
             spec = r.speculative_config
             lines.append((text, f"--speculative-config '{json.dumps(spec)}'" if spec else None))
     if lines and not report.vllm_measured:
         lines.append((NO_VLLM_MEASUREMENT.format(engine=engine_name(report.backend)), None))
     return lines
+
+
+def chain_label(m: Method) -> str:
+    """A chain configuration in a sentence: `K=3`, with its threshold or adaptive verification."""
+    t = m.confidence_threshold
+    cut = "" if t is None else f", confidence threshold {t:g}"
+    cut += ", adaptive verification" if m.adaptive else ""
+    return f"K={m.num_speculative_tokens}{cut}"
+
+
+def tree_label(m: Method) -> str:
+    return f"tree of {m.tree_nodes} nodes, depth {m.num_speculative_tokens}"
+
+
+def setting_text(r: Recommendation) -> str:
+    """The recommended setting: `K=3` where no tree was measured, else `chain K=3` or `tree of 8
+    nodes, depth 3` (depth: the chain's K the tree was built within)."""
+    m = r.point.method
+    if r.is_tree:
+        return tree_label(m)
+    return f"chain {chain_label(m)}" if r.tree is not None else chain_label(m)
+
+
+def tree_text(r: Recommendation) -> str:
+    """After a recommendation where trees were measured: the tree against the chain (paired tok/s
+    ratio), and for a tree, what vLLM can serve instead (specctl.vllm.capabilities)."""
+    if r.tree is None or r.chain is None or r.versus is None:
+        return ""
+    v = r.versus
+    ratio = fmt(v.value, 2, "x") + (f" [{v.low:.2f}-{v.high:.2f}]" if math.isfinite(v.low) else "")
+    if not r.is_tree:
+        return (
+            f"; its fastest {tree_label(r.tree.method)}, runs at {ratio} the chain's tok/s: not faster "
+            "beyond noise, so the chain"
+        )
+    chain = chain_label(r.chain.method)
+    return (
+        f"; {ratio} the tok/s of its fastest chain ({chain}). For specctl's embedded engine or a server "
+        f"with tree support: {needs_line(Need.TREE)}, so serve the chain {chain} in vLLM today"
+    )
 
 
 NO_VLLM_MEASUREMENT = (
@@ -814,8 +855,8 @@ def _sweep_column(
         taus = [p.figures.acceptance_length for p in pts]
         if None not in taus:
             bottom.plot(ks, taus, marker="o", color=f"C{i}", label=label)
-        best = f.recommended.get(name, {}).get(level)
-        if best is not None and _series(best.point)[1:] == (t, adaptive):
+        best = f.recommended.get(chain_name(pts[0].method), {}).get(level)
+        if best is not None and _series(best.point) == key:
             best_k, best_tps = (
                 best.point.method.num_speculative_tokens,
                 best.point.figures.output_tokens_per_s,

@@ -12,7 +12,10 @@ ratio to the baseline and tau are the median over rounds with a 95% interval fro
 
 A sweep (`--sweep-k`, or several concurrency levels) measures every drafter at several K and
 concurrency levels and recommends, per drafter and level, the K with the highest output
-tokens/s; `results` then holds each method at its recommended K at the lowest level.
+tokens/s; `results` then holds each method at its recommended K at the lowest level. Draft trees
+(`--tree`) stay methods of their own in the tables, but the recommendation weighs them as settings
+of their drafter: a tree is recommended over the drafter's best chain only when it is faster
+beyond noise (`chain_or_tree`).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from specctl.bench.intervals import (
     tokens_per_s,
     tokens_per_s_point,
 )
-from specctl.bench.plan import PLAIN, Method, speculative_config
+from specctl.bench.plan import PLAIN, Method, chain_name, speculative_config
 from specctl.counters import SpecCounters
 from specctl.errors import SpecctlError, UsageError
 from specctl.recipe import BenchSection
@@ -237,7 +240,7 @@ class BenchReport:
             plain=next((r for r in results if not r.speculative), None),
             base=next((r for r in results if r.name == self.baseline), None),
             points=points,
-            recommended=recommendations(points or [], self.backend, self.vllm_measured),
+            recommended=recommendations(points or [], self.backend, self.vllm_measured, self.seed, resamples),
         )
 
     def to_dict(self, intervals: bool = True) -> dict[str, Any]:
@@ -331,6 +334,12 @@ def units_dict(units: Sequence[Unit]) -> dict[str, list[Any]]:
     return {
         f: [round(getattr(u, f), 6) if f == "wall_s" else getattr(u, f) for u in units] for f in UNIT_FIELDS
     }
+
+
+def units_from_dict(columns: dict[str, list[Any]]) -> list[Unit]:
+    """report.json's `units` (units_dict) back as cells, so a page re-rendered from a report
+    bootstraps the same paired intervals the report did."""
+    return [Unit(*cell) for cell in zip(*(columns[f] for f in UNIT_FIELDS), strict=True)]
 
 
 @dataclass(frozen=True)
@@ -562,18 +571,32 @@ class PointFigures(MethodFigures):
 class Recommendation:
     """The recommended configuration of a drafter at a level: the fastest point, the engine it was
     `measured_on`, and the vLLM `--speculative-config` that serves it -- only when vLLM measured it
-    (another engine's step costs differ, so its best K need not be vLLM's)."""
+    (another engine's step costs differ, so its best K need not be vLLM's).
+
+    Where draft trees were measured beside the drafter's chain (bench --tree), `chain` is its
+    fastest chain, `tree` its fastest tree and `versus` the tree's tok/s over the chain's, paired
+    on their shared (prompt, round) cells (`tree_vs_chain`); `point` is one of the two
+    (`chain_or_tree`). No released vLLM verifies a tree, so the chain is what vLLM serves today."""
 
     point: PointFigures
     speculative_config: dict[str, Any] | None
     measured_on: str
+    chain: PointFigures | None = None
+    tree: PointFigures | None = None
+    versus: Estimate | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.point.method.tree_nodes is not None
 
     def to_dict(self) -> dict[str, Any]:
         m, f = self.point.method, self.point.figures
         return {
+            "method": m.name,
             "num_speculative_tokens": m.num_speculative_tokens,
             "confidence_threshold": m.confidence_threshold,
             "adaptive": m.adaptive,
+            "tree_nodes": m.tree_nodes,
             "acceptance_length": f.acceptance_length,
             "draft_tokens_per_accepted": f.draft_tokens_per_accepted,
             "output_tokens_per_s": f.output_tokens_per_s,
@@ -581,6 +604,22 @@ class Recommendation:
             "intervals": f.to_dict()["intervals"],
             "speculative_config": self.speculative_config,
             "measured_on": self.measured_on,
+            "tree_vs_chain": self._versus_dict(),
+        }
+
+    def _versus_dict(self) -> dict[str, Any] | None:
+        """report.json's chain-against-tree comparison (None: no tree measured beside a chain)."""
+        if self.chain is None or self.tree is None or self.versus is None:
+            return None
+        c, t, v = self.chain.method, self.tree.method, self.versus
+        return {
+            "tree_nodes": t.tree_nodes,
+            "tree_num_speculative_tokens": t.num_speculative_tokens,
+            "chain_num_speculative_tokens": c.num_speculative_tokens,
+            "chain_confidence_threshold": c.confidence_threshold,
+            "chain_adaptive": c.adaptive,
+            "ratio": v.value,
+            "interval": [v.low, v.high] if _finite(v) else None,
         }
 
 
@@ -595,6 +634,15 @@ class ReportFigures:
     base: ResultFigures | None  # the baseline's entry: the reference of "vs EAGLE-3"
     points: list[PointFigures] | None  # a sweep's points, in the order measured; None: not a sweep
     recommended: dict[str, dict[str, Recommendation]]  # method name -> level key -> recommendation
+
+    def recommendation_for(self, p: PointFigures) -> Recommendation | None:
+        """The recommendation of the drafter a point measured (a tree's is its chain's)."""
+        return self.recommended.get(chain_name(p.method), {}).get(p.level_key)
+
+    def is_recommended(self, p: PointFigures) -> bool:
+        """Whether the point is the configuration recommended at its level."""
+        r = self.recommendation_for(p)
+        return r is not None and r.point.method == p.method
 
 
 def result_figures(report: BenchReport, resamples: int = RESAMPLES) -> list[ResultFigures]:
@@ -790,24 +838,92 @@ def level_text(level: Level) -> str:
 
 
 def recommendations(
-    points: Sequence[PointFigures], backend: str, vllm_measured: bool
+    points: Sequence[PointFigures],
+    backend: str,
+    vllm_measured: bool,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
 ) -> dict[str, dict[str, Recommendation]]:
-    """method name -> level key -> the recommended K (and confidence threshold, adaptive) at that
-    level, by the points' reported output tokens/s (`recommend`). Plain decoding has none."""
+    """method name -> level key -> the recommended configuration at that level. A drafter's chain
+    configurations (K, confidence threshold, adaptive) are ranked by their reported output
+    tokens/s (`recommend`); its draft trees (`<name>-treeN`, grouped under the chain's name) are
+    a setting of the same drafter and win only by beating its best chain beyond noise
+    (`chain_or_tree`). Plain decoding has none."""
     grouped: dict[tuple[str, str], list[PointFigures]] = {}
     for p in points:
         if p.speculative:
-            grouped.setdefault((p.name, p.level_key), []).append(p)
+            grouped.setdefault((chain_name(p.method), p.level_key), []).append(p)
     out: dict[str, dict[str, Recommendation]] = {}
     for (name, level), group in grouped.items():
-        chosen = recommend((setting_of(p.method), p.figures.output_tokens_per_s) for p in group)
-        best = next(p for p in group if setting_of(p.method) == chosen)
+        chain = _fastest_chain([p for p in group if p.method.tree_nodes is None])
+        tree = _fastest_tree([p for p in group if p.method.tree_nodes is not None])
+        versus = tree_vs_chain(tree, chain, seed, resamples) if tree and chain else None
+        best = chain_or_tree(chain, tree, versus)
         try:
-            spec = speculative_config(best.method) if vllm_measured else None
+            spec = speculative_config(best.method) if vllm_measured and best is chain else None
         except SpecctlError:  # an algorithm vLLM has no method for (measured on the embedded engine)
             spec = None
-        out.setdefault(name, {})[level] = Recommendation(best, spec, backend)
+        compared = (chain, tree) if tree is not None else (None, None)
+        out.setdefault(name, {})[level] = Recommendation(best, spec, backend, *compared, versus)
     return out
+
+
+def _fastest_chain(points: list[PointFigures]) -> PointFigures | None:
+    """The chain configuration `recommend` picks (None: no chain measured)."""
+    if not points:
+        return None
+    chosen = recommend((setting_of(p.method), p.figures.output_tokens_per_s) for p in points)
+    return next(p for p in points if setting_of(p.method) == chosen)
+
+
+def _fastest_tree(points: list[PointFigures]) -> PointFigures | None:
+    """The fastest tree by reported output tokens/s; a tie goes to fewer nodes (fewer verify rows),
+    then to the shallower tree, as `recommend` gives a tie to the smaller K."""
+    return min(
+        points,
+        key=lambda p: (-p.figures.output_tokens_per_s, p.method.tree_nodes, p.method.num_speculative_tokens),
+        default=None,
+    )
+
+
+def tree_vs_chain(
+    tree: PointFigures, chain: PointFigures, seed: int = 0, resamples: int = RESAMPLES
+) -> Estimate:
+    """The tree's output tokens/s over the chain's: the median over rounds of the per-round ratio
+    on the (prompt, round) cells both decoded, with its 95% interval from the same paired redraws
+    as a speedup (specctl.bench.intervals), so a slow spell that hit both cancels. Without shared
+    cells (points built by hand) or with `resamples` 0, the ratio of their reported tok/s with no
+    interval (NaN)."""
+    pair = unit_grids([tree.units, chain.units], ("output_tokens", "wall_s"))
+    if pair is None:
+        ratio = _ratio(tree.figures.output_tokens_per_s, chain.figures.output_tokens_per_s)
+        return Estimate(math.nan if ratio is None else ratio, math.nan, math.nan)
+    return paired_ratio(*pair[0], *pair[1], seed=seed, resamples=resamples)
+
+
+def chain_or_tree(
+    chain: PointFigures | None, tree: PointFigures | None, versus: Estimate | None
+) -> PointFigures:
+    """The recommended one of a drafter's fastest chain and fastest tree. The tree costs more per
+    step (a row per node) and no released vLLM serves it, so, as `recommend` gives a tie to the
+    simpler setting, the tree is recommended only when it beats the chain beyond noise: the 95%
+    interval of `versus` (tree tok/s over chain tok/s, paired) lies wholly above 1 -- the rule by
+    which the report calls one method faster than another (intervals.compare). Without an
+    interval, only a point ratio above 1 does. With one of the two missing, the other."""
+    if tree is None or chain is None:
+        found = tree or chain
+        if found is None:
+            raise ValueError("no measured chain or tree to recommend from")
+        return found
+    if versus is None:
+        return chain
+    if _finite(versus):
+        return tree if versus.low > 1.0 else chain
+    return tree if versus.value > 1.0 else chain
+
+
+def _finite(e: Estimate) -> bool:
+    return math.isfinite(e.low) and math.isfinite(e.high)
 
 
 # ---------------------------------------------------------------- thresholds (CI)

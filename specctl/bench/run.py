@@ -149,8 +149,8 @@ def plan_run(
     configs, not_tree = plan_trees(configs, settings.tree_nodes)
     unable += not_adaptive + not_tree
     if settings.tree_nodes and not backend.trees:
-        raise UsageError(f"--tree is measured with {able(lambda b: b.trees)}")
-    sweeping = sweeping or settings.adaptive == "both"
+        raise UsageError(tree_refusal(backend))
+    sweeping = sweeping or settings.adaptive == "both" or bool(settings.tree_nodes)  # chain or tree
     if settings.repeats is None:  # the one place the default is decided: every backend reads settings
         loads = len(levels) * max(1, len(rates))
         repeats = default_repeats(settings.num_prompts, settings.max_new_tokens, len(configs), loads)
@@ -248,6 +248,18 @@ def _drafter_methods(
         for m in methods:
             speculative_config(m)  # algorithms vLLM has no method for fail now, not after the first server
     return methods, baseline_name
+
+
+def tree_refusal(backend: BackendSpec) -> str:
+    """Why --tree cannot run on this backend: vLLM's, cited from its capability table; others by
+    the specs that can."""
+    where = able(lambda b: b.trees)
+    if not (backend.vllm_drafters or backend.as_it_runs):
+        return f"--tree is measured with {where}"
+    from specctl.vllm.capabilities import Need, unsupported
+
+    instead = f"measure trees with {where} and serve the drafter's chain in vLLM"
+    return unsupported(Need.TREE, f"--tree with {backend.flag}", instead)
 
 
 def _remote_methods(

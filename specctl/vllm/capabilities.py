@@ -234,6 +234,25 @@ def refusal(
     return f"{prefix}{need.value} needs {needed}; this is {version}{here}: {instead}{or_pin}"
 
 
+def needs_line(need: Need, on_cpu: bool = False) -> str:
+    """What the table says of `need`, as a sentence a refusal or a recommendation cites: 'tree
+    drafting (speculative_config speculative_token_tree) needs a vLLM that has it (0.32-0.34 do
+    not; read in vLLM's config/speculative.py: ...)'. Read from the table alone, so it holds where
+    no vLLM is installed."""
+    entry = capability(need)
+    needed = requirement(need, on_cpu)
+    read = f"read in vLLM's {entry.evidence}"
+    if needed.endswith(")"):  # '... (0.32-0.34 do not)': the source goes inside the bracket
+        return f"{need.value} ({entry.what}) needs {needed[:-1]}; {read})"
+    return f"{need.value} ({entry.what}) needs {needed} ({read})"
+
+
+def unsupported(need: Need, where: str, instead: str) -> str:
+    """One line refusing `where` because vLLM lacks `need`, whatever vLLM is installed:
+    '--tree with --backend vllm: tree drafting (...) needs a vLLM that has it (...): <instead>'."""
+    return f"{where}: {needs_line(need)}: {instead}"
+
+
 def refuse(
     needs: Sequence[Need], version: str | None, on_cpu: bool, instead: str, where: str | None = None
 ) -> None:
