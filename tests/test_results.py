@@ -107,7 +107,7 @@ def test_test_benches_run_each_drafter_at_the_setting_dev_chose(recipe):
 
 
 def test_trees_are_chosen_on_dev_and_the_chosen_ones_measured_on_test(recipe):
-    """The tree dev bench runs each parallel drafter at the K the test bench runs it at (a drafter
+    """The tree dev bench runs each drafter that makes trees (EAGLE-3 too) at the K the test bench runs it at (a drafter
     cut by a confidence threshold has no tree); the test bench then adds the node count of each
     drafter's fastest dev tree, whether dev recommended the tree or the chain."""
     run = recipe.run_dir
@@ -115,9 +115,10 @@ def test_trees_are_chosen_on_dev_and_the_chosen_ones_measured_on_test(recipe):
         (run / "drafters" / algo / "export").mkdir(parents=True)
         (run / "drafters" / algo / "export" / "config.json").write_text("{}")
     plan = {s.name: s for s in stages("recipes/results.yaml", recipe, has_vllm=False)}
-    parallel = [a for a, spec in DRAFTERS.items() if spec.parallel]
+    branching = [a for a, spec in DRAFTERS.items() if spec.tree is not None]
+    assert "eagle3" in branching  # the baseline gets the same advantage
     assert plan["bench trees dev"].late() == [
-        f"--drafter={run / 'drafters' / a / 'export'}" for a in parallel
+        f"--drafter={run / 'drafters' / a / 'export'}" for a in branching
     ]
     assert not any(a.startswith("--tree") for a in plan["bench embedded"].late())  # no dev choice yet
     (run / "bench-embedded-dev").mkdir()
