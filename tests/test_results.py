@@ -107,9 +107,9 @@ def test_test_benches_run_each_drafter_at_the_setting_dev_chose(recipe):
 
 
 def test_trees_are_chosen_on_dev_and_the_chosen_ones_measured_on_test(recipe):
-    """The tree dev bench runs each drafter that makes trees (EAGLE-3 too) at the K the test bench runs it at (a drafter
-    cut by a confidence threshold has no tree); the test bench then adds the node count of each
-    drafter's fastest dev tree, whether dev recommended the tree or the chain."""
+    """The tree dev bench runs each drafter that makes trees (EAGLE-3 too) at the K the test bench
+    runs it at (a drafter cut by a confidence threshold has no tree); the test bench then adds the
+    node count of each drafter's fastest dev tree, whether dev recommended the tree or the chain."""
     run = recipe.run_dir
     for algo in DRAFTERS:
         (run / "drafters" / algo / "export").mkdir(parents=True)
