@@ -193,3 +193,22 @@ def test_bench_batched_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir, 
             verify_attention="batched",
             progress=False,
         )
+
+
+def test_tree_cost_benchmark_times_both_modes_and_checks_its_exact_candidate(model):
+    """benchmarks/trees.py on a tiny model: every node count in both modes, and the split of an
+    exact tree verify's attention, whose prefix-buffer candidate returns row by row's bits."""
+    from benchmarks.trees import NODES, capture_tree_attention, row_cost_split, tree_verify_costs
+
+    costs = tree_verify_costs(model, prefix=40, rounds=1)
+    for n in NODES:
+        for kind in ("tree", "chain", "batched_tree", "batched_chain"):
+            assert costs[f"{kind}_ms_n{n}"] > 0
+            assert costs[f"{kind}_vs_decode_n{n}"] == pytest.approx(
+                costs[f"{kind}_ms_n{n}"] / costs["decode_ms"], abs=2e-3
+            )
+    calls = capture_tree_attention(model, 40, 31)
+    assert len(calls) == model.config.num_hidden_layers and calls[0][0].shape[2] == 32  # root + 31 nodes
+    split = row_cost_split(calls, rounds=1)
+    assert split["prefix_buffer_identical"] == 1
+    assert {"exact_ms", "runs_ms", "gather_ms", "sdpa_ms", "batched_ms", "prefix_buffer_ms"} <= split.keys()
