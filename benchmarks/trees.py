@@ -120,38 +120,29 @@ def gather_runs(calls: list[tuple], runs: list) -> list[list[tuple[torch.Tensor,
     return [[(cat(k, row), cat(v, row)) for row in r] for (_, k, v, _, _), r in zip(calls, runs, strict=True)]
 
 
-def prefix_buffer_rows(query, key, value, mask, scaling) -> torch.Tensor:
-    """A candidate exact tree attention: the keys every row sees from the start (the cache and the
-    root) copied once a layer into a buffer, each row then writing only its own ancestors' keys
-    after them and attending a view of the buffer -- the same keys in the same order as
-    `_row_by_row`'s per-row torch.cat, without copying the cache once a row.
-    [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
+def per_row_cat_rows(query, key, value, mask, scaling) -> torch.Tensor:
+    """The exact tree attention as it was before the prefix buffer (`verifier._row_by_row`): each
+    row's visible runs concatenated into a tensor of its own, the cache copied once a row. The
+    reference the shipped one must equal bit for bit. [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
     from specctl.verifier import _sdpa, _visible_runs
 
     rows, keys = query.shape[2], key.shape[2]
-    runs = _visible_runs(mask, rows, keys)
-    common = min(r[0][1] for r in runs)  # every row's first run starts at key 0
-    width = max(sum(b - a for a, b in r) for r in runs)
-    kbuf = key.new_empty(*key.shape[:2], width, key.shape[3])  # [1, Hkv, width, D]
-    vbuf = value.new_empty(*value.shape[:2], width, value.shape[3])
-    kbuf[:, :, :common], vbuf[:, :, :common] = key[:, :, :common], value[:, :, :common]
     out = []
-    for i, row in enumerate(runs):
-        n = common
-        for a, b in [(max(a, common), b) for a, b in row if b > common]:  # the keys after the common ones
-            kbuf[:, :, n : n + b - a], vbuf[:, :, n : n + b - a] = key[:, :, a:b], value[:, :, a:b]
-            n += b - a
-        out.append(_sdpa(query[:, :, i : i + 1], kbuf[:, :, :n], vbuf[:, :, :n], None, scaling))
+    for i, row in enumerate(_visible_runs(mask, rows, keys)):
+        k = torch.cat([key[:, :, a:b] for a, b in row], 2)  # [1, kvh, visible, D]
+        v = torch.cat([value[:, :, a:b] for a, b in row], 2)
+        out.append(_sdpa(query[:, :, i : i + 1], k, v, None, scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous()
 
 
 def row_cost_split(calls: list[tuple], rounds: int = 9) -> dict[str, float]:
     """Where an exact tree verify's attention time goes, summed over the layers of `calls`
-    (capture_tree_attention), median ms of `rounds`: the whole row-by-row attention (`exact_ms`),
-    and its parts -- finding each row's visible runs (`runs_ms`, one host copy per layer), the key
-    and value gather (`gather_ms`, torch.cat of the runs) and the one-row SDPA calls on keys
-    already gathered (`sdpa_ms`) -- against the block in one call (`batched_ms`) and a candidate
-    exact gather that copies the cache once a layer instead of once a row (`prefix_buffer_ms`)."""
+    (capture_tree_attention), median ms of `rounds`: the shipped row-by-row attention
+    (`exact_ms`: the cache copied once a layer into a buffer, each row writing its ancestors
+    after it), the same by a per-row torch.cat of each row's runs (`per_row_cat_ms`, as before)
+    and that one's parts -- finding each row's visible runs (`runs_ms`, one host copy per layer),
+    the per-row concatenation (`gather_ms`) and the one-row SDPA calls on keys already gathered
+    (`sdpa_ms`) -- against the block in one call (`batched_ms`)."""
     from specctl.verifier import _batched_rows, _row_by_row, _sdpa, _visible_runs
 
     def find_runs():
@@ -176,7 +167,7 @@ def row_cost_split(calls: list[tuple], rounds: int = 9) -> dict[str, float]:
         "gather_ms": gather_only,
         "sdpa_ms": one_row_calls,
         "batched_ms": lambda: [_batched_rows(*c) for c in calls],
-        "prefix_buffer_ms": lambda: [prefix_buffer_rows(*c) for c in calls],
+        "per_row_cat_ms": lambda: [per_row_cat_rows(*c) for c in calls],
     }
     times: dict[str, list[float]] = {}
     with torch.inference_mode():
@@ -187,9 +178,9 @@ def row_cost_split(calls: list[tuple], rounds: int = 9) -> dict[str, float]:
                 times.setdefault(key, []).append((time.perf_counter() - start) * 1000)
     out: dict[str, float] = {k: round(statistics.median(v), 3) for k, v in times.items()}
     out["layers"], out["rows"] = len(calls), calls[0][0].shape[2]
-    with torch.inference_mode():  # 1: the candidate's rows are row by row's, bit for bit
-        out["prefix_buffer_identical"] = int(
-            all(torch.equal(prefix_buffer_rows(*c), _row_by_row(*c)) for c in calls)
+    with torch.inference_mode():  # 1: the shipped rows are the per-row concatenation's, bit for bit
+        out["exact_equals_per_row_cat"] = int(
+            all(torch.equal(per_row_cat_rows(*c), _row_by_row(*c)) for c in calls)
         )
     return out
 

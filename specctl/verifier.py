@@ -538,22 +538,51 @@ def _row_by_row(
     A boolean mask that hides keys inside a row's causal span -- a draft tree's verify, where a
     node row sees the cache and its own ancestors only -- is honoured by gathering the visible
     keys, in order, into the call: the keys a one-token decode of that node's path has in its
-    cache, so a tree row too is bit-identical to plain decoding's. The gather concatenates runs
-    of consecutive keys (the cache is one run): index_select on the cache's strided view cost
-    1.8 ms a row on 2 busy threads, 16x a whole row's attention.
+    cache, so a tree row too is bit-identical to plain decoding's. The keys every row sees from
+    the start (the cache and the root) are copied once a layer into a buffer, and each tree row
+    writes only its later runs (its ancestors and itself) after them and attends a view of it:
+    the same keys in the same order as a per-row torch.cat of its runs, which copied the cache
+    once a row (a 31-node SmolLM2 tree's attention 42 -> 31 ms bf16, 56 -> 39 ms float32, 1
+    thread: benchmarks/trees.py split_n31). index_select on the cache's strided view cost 1.8 ms
+    a row on 2 busy threads, 16x a whole row's attention.
     """
     rows, keys = query.shape[2], key.shape[2]
     runs = _visible_runs(mask, rows, keys) if mask is not None and mask.dtype == torch.bool else None
+    tree = runs is not None and any(r != [(0, keys - rows + i + 1)] for i, r in enumerate(runs))
+    if tree:  # [1, kvh, widest row, D] each, the common prefix filled
+        common = min(r[0][1] if r and r[0][0] == 0 else 0 for r in runs)
+        width = max(sum(b - a for a, b in r) for r in runs)
+        kbuf, vbuf = (x.new_empty(*x.shape[:2], width, x.shape[3]) for x in (key, value))
+        kbuf[:, :, :common], vbuf[:, :, :common] = key[:, :, :common], value[:, :, :common]
     out = []
     for i in range(rows):
         seen = keys - rows + i + 1
         k, v = key[:, :, :seen], value[:, :, :seen]
         row_mask = None if mask is None or runs is not None else mask[:, :, i : i + 1, :seen]
-        if runs is not None and runs[i] != [(0, seen)]:  # a tree row: [1, kvh, visible, D]
-            k = torch.cat([key[:, :, a:b] for a, b in runs[i]], 2)
-            v = torch.cat([value[:, :, a:b] for a, b in runs[i]], 2)
+        if tree and runs[i] != [(0, seen)]:  # a tree row: its visible keys, in order
+            n = _fill_after(kbuf, vbuf, key, value, runs[i], common)
+            k, v = kbuf[:, :, :n], vbuf[:, :, :n]
         out.append(_sdpa(query[:, :, i : i + 1], k, v, row_mask, scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous()
+
+
+def _fill_after(
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    runs: list[tuple[int, int]],
+    common: int,
+) -> int:
+    """Write a row's visible keys past the first `common` (already in the buffers) after them, in
+    order; returns how many keys the row sees. buffers [1, kvh, width, D], key/value [1, kvh, Tk, D]."""
+    n = common
+    for a, b in runs:
+        a = max(a, common)
+        if b > a:
+            kbuf[:, :, n : n + b - a], vbuf[:, :, n : n + b - a] = key[:, :, a:b], value[:, :, a:b]
+            n += b - a
+    return n
 
 
 def _batched_rows(

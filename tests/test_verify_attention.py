@@ -197,7 +197,7 @@ def test_bench_batched_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir, 
 
 def test_tree_cost_benchmark_times_both_modes_and_checks_its_exact_candidate(model):
     """benchmarks/trees.py on a tiny model: every node count in both modes, and the split of an
-    exact tree verify's attention, whose prefix-buffer candidate returns row by row's bits."""
+    exact tree verify's attention, whose shipped rows equal the per-row concatenation's bits."""
     from benchmarks.trees import NODES, capture_tree_attention, row_cost_split, tree_verify_costs
 
     costs = tree_verify_costs(model, prefix=40, rounds=1)
@@ -210,5 +210,28 @@ def test_tree_cost_benchmark_times_both_modes_and_checks_its_exact_candidate(mod
     calls = capture_tree_attention(model, 40, 31)
     assert len(calls) == model.config.num_hidden_layers and calls[0][0].shape[2] == 32  # root + 31 nodes
     split = row_cost_split(calls, rounds=1)
-    assert split["prefix_buffer_identical"] == 1
-    assert {"exact_ms", "runs_ms", "gather_ms", "sdpa_ms", "batched_ms", "prefix_buffer_ms"} <= split.keys()
+    assert split["exact_equals_per_row_cat"] == 1
+    assert {"exact_ms", "per_row_cat_ms", "runs_ms", "gather_ms", "sdpa_ms", "batched_ms"} <= split.keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_tree_rows_attend_each_rows_visible_keys_bit_for_bit(dtype):
+    """The exact path's prefix buffer (the cache copied once, each row writing its ancestors
+    after it) gives every tree row the bits of a one-row call over its visible keys concatenated
+    in order -- what a one-token decode of its path computes -- for trees of 1-31 nodes, and a
+    mask that hides cache keys too (its rows share no prefix)."""
+    from benchmarks.trees import per_row_cat_rows
+
+    g = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    for t in range(24):
+        cached = 20 + 9 * t
+        tree = build_tree(torch.log_softmax(torch.randn(3, 40, generator=g) * 3, -1), 1 + (5 * t) % 31)
+        mask = verify_rows_mask(tree.parents, cached)  # [1, 1, 1+N, cached+1+N]
+        if t % 6 == 5:
+            mask[..., 3 : 3 + t % 4] = False  # holes in the cache: runs that do not start at key 0
+        rows, keys = mask.shape[2], mask.shape[3]
+        q = (torch.randn(1, 9, rows, 64, generator=g) * [0.5, 2.0, 4.0][t % 3]).to(dtype)  # [B, Hq, Tq, D]
+        k, v = torch.randn(2, 1, 3, keys, 64, generator=g).to(dtype)  # [B, Hkv, Tk, D] each
+        got, _ = gqa_sdpa_attention(module, q, k, v, mask, scaling=0.125)
+        assert torch.equal(got, per_row_cat_rows(q, k, v, mask, 0.125)), t
