@@ -117,21 +117,12 @@ def test_batched_greedy_equals_plain_decoding_in_float32(model, plain, nodes, mo
 
 
 def test_verify_attention_from_flag_and_recipe_to_the_run(tmp_path, monkeypatch):
-    """`--verify-attention` is generated from the schema, checked by it (one line naming the
-    flag), refused off the embedded engine, and a recipe's value stays unless the flag is given."""
+    """`--verify-attention` is generated from the schema and checked by it (one line naming the
+    flag, exit 2); without the flag the recipe's value stays, and exact is the default."""
     import specctl.bench.run
-    from specctl.bench.plan import bench_settings
     from specctl.cli import app
     from specctl.recipe import BenchSection
 
-    assert bench_settings(None, verify_attention="batched")[0].verify_attention == "batched"
-    with pytest.raises(UsageError, match="--verify-attention"):
-        bench_settings(None, verify_attention="fast")
-    recipe_value = BenchSection.model_validate({"verify_attention": "batched"})
-    assert bench_settings(None)[0].verify_attention == "exact"
-    from specctl.bench.plan import settings_from_flags
-
-    assert settings_from_flags(recipe_value, {}).verify_attention == "batched"
     seen = []
 
     def fake_run_bench(recipe, settings, **kw):
@@ -139,10 +130,20 @@ def test_verify_attention_from_flag_and_recipe_to_the_run(tmp_path, monkeypatch)
         raise UsageError("stop here")
 
     monkeypatch.setattr(specctl.bench.run, "run_bench", fake_run_bench)
-    CliRunner().invoke(app, ["bench", "--drafter", "x", "--verify-attention", "batched"])
-    CliRunner().invoke(app, ["bench", "--drafter", "x"])
-    assert seen == ["batched", "exact"]
-    help_text = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nbench:\n  verify_attention: batched\n")
+    runner = CliRunner()
+    runner.invoke(app, ["bench", "--drafter", "x", "--verify-attention", "batched"])
+    runner.invoke(app, ["bench", "--drafter", "x"])
+    runner.invoke(app, ["bench", str(recipe), "--drafter", "x"])
+    runner.invoke(app, ["bench", str(recipe), "--drafter", "x", "--verify-attention", "exact"])
+    assert seen == ["batched", "exact", "batched", "exact"]
+    bad = runner.invoke(app, ["bench", "--drafter", "x", "--verify-attention", "fast"])
+    assert isinstance(bad.exception, UsageError) and bad.exception.exit_code == 2
+    assert str(bad.exception).startswith("--verify-attention 'fast': ")
+    assert len(seen) == 4  # refused before the run
+    assert BenchSection().verify_attention == "exact"
+    help_text = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "200"}).output
     assert "--verify-attention" in help_text and "exact|batched" in help_text
 
 
