@@ -1,7 +1,7 @@
 """The verify cost curve of draft trees: what one KV-cached verifier forward over a tree of N nodes
 costs, against a chain verify of the same number of rows and against one decode step.
 
-Usage: python -m benchmarks.trees [--verifier smollm2-135m-instruct] [--dtype bfloat16] [--prefix 200]
+Usage: python -m benchmarks.trees [--verifier smollm2-135m-instruct] [--dtype bfloat16,float32] [--prefix 200]
        python -m benchmarks.trees --acceptance DRAFTER_DIR --outputs OUTPUTS.jsonl [--split test]
 
 `--acceptance`: the accepted length per verifier pass of a drafter's chain and of its trees of
@@ -13,11 +13,15 @@ prompt for the drafter's features. The same trajectory as the engine (K capped b
 left), in seconds instead of a bench's minutes on a busy machine. `rows_per_pass` is the mean
 verify rows a drafting pass used (1 + its drafts or tree nodes).
 
-Prints one JSON object: `tree_ms_n<N>`, `chain_ms_n<N>` (median ms of a forward over 1 + N rows),
-`decode_ms` (one row), and the ratios to a decode step. Trees, chains and the decode step take
-turns within each round, so a slow spell of a shared machine lands on all of them alike. The tree
-of each size is the best tree (specctl.trees.build_tree) of a random 3-position block: a realistic
-bushy shape, whose rows gather their ancestors' keys (verifier.gqa_sdpa_attention).
+Prints one JSON object per dtype: `tree_ms_n<N>`, `chain_ms_n<N>` (median ms of a forward over
+1 + N rows, verify attention `exact`: row by row), `batched_tree_ms_n<N>`, `batched_chain_ms_n<N>`
+(the block in one SDPA call, `bench.verify_attention: batched`), `decode_ms` (one row), and each
+one's ratio to a decode step (`..._vs_decode_n<N>`). Trees, chains in both modes and the decode
+step take turns within each round, so a slow spell of a shared machine lands on all of them
+alike. The tree of each size is the best tree (specctl.trees.build_tree) of a random 3-position
+block: a realistic bushy shape, whose exact rows gather their ancestors' keys
+(verifier.gqa_sdpa_attention). `split_n31`: where an exact 31-node tree's attention time goes
+(`row_cost_split`). The matmul kernel is the bench's `auto` (float32: oneDNN prepacked).
 """
 
 from __future__ import annotations
@@ -31,13 +35,16 @@ from pathlib import Path
 import torch
 
 NODES = (1, 2, 4, 8, 16, 31)
+MODES = ("exact", "batched")  # bench.verify_attention: rows one by one, or the block in one call
 
 
 def tree_verify_costs(model, prefix: int = 200, rounds: int = 9, depth: int = 3) -> dict[str, float]:
-    """Median ms per forward kind (see the module doc), the cache cropped back after each."""
+    """Median ms per forward kind (see the module doc), the cache cropped back after each; every
+    kind in both verify attention modes, the batched ones prefixed `batched_`."""
     from transformers import DynamicCache
 
     from specctl.trees import build_tree, verify_rows_mask
+    from specctl.verifier import verify_attention
 
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -60,18 +67,123 @@ def tree_verify_costs(model, prefix: int = 200, rounds: int = 9, depth: int = 3)
         for _ in range(rounds):
             timed("decode_ms", 1)
             for n, tree in trees.items():
-                timed(f"chain_ms_n{n}", 1 + n)
                 positions = prefix + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])
-                timed(
-                    f"tree_ms_n{n}",
-                    1 + n,
-                    attention_mask=verify_rows_mask(tree.parents, prefix),
-                    position_ids=positions[None],
-                )
+                mask = verify_rows_mask(tree.parents, prefix)
+                for mode in MODES:
+                    name = "" if mode == "exact" else f"{mode}_"
+                    with verify_attention(mode):
+                        timed(f"{name}chain_ms_n{n}", 1 + n)
+                        timed(f"{name}tree_ms_n{n}", 1 + n, attention_mask=mask, position_ids=positions[None])
     out = {k: round(statistics.median(v), 2) for k, v in times.items()}
-    for n in NODES:
-        out[f"tree_vs_decode_n{n}"] = round(out[f"tree_ms_n{n}"] / out["decode_ms"], 3)
-        out[f"chain_vs_decode_n{n}"] = round(out[f"chain_ms_n{n}"] / out["decode_ms"], 3)
+    for key in [k for k in out if k != "decode_ms"]:
+        out[key.replace("_ms_", "_vs_decode_")] = round(out[key] / out["decode_ms"], 3)
+    return out
+
+
+def capture_tree_attention(model, prefix: int, nodes: int, depth: int = 3) -> list[tuple]:
+    """The (query, key, value, mask, scaling) of every layer's attention in one exact verify of a
+    `nodes`-node tree on a `prefix`-token cache: real shapes and values for `row_cost_split`."""
+    from transformers import DynamicCache
+
+    import specctl.verifier as verifier_module
+    from specctl.trees import build_tree, verify_rows_mask
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    tree = build_tree(torch.log_softmax(torch.randn(depth, vocab, generator=gen) * 3, -1), nodes)
+    cache, calls = DynamicCache(config=model.config), []
+    real = verifier_module._row_by_row
+
+    def record(query, key, value, mask, scaling):
+        calls.append((query, key, value, mask, scaling))
+        return real(query, key, value, mask, scaling)
+
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, vocab, (1, prefix), generator=gen), past_key_values=cache)
+        verifier_module._row_by_row = record
+        try:
+            model(
+                input_ids=torch.randint(0, vocab, (1, 1 + nodes), generator=gen),
+                past_key_values=cache,
+                attention_mask=verify_rows_mask(tree.parents, prefix),
+                position_ids=(prefix + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths]))[None],
+            )
+        finally:
+            verifier_module._row_by_row = real
+    return calls
+
+
+def gather_runs(calls: list[tuple], runs: list) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer, per row: the (keys, values) of its visible runs, as `_row_by_row` gathers them."""
+
+    def cat(x: torch.Tensor, row: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.cat([x[:, :, a:b] for a, b in row], 2)
+
+    return [[(cat(k, row), cat(v, row)) for row in r] for (_, k, v, _, _), r in zip(calls, runs, strict=True)]
+
+
+def per_row_cat_rows(query, key, value, mask, scaling) -> torch.Tensor:
+    """The exact tree attention as it was before the prefix buffer (`verifier._row_by_row`): each
+    row's visible runs concatenated into a tensor of its own, the cache copied once a row. The
+    reference the shipped one must equal bit for bit. [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
+    from specctl.verifier import _sdpa, _visible_runs
+
+    rows, keys = query.shape[2], key.shape[2]
+    out = []
+    for i, row in enumerate(_visible_runs(mask, rows, keys)):
+        k = torch.cat([key[:, :, a:b] for a, b in row], 2)  # [1, kvh, visible, D]
+        v = torch.cat([value[:, :, a:b] for a, b in row], 2)
+        out.append(_sdpa(query[:, :, i : i + 1], k, v, None, scaling))
+    return torch.cat(out, 2).transpose(1, 2).contiguous()
+
+
+def row_cost_split(calls: list[tuple], rounds: int = 9) -> dict[str, float]:
+    """Where an exact tree verify's attention time goes, summed over the layers of `calls`
+    (capture_tree_attention), median ms of `rounds`: the shipped row-by-row attention
+    (`exact_ms`: the cache copied once a layer into a buffer, each row writing its ancestors
+    after it), the same by a per-row torch.cat of each row's runs (`per_row_cat_ms`, as before)
+    and that one's parts -- finding each row's visible runs (`runs_ms`, one host copy per layer),
+    the per-row concatenation (`gather_ms`) and the one-row SDPA calls on keys already gathered
+    (`sdpa_ms`) -- against the block in one call (`batched_ms`)."""
+    from specctl.verifier import _batched_rows, _row_by_row, _sdpa, _visible_runs
+
+    def find_runs():
+        return [_visible_runs(m, q.shape[2], k.shape[2]) for q, k, _, m, _ in calls]
+
+    runs = find_runs()
+    gathered = gather_runs(calls, runs)
+
+    def gather_only():  # each row's keys and values dropped at once, as row by row frees them
+        for (_, k, v, _, _), r in zip(calls, runs, strict=True):
+            for row in r:
+                torch.cat([k[:, :, a:b] for a, b in row], 2), torch.cat([v[:, :, a:b] for a, b in row], 2)
+
+    def one_row_calls():
+        for (q, _, _, _, scaling), layer in zip(calls, gathered, strict=True):
+            for i, (k, v) in enumerate(layer):
+                _sdpa(q[:, :, i : i + 1], k, v, None, scaling)
+
+    parts = {
+        "exact_ms": lambda: [_row_by_row(*c) for c in calls],
+        "runs_ms": find_runs,
+        "gather_ms": gather_only,
+        "sdpa_ms": one_row_calls,
+        "batched_ms": lambda: [_batched_rows(*c) for c in calls],
+        "per_row_cat_ms": lambda: [per_row_cat_rows(*c) for c in calls],
+    }
+    times: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for key, work in parts.items():  # the parts take turns within a round
+                start = time.perf_counter()
+                work()
+                times.setdefault(key, []).append((time.perf_counter() - start) * 1000)
+    out: dict[str, float] = {k: round(statistics.median(v), 3) for k, v in times.items()}
+    out["layers"], out["rows"] = len(calls), calls[0][0].shape[2]
+    with torch.inference_mode():  # 1: the shipped rows are the per-row concatenation's, bit for bit
+        out["exact_equals_per_row_cat"] = int(
+            all(torch.equal(per_row_cat_rows(*c), _row_by_row(*c)) for c in calls)
+        )
     return out
 
 
@@ -148,13 +260,15 @@ def verifier_aux(drafter) -> tuple[int, ...]:
 
 
 def main() -> None:
+    from specctl.kernels import apply_kernel
     from specctl.recipe import VerifierSection
     from specctl.verifier import load_verifier
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--verifier", default="smollm2-135m-instruct")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="cost curve: a comma list (default bfloat16,float32)")
     ap.add_argument("--prefix", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--acceptance", help="a drafter export: replay its chain and trees (see the module doc)")
     ap.add_argument("--outputs", help="a bench's outputs.jsonl holding plain decoding's (no-spec) outputs")
     ap.add_argument("--split", default="test")
@@ -164,14 +278,16 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.acceptance:
+        args.dtype = args.dtype or "bfloat16"
         return acceptance_main(args)
-    verifier = load_verifier(VerifierSection(name_or_path=args.verifier, dtype=args.dtype, device="cpu"))
-    figures = tree_verify_costs(verifier.model, args.prefix)
-    print(
-        json.dumps(
-            {"verifier": args.verifier, "dtype": args.dtype, "threads": torch.get_num_threads(), **figures}
-        )
-    )
+    for dtype in (args.dtype or "bfloat16,float32").split(","):
+        verifier = load_verifier(VerifierSection(name_or_path=args.verifier, dtype=dtype, device="cpu"))
+        kernel = apply_kernel(verifier.model, "auto")  # as the bench's engine runs it
+        figures = tree_verify_costs(verifier.model, args.prefix, args.rounds)
+        split = row_cost_split(capture_tree_attention(verifier.model, args.prefix, 31), args.rounds)
+        threads = torch.get_num_threads()
+        head = {"verifier": args.verifier, "dtype": dtype, "linear_kernel": kernel, "threads": threads}
+        print(json.dumps({**head, **figures, "split_n31": split}), flush=True)
 
 
 if __name__ == "__main__":

@@ -386,6 +386,7 @@ class ExportSection(Section):
 
 
 LinearKernel = Literal["auto", "torch", "onednn-prepacked"]
+VerifyAttention = Literal["exact", "batched"]  # bench.verify_attention: rows one by one, or in one call
 AdaptiveMode = Literal["off", "on", "both"]  # bench.adaptive: fixed K only, adaptive only, side by side
 
 
@@ -542,6 +543,14 @@ class BenchSection(Section):
         "tree over the drafter's best chain only where it is faster beyond noise. At most 31 nodes: a "
         "verify of 32 rows stays bit-identical to plain decoding.",
         json_schema_extra=cli("--tree", metavar="N,..."),
+    )
+    verify_attention: VerifyAttention = Field(
+        "exact",
+        description="The embedded engine's attention over a verify's rows (a chain's K+1, a tree's 1+N): "
+        "`exact` = each row as its own one-row call over the keys it sees, bit-identical to plain "
+        "decoding; `batched` = the block in one call with its causal or tree mask, as vLLM on a GPU: "
+        "cheaper per row, but bf16 greedy outputs may leave plain decoding's at near-ties (the "
+        "report's `= plain` and divergences say where; docs/benchmarking.md).",
     )
     linear_kernel: LinearKernel = Field(
         "auto",

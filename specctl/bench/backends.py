@@ -125,6 +125,7 @@ ROWS: tuple[tuple[str, Callable[[BackendSpec], str | bool]], ...] = (
     ("`--confidence-threshold`", lambda s: s.confidence_thresholds),
     ("`--adaptive`", lambda s: ADAPTIVE[s.adaptive]),
     ("`--tree`", lambda s: s.trees),
+    ("`--verify-attention batched`", lambda s: s.verify_attention),
     ("`--ngram`", lambda s: s.ngram),
     ("recommends a `--speculative-config`", lambda s: s.vllm_measured),
     ("TTFT, TPOT, ITL from", lambda s: s.latency),

@@ -82,33 +82,39 @@ class EmbeddedBackend:
 
     @property
     def engine_info(self) -> dict[str, Any]:
-        """The report's provenance.engine: the dtype and matmul kernel every forward ran with, and
-        (bench.adaptive on) the survival threshold adaptive configurations were cut at."""
+        """The report's provenance.engine: the dtype and matmul kernel every forward ran with,
+        (bench.adaptive on) the survival threshold adaptive configurations were cut at, and
+        (bench.verify_attention batched) that verify blocks were attended in one call."""
         info: dict[str, Any] = {
             "dtype": str(self.verifier.dtype).removeprefix("torch."),
             "linear_kernel": self.kernel,
         }
         if self.settings.adaptive != "off":
             info["adaptive_threshold"] = self.settings.adaptive_threshold
+        if self.settings.verify_attention != "exact":  # absent: exact, as every report before it
+            info["verify_attention"] = self.settings.verify_attention
         return info
 
     def _run(
         self, method: Method, drafter: Drafter | None, index: int, prompt: BenchPrompt, max_new_tokens: int
     ) -> Any:
+        from specctl.verifier import verify_attention
+
         s = self.settings.sampling
-        return self.generate_fn(
-            self.verifier,
-            drafter,
-            list(prompt.prompt_ids),
-            max_new_tokens=max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.prompt_seed(index),
-            num_speculative_tokens=method.num_speculative_tokens or None,
-            eos_token_ids=self.stop_ids,
-            # only when set: an engine (or a test's stand-in) without dynamic draft length still runs
-            **self._cut(method, drafter),
-        )
+        with verify_attention(self.settings.verify_attention):  # the engine's verifies read it
+            return self.generate_fn(
+                self.verifier,
+                drafter,
+                list(prompt.prompt_ids),
+                max_new_tokens=max_new_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                seed=s.prompt_seed(index),
+                num_speculative_tokens=method.num_speculative_tokens or None,
+                eos_token_ids=self.stop_ids,
+                # only when set: an engine (or a test's stand-in) without dynamic draft length still runs
+                **self._cut(method, drafter),
+            )
 
     def _cut(self, method: Method, drafter: Drafter | None) -> dict[str, Any]:
         """The engine's draft-cut arguments for a configuration: DSpark's confidence threshold, a
@@ -174,4 +180,5 @@ SPEC = BackendSpec(
     confidence_thresholds=True,
     adaptive="engine",
     trees=True,
+    verify_attention=True,
 )

@@ -603,7 +603,10 @@ def provenance_line(report: BenchReport) -> str | None:
         )
     engine = p.get("engine")
     if engine:
-        parts.append(f"engine {engine['dtype']}, {engine['linear_kernel']} matmuls")
+        attention = engine.get("verify_attention", "exact")  # absent from reports before the setting
+        parts.append(
+            f"engine {engine['dtype']}, {engine['linear_kernel']} matmuls, {attention} verify attention"
+        )
     return "; ".join(parts)
 
 

@@ -188,7 +188,12 @@ def refuse_unmeasurable(
 ) -> None:
     """One line (before any engine starts) for a configuration this backend cannot measure: a
     confidence threshold off the embedded engine, adaptive verification where it has none, a
-    drafter the installed vLLM cannot serve."""
+    drafter the installed vLLM cannot serve, batched verify attention off the embedded engine."""
+    if settings.verify_attention != "exact" and not backend.verify_attention:
+        raise UsageError(
+            f"--verify-attention {settings.verify_attention} sets specctl's own engine's attention "
+            f"({able(lambda b: b.verify_attention)}); vLLM attends a verify block with its own kernels"
+        )
     cut = next((m.name for m in configs if m.confidence_threshold is not None), None)
     if cut is not None and not backend.confidence_thresholds:  # a recipe's, no such drafter: no refusal
         raise UsageError(
@@ -492,14 +497,18 @@ def explain_divergences(
         if i in reference
     ):
         return {r.method.name: [] for r in methods}
+    from specctl.verifier import verify_attention
+
     model, dtype = analysis_verifier(plan, engine)
     ids = {i: p.prompt_ids for i, p in enumerate(prompts)}
-    return {
-        r.method.name: find_divergences(
-            model, dtype, ids, reference, r.total.outputs, r.method.num_speculative_tokens or 1
-        )
-        for r in methods
-    }
+    mode = plan.settings.verify_attention if plan.backend.verify_attention else "exact"
+    with verify_attention(mode):  # the verify reconstruction attends its block as the engine did
+        return {
+            r.method.name: find_divergences(
+                model, dtype, ids, reference, r.total.outputs, r.method.num_speculative_tokens or 1
+            )
+            for r in methods
+        }
 
 
 def analysis_verifier(plan: RunPlan, engine: Backend) -> tuple[Any, Any]:

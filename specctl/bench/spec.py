@@ -76,6 +76,7 @@ class BackendSpec:
     confidence_thresholds: bool = False  # cuts drafts where their confidence falls (--confidence-threshold)
     adaptive: Adaptive = "engine"
     trees: bool = False  # verifies draft trees (--tree)
+    verify_attention: bool = False  # its verify attention can be batched (--verify-attention)
     ngram: bool = False  # vLLM's n-gram speculation (--ngram)
     vllm_drafters: bool = False  # serves drafters through vLLM: each needs a vLLM speculative_config
     vllm_measured: bool = False  # its figures are the installed vLLM's (its defects apply; the
