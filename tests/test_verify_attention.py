@@ -186,7 +186,8 @@ def test_bench_batched_tree_on_the_embedded_engine(tmp_path, tiny_verifier_dir, 
     }
     assert d["provenance"]["engine"]["verify_attention"] == "batched"
     assert d["settings"]["verify_attention"] == "batched"
-    with pytest.raises(UsageError, match=r"--verify-attention batched sets specctl's own engine's attention \(--backend embedded\)"):
+    refused = r"--verify-attention batched sets specctl's own engine's attention \(--backend embedded\)"
+    with pytest.raises(UsageError, match=refused):
         bench_with_flags(
             drafters=[export],
             output=tmp_path / "v",
