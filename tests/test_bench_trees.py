@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from specctl.bench.intervals import Estimate
 from specctl.bench.plan import Method, chain_name, plan_methods, plan_trees
-from specctl.bench.render import markdown, recommendation_lines, write_report
+from specctl.bench.render import markdown, ratio_text, recommendation_lines, write_report
 from specctl.bench.report import (
     BenchReport,
     Measurement,
@@ -264,3 +264,15 @@ def test_a_tree_faster_only_within_noise_leaves_the_chain_recommended():
     assert text.endswith("not faster beyond noise, so the chain") and "vLLM today" not in text
     d = report.to_dict()["sweep"]["recommended"]["dflash"]["1"]
     assert d["tree_nodes"] is None and d["tree_vs_chain"]["interval"][0] <= 1.0
+
+
+def test_a_ratio_interval_near_one_shows_which_side_of_one_it_is():
+    """The tree is recommended when the interval's low bound is above 1: a bound that rounds to
+    1.00 is printed with a third decimal, so two lines never both read `[1.00-1.05]` with opposite
+    verdicts (a dev run printed exactly that for EAGLE-3's tree, taken, and DFlash's, not)."""
+    from specctl.bench.intervals import Estimate
+
+    assert ratio_text(Estimate(1.02, 1.003, 1.05)) == "1.02x [1.003-1.050]"
+    assert ratio_text(Estimate(1.02, 0.998, 1.05)) == "1.02x [0.998-1.050]"
+    assert ratio_text(Estimate(1.12, 1.09, 1.16)) == "1.12x [1.09-1.16]"
+    assert ratio_text(Estimate(1.12, float("nan"), float("nan"))) == "1.12x"

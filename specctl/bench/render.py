@@ -350,13 +350,22 @@ def setting_text(r: Recommendation) -> str:
     return f"chain {chain_label(m)}" if r.tree is not None else chain_label(m)
 
 
+def ratio_text(v: Estimate) -> str:
+    """A paired ratio with its interval, `1.12x [1.09-1.16]`. A bound within 0.005 of 1 gets a
+    third decimal, so an interval the tree-or-chain rule reads as wholly above 1 never prints as
+    `[1.00-...]` beside one it reads as touching 1."""
+    if not math.isfinite(v.low):
+        return fmt(v.value, 2, "x")
+    digits = 3 if any(f"{b:.2f}" == "1.00" for b in (v.low, v.high)) else 2
+    return f"{fmt(v.value, 2, 'x')} [{v.low:.{digits}f}-{v.high:.{digits}f}]"
+
+
 def tree_text(r: Recommendation) -> str:
     """After a recommendation where trees were measured: the tree against the chain (paired tok/s
     ratio), and for a tree, what vLLM can serve instead (specctl.vllm.capabilities)."""
     if r.tree is None or r.chain is None or r.versus is None:
         return ""
-    v = r.versus
-    ratio = fmt(v.value, 2, "x") + (f" [{v.low:.2f}-{v.high:.2f}]" if math.isfinite(v.low) else "")
+    ratio = ratio_text(r.versus)
     if not r.is_tree:
         return (
             f"; its fastest {tree_label(r.tree.method)}, runs at {ratio} the chain's tok/s: not faster "
