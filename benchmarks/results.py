@@ -33,7 +33,16 @@ from typing import Any
 
 from specctl.bench.intervals import Estimate, compare, paired_ratio
 from specctl.bench.plan import BASELINE, PLAIN, chain_name
-from specctl.bench.render import entry_method, hardware, k_cell, passes, ranking_lines, rates, with_interval
+from specctl.bench.render import (
+    entry_method,
+    hardware,
+    k_cell,
+    passes,
+    ranking_lines,
+    rates,
+    ratio_text,
+    with_interval,
+)
 from specctl.bench.report import point_setting, unit_grids, units_from_dict
 from specctl.drafters import DRAFTERS
 from specctl.durable import write_atomic
@@ -895,14 +904,10 @@ def _tree_row(r: dict[str, Any], setting: str, chain: dict[str, Any], versus: Es
         "-" if rows is None else f"{rows:.2f}",
         with_interval(r, "output_tokens_per_s", 1),
         with_interval(r, "speedup", 2, "x"),
-        "-" if versus is None else _estimate_text(versus),
+        "-" if versus is None else ratio_text(versus),
         same,
     ]
     return "| " + " | ".join(cells) + " |"
-
-
-def _estimate_text(e: Estimate) -> str:
-    return f"{e.value:.2f}x [{e.low:.2f}-{e.high:.2f}]"
 
 
 def _tree_verdict(
@@ -924,7 +929,7 @@ def _tree_verdict(
         ]
     return (
         f"- {name}: dev recommended {picked}; on test the tree of {nodes} nodes runs at "
-        f"{'-' if versus is None else _estimate_text(versus)} the chain's tok/s: {order}."
+        f"{'-' if versus is None else ratio_text(versus)} the chain's tok/s: {order}."
     )
 
 
