@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from specctl import doc_tables
 from specctl.bench import embedded, offline, remote, server
 from specctl.bench.plan import Method
 from specctl.bench.spec import Backend, BackendSpec, Opening
@@ -152,25 +153,12 @@ END = "<!-- end bench-backends -->"
 
 def with_table(text: str) -> str:
     """`text` (a markdown page) with the table between its BEGIN and END lines replaced."""
-    head, begin, rest = text.partition(BEGIN + "\n")
-    _, end, tail = rest.partition(END)
-    if not begin or not end:
-        raise UsageError(f"the page has no {BEGIN} ... {END} block to put the backend table in")
-    return f"{head}{begin}{markdown()}{end}{tail}"
+    return doc_tables.splice(text, markdown(), BEGIN, END, "the backend table")
 
 
 def main(argv: Sequence[str]) -> int:
-    """--markdown: print the table; --update PAGE: rewrite the table in PAGE (docs/benchmarking.md)."""
-    args = list(argv)
-    if args == ["--markdown"]:
-        sys.stdout.write(markdown())
-        return 0
-    if len(args) == 2 and args[0] == "--update":
-        page = Path(args[1])
-        page.write_text(with_table(page.read_text()))
-        return 0
-    print("usage: python -m specctl.bench.backends --markdown | --update PAGE", file=sys.stderr)
-    return 2
+    """--markdown: print the table; --update PAGE: rewrite the table in PAGE."""
+    return doc_tables.main(argv, "specctl.bench.backends", with_table, markdown)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from specctl import doc_tables
 from specctl.errors import UsageError
 
 Version = tuple[int, int, int]
@@ -289,27 +290,12 @@ END = "<!-- end vllm-capabilities -->"
 
 def with_table(text: str) -> str:
     """`text` (a markdown page) with the table between its BEGIN and END lines replaced."""
-    head, begin, rest = text.partition(BEGIN + "\n")
-    _, end, tail = rest.partition(END)
-    if not begin or not end:
-        raise UsageError(f"the page has no {BEGIN} ... {END} block to put the vLLM version table in")
-    return f"{head}{begin}{markdown()}{end}{tail}"
+    return doc_tables.splice(text, markdown(), BEGIN, END, "the vLLM version table")
 
 
 def main(argv: Sequence[str]) -> int:
-    """--markdown: print the table; --update PAGE: rewrite the table in PAGE (docs/serving.md)."""
-    args = list(argv)
-    if args == ["--markdown"]:
-        sys.stdout.write(markdown())
-        return 0
-    if len(args) == 2 and args[0] == "--update":
-        from pathlib import Path
-
-        page = Path(args[1])
-        page.write_text(with_table(page.read_text()))
-        return 0
-    print("usage: python -m specctl.vllm.capabilities --markdown | --update PAGE", file=sys.stderr)
-    return 2
+    """--markdown: print the table; --update PAGE: rewrite the table in PAGE."""
+    return doc_tables.main(argv, "specctl.vllm.capabilities", with_table, markdown)
 
 
 if __name__ == "__main__":
