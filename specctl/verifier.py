@@ -597,18 +597,21 @@ def _batched_rows(
     One kernel call per layer instead of Tq, but the kernel rounds a row differently by how many
     rows it holds, so bf16 greedy outputs may leave plain decoding's at near-ties.
     [1, Hq, Tq, D] -> [1, Tq, Hq, D]."""
-    rows, keys = query.shape[2], key.shape[2]
     if mask is None:
-        mask = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril(keys - rows)[None, None]
+        mask = _causal_span(query.shape[2], key.shape[2], query.device)[None, None]
     return _sdpa(query, key, value, mask, scaling).transpose(1, 2).contiguous()
+
+
+def _causal_span(rows: int, keys: int, device: torch.device) -> torch.Tensor:
+    """[rows, keys] bool: row i of a block ending the keys sees the first keys - rows + i + 1."""
+    return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows)
 
 
 def _visible_runs(mask: torch.Tensor, rows: int, keys: int) -> list[list[tuple[int, int]]]:
     """Per row of a boolean mask [1, 1, rows, keys] over a block ending the keys: the runs
     [start, end) of consecutive keys it sees within its causal span (the first keys - rows + i + 1
     for row i), found with one host copy of the run edges."""
-    span = torch.ones(rows, keys, dtype=torch.bool, device=mask.device).tril(keys - rows)  # [rows, keys]
-    seen = (mask[0, 0] & span).to(torch.int8)  # [rows, keys]
+    seen = (mask[0, 0] & _causal_span(rows, keys, mask.device)).to(torch.int8)  # [rows, keys]
     edges = torch.nn.functional.pad(seen, (1, 1)).diff(dim=1).nonzero().tolist()  # [(row, col)]: +1 / -1
     runs: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
     for (row, a), (_, b) in zip(edges[0::2], edges[1::2], strict=True):  # starts and ends alternate
