@@ -85,7 +85,8 @@ demo: install
 	fi
 
 # The run behind docs/results.md: four drafters, same data and budget, both backends (about 2 h on
-# 2 cores); a rerun reuses finished stages. Commit docs/results.md and docs/results/ afterwards.
+# 2 cores); a rerun reuses a finished stage whose command is unchanged. Commit docs/results.md and
+# docs/results/ afterwards.
 results: install
 	$(PY) -m benchmarks.results recipes/results.yaml --doc docs/results.md
 

@@ -305,10 +305,10 @@ def run_stages(todo: list[Stage], log_path: Path) -> None:
     commit = _short(*git_state(Path(__file__).resolve().parent))
     here = hardware(provenance())  # a run resumed in another session may land on another machine
     for stage in todo:
-        if stage.current():
+        args = [*stage.args, *stage.late()]
+        if stage.current() and last_command(log, stage.name) == ["specctl", *args]:
             print(f"== {stage.name}: done, reused", flush=True)
             continue
-        args = [*stage.args, *stage.late()]
         command = [sys.executable, "-m", "specctl", *args]
         print(f"== {stage.name}: {' '.join(['specctl', *args])}", flush=True)
         entry = {"stage": stage.name, "command": ["specctl", *args], "commit": commit, "machine": here}
@@ -326,6 +326,15 @@ def run_stages(todo: list[Stage], log_path: Path) -> None:
 # invocation can be killed mid-stage; it then keeps all but this much of the time it spent, and
 # the rerun that resumes the stage adds the rest (before, the killed stage's time was lost).
 LOG_EVERY_S = 30.0
+
+
+def last_command(log: list[dict[str, Any]], name: str) -> list[str] | None:
+    """The command of the stage's last invocation that finished (exit 0): a stage whose output is
+    current is reused only when it would run that command again. Its settings come from the recipe
+    and the dev benches, so a recipe change (more tree node counts, another threshold list) or
+    another dev choice measures again instead of keeping a page made with the old settings."""
+    done = [e for e in log if e["stage"] == name and e.get("rc") == 0]
+    return done[-1]["command"] if done else None
 
 
 def run_logged(command: list[str], entry: dict[str, Any], log: list[dict[str, Any]], log_path: Path) -> int:
@@ -729,8 +738,9 @@ def render(published: Path, figures: Path | None = None) -> str:
         "",
         "Wall times are summed over the invocations of `make results` since the stage last started",
         "over (a bench, the export, a training without `--resume`): a rerun that reuses a finished",
-        "stage adds only its start-up; one stopped mid-stage keeps the time it ran, and the rerun",
-        "resumes the stage from its last checkpoint. Bench speedups are against plain decoding",
+        "stage adds only its start-up (a bench is reused only when its command is unchanged); one",
+        "stopped mid-stage keeps the time it ran, and the rerun resumes the stage from its last",
+        "checkpoint. Bench speedups are against plain decoding",
         "measured in the same run; `= plain` counts prompts whose greedy output ids equal plain",
         "decoding's. The embedded engine runs transformers' forward (F.linear) for plain decoding,",
         "verification and drafting alike; how much its speedups depend on that kernel is measured in",

@@ -389,6 +389,34 @@ def test_recipe_hash_covers_the_extended_recipe(tmp_path):
     assert recipe_hash(child) != before
 
 
+def test_a_current_stage_is_reused_only_when_it_would_run_the_same_command(tmp_path, capsys):
+    """A bench written after the exports is still stale when its command changed since (the
+    recipe gained tree node counts, dev chose another K): the page must not show the old settings'
+    figures under the new recipe. An invocation that failed is no precedent either."""
+    log_path = tmp_path / "results-stages.json"
+    log = [
+        {"stage": "bench embedded", "command": ["specctl", "--version"], "rc": 0},
+        {"stage": "bench vllm", "command": ["specctl", "--version"], "rc": 0},
+        {"stage": "bench vllm", "command": ["specctl", "--help"], "rc": 1},
+    ]
+    log_path.write_text(json.dumps(log))
+    late = ["--help"]  # read at the stage's turn, part of its command
+    run_stages(
+        [
+            Stage("bench embedded", ["--help"], lambda: True),  # ran with other arguments: again
+            Stage("bench vllm", [], lambda: True, late=lambda: late),  # only a failed run matched
+            Stage("export", ["--help"], lambda: True),  # never logged: run
+        ],
+        log_path,
+    )
+    ran = [e["stage"] for e in json.loads(log_path.read_text())[len(log) :]]
+    assert ran == ["bench embedded", "bench vllm", "export"]
+    before = json.loads(log_path.read_text())
+    run_stages([Stage("bench vllm", [], lambda: True, late=lambda: late)], log_path)
+    assert json.loads(log_path.read_text()) == before  # reused: not logged again
+    assert "bench vllm: done, reused" in capsys.readouterr().out
+
+
 def test_a_running_stage_keeps_its_wall_time_in_the_log(tmp_path, monkeypatch):
     """A stage killed with its invocation (a session's end) must not take its time with it: the
     log holds the wall so far while the stage runs, and the final exit code once it ends."""
@@ -412,9 +440,12 @@ def test_a_running_stage_keeps_its_wall_time_in_the_log(tmp_path, monkeypatch):
 def test_each_invocation_records_the_commit_and_machine_it_ran_on(tmp_path):
     """A run can span sessions, and so machines: every stage entry says where it ran."""
     log_path = tmp_path / "results-stages.json"
+    exported = {"stage": "export", "command": ["specctl", "--help"], "rc": 0}
+    log_path.write_text(json.dumps([exported]))
     run_stages([Stage("collect", ["--help"]), Stage("export", ["--help"], lambda: True)], log_path)
-    (entry,) = json.loads(log_path.read_text())  # export was current: reused, not logged
-    assert entry["stage"] == "collect" and entry["rc"] == 0 and entry["command"] == ["specctl", "--help"]
+    done, entry = json.loads(log_path.read_text())  # export was current: reused, not logged again
+    assert done == exported and entry["stage"] == "collect" and entry["rc"] == 0
+    assert entry["command"] == ["specctl", "--help"]
     assert entry["machine"] == hardware(provenance()) != hardware({})  # the CPU's model and count, known
     assert entry["commit"] and entry["commit"] != "unknown"  # the tests run from a checkout
 
