@@ -44,7 +44,7 @@ def tree_verify_costs(model, prefix: int = 200, rounds: int = 9, depth: int = 3)
     from transformers import DynamicCache
 
     from specctl.trees import build_tree, verify_rows_mask
-    from specctl.verifier import verify_attention
+    from specctl.verifier import verify_kwargs
 
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -71,9 +71,15 @@ def tree_verify_costs(model, prefix: int = 200, rounds: int = 9, depth: int = 3)
                 mask = verify_rows_mask(tree.parents, prefix)
                 for mode in MODES:
                     name = "" if mode == "exact" else f"{mode}_"
-                    with verify_attention(mode):
-                        timed(f"{name}chain_ms_n{n}", 1 + n)
-                        timed(f"{name}tree_ms_n{n}", 1 + n, attention_mask=mask, position_ids=positions[None])
+                    attend = verify_kwargs(mode)
+                    timed(f"{name}chain_ms_n{n}", 1 + n, **attend)
+                    timed(
+                        f"{name}tree_ms_n{n}",
+                        1 + n,
+                        attention_mask=mask,
+                        position_ids=positions[None],
+                        **attend,
+                    )
     out = {k: round(statistics.median(v), 2) for k, v in times.items()}
     for key in [k for k in out if k != "decode_ms"]:
         out[key.replace("_ms_", "_vs_decode_")] = round(out[key] / out["decode_ms"], 3)

@@ -37,9 +37,10 @@ from specctl.acceptance import AcceptanceEstimator
 from specctl.counters import SpecCounters
 from specctl.drafters import DRAFTERS
 from specctl.drafters.api import ConfidenceDrafter, Drafter, greedy_propose, propose_tree
+from specctl.recipe import VerifyAttention
 from specctl.sampling import apply_temperature_top_p, confident_draft_length, greedy_accept, rejection_sample
 from specctl.trees import DraftTree, greedy_tree_accept, tree_rejection_sample, verify_rows_mask
-from specctl.verifier import Verifier, record_layers
+from specctl.verifier import Verifier, record_layers, verify_kwargs
 
 
 @dataclass
@@ -172,14 +173,12 @@ def _tree_proposer(
     )
 
 
-def _accept(
-    drafts: torch.Tensor, logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> tuple[int, int]:
+def _accept(drafts: torch.Tensor, logits: torch.Tensor, sampling: _Sampling) -> tuple[int, int]:
     """(drafts accepted, the verifier's next token): greedy, or lossless rejection sampling."""
-    if temperature == 0:
+    if sampling.temperature == 0:
         return greedy_accept(drafts, logits.argmax(-1))
-    probs = apply_temperature_top_p(logits, temperature, top_p)
-    return rejection_sample(drafts, None, probs, generator)
+    probs = apply_temperature_top_p(logits, sampling.temperature, sampling.top_p)
+    return rejection_sample(drafts, None, probs, sampling.generator)
 
 
 def _sync(device: torch.device) -> None:
@@ -199,8 +198,19 @@ class _Verified:
     rows: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class _Sampling:
+    """How a verify decides: temperature (0 = greedy), top_p and the request's generator, and how
+    its block's rows are attended (`generate`'s verify_attention)."""
+
+    temperature: float
+    top_p: float
+    generator: Any
+    attention: VerifyAttention = "exact"
+
+
 def _verify_chain(
-    model: Any, cache: Any, pending: torch.Tensor, drafts: torch.Tensor, sampling: tuple[float, float, Any]
+    model: Any, cache: Any, pending: torch.Tensor, drafts: torch.Tensor, sampling: _Sampling
 ) -> _Verified:
     """One forward over [pending, drafts] on the cache; the rejected drafts are cropped from it."""
     k = drafts.numel()
@@ -209,15 +219,16 @@ def _verify_chain(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=k + 1,
+        **verify_kwargs(sampling.attention),
     ).logits[0]  # [k+1, V] after the last verified token and after each draft
-    accepted, next_token = _accept(drafts, logits, *sampling)
+    accepted, next_token = _accept(drafts, logits, sampling)
     if accepted < k:
         cache.crop(-(k - accepted))  # negative = remove that many entries
     return _Verified(k, drafts[:accepted], next_token)
 
 
 def _verify_tree(
-    model: Any, cache: Any, pending: torch.Tensor, tree: DraftTree, sampling: tuple[float, float, Any]
+    model: Any, cache: Any, pending: torch.Tensor, tree: DraftTree, sampling: _Sampling
 ) -> _Verified:
     """One forward over [pending token, N tree nodes] on the cache: node rows at position
     cached + depth, each attending the cache, the pending token and its own ancestors. The cache
@@ -236,13 +247,13 @@ def _verify_tree(
         position_ids=positions[None],
         past_key_values=cache,
         use_cache=True,
+        **verify_kwargs(sampling.attention),
     ).logits[0]  # [1+N, V] after the pending token and after each node
-    temperature, top_p, generator = sampling
-    if temperature == 0:
+    if sampling.temperature == 0:
         path, next_token = greedy_tree_accept(tree.tokens, tree.parents, logits.argmax(-1))
     else:
-        probs = apply_temperature_top_p(logits, temperature, top_p)
-        path, next_token = tree_rejection_sample(tree.tokens, tree.parents, probs, generator)
+        probs = apply_temperature_top_p(logits, sampling.temperature, sampling.top_p)
+        path, next_token = tree_rejection_sample(tree.tokens, tree.parents, probs, sampling.generator)
     rows = torch.tensor([0, *[1 + j for j in path]], device=pending.device)  # [1 + a]
     keep_cache_rows(cache, cached, rows)
     return _Verified(tree.num_nodes, tree.tokens[rows[1:] - 1], next_token, rows)
@@ -278,6 +289,7 @@ def generate(
     adaptive_threshold: float | None = None,
     estimator: AcceptanceEstimator | None = None,
     tree_nodes: int | None = None,
+    verify_attention: VerifyAttention = "exact",
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids` with the verifier, speculating
     with `drafter` (None = plain decoding, one token per verifier pass).
@@ -294,7 +306,9 @@ def generate(
     `tree_nodes` N verifies a draft tree of at most N nodes (depth <= K) in each pass instead of
     one chain, made as the drafter's spec says (`DrafterSpec.tree`: a parallel drafter's block
     distributions, EAGLE-3's top-k expansion); counters then count the tree's nodes as draft
-    tokens and the accepted path as accepted tokens.
+    tokens and the accepted path as accepted tokens. `verify_attention` "batched" attends each
+    verify block in one call instead of row by row (specctl.verifier.gqa_sdpa_attention): cheaper,
+    and greedy outputs may then leave plain decoding's at near-ties.
     """
     model = verifier.model if isinstance(verifier, Verifier) else verifier
     device = next(model.parameters()).device
@@ -305,7 +319,8 @@ def generate(
     )
     counters = SpecCounters(accepted_per_position=[0] * drafting.K)
     cache = _verifier_cache(model, speculating=drafter is not None)
-    sampling = (temperature, top_p, torch.Generator(device=device).manual_seed(seed))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sampling = _Sampling(temperature, top_p, generator, verify_attention)
     seq = _Sequence.start(prompt, max_new_tokens)
     out: list[int] = []
     marks: list[float] = []
@@ -404,7 +419,7 @@ class _Sequence:
 
 
 def _chain_step(
-    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: tuple[float, float, Any]
+    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: _Sampling
 ) -> _Verified:
     """Draft k tokens as a chain (none: a plain decoding or prefill pass) and verify them."""
     drafts = drafting.drafts(*seq.context(), k, seq.draft_state).to(seq.ids.device) if k else seq.ids[:0]
@@ -412,7 +427,7 @@ def _chain_step(
 
 
 def _tree_step(
-    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: tuple[float, float, Any]
+    model: Any, cache: Any, drafting: _Drafting, seq: _Sequence, k: int, sampling: _Sampling
 ) -> _Verified:
     """Draft a tree of depth <= k and verify it in one pass."""
     tree = drafting.tree(*seq.context(), k, seq.draft_state)

@@ -18,7 +18,6 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -485,12 +484,14 @@ def gqa_sdpa_attention(
     apart and greedy speculation left plain decoding at near-ties (3 of 8 demo prompts equal).
     Computing each row as its own one-row call makes a verified row bit-identical to plain
     decoding's: the same code, the same call, for both.
-    Inside `verify_attention("batched")` a verify block is instead one SDPA call with its mask
-    (`_batched_rows`), as vLLM computes it on a GPU: cheaper, not bit-identical to plain decoding.
+    A forward called with `verify_attention="batched"` (`verify_kwargs`; transformers hands a
+    model's extra forward keywords to its attention function) attends a verify block instead in
+    one SDPA call with its mask (`_batched_rows`), as vLLM computes it on a GPU: cheaper, not
+    bit-identical to plain decoding.
     query [B, Hq, Tq, D], key/value [B, Hkv, Tk, D] -> [B, Tq, Hq, D].
     """
     if decode_rows(query, key):
-        if _VERIFY_ATTENTION.get() == "batched":
+        if kwargs.get(VERIFY_ATTENTION_KWARG, "exact") == "batched":
             return _batched_rows(query, key, value, attention_mask, scaling), None
         return _row_by_row(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -501,20 +502,17 @@ def gqa_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-# How a verify block's rows are attended (`bench.verify_attention`): "exact" row by row, "batched"
-# in one call. A context variable, so the bench picks the mode around its generate calls without
-# the engine passing it through every forward; plain decoding and prefills are the same in both.
-_VERIFY_ATTENTION: ContextVar[VerifyAttention] = ContextVar("specctl_verify_attention", default="exact")
+# The forward keyword that says how a verify block's rows are attended (`bench.verify_attention`):
+# "exact" (absent) row by row, "batched" in one call. Passed by whoever runs the verify forward
+# (specctl.engine's, the divergence analysis' reconstruction of it), so the mode is an argument
+# of the call it changes; plain decoding and prefills are the same in both.
+VERIFY_ATTENTION_KWARG = "verify_attention"
 
 
-@contextmanager
-def verify_attention(mode: VerifyAttention) -> Iterator[None]:
-    """Attend every verify block run inside the block in `mode` (see gqa_sdpa_attention)."""
-    token = _VERIFY_ATTENTION.set(mode)
-    try:
-        yield
-    finally:
-        _VERIFY_ATTENTION.reset(token)
+def verify_kwargs(mode: VerifyAttention) -> dict[str, str]:
+    """The keyword arguments a verify forward takes for `mode`: none for exact, so the default
+    path calls the model exactly as before (any model, whatever keywords it accepts)."""
+    return {} if mode == "exact" else {VERIFY_ATTENTION_KWARG: mode}
 
 
 def decode_rows(query: torch.Tensor, key: torch.Tensor) -> bool:

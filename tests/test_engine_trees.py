@@ -14,7 +14,7 @@ from conftest import make_tiny_verifier
 from test_engine import AUX_IDS, NEW, PROMPT, build_drafter, varied_verifier
 from test_sampling import chi_square_p_value
 
-from specctl.engine import _verify_tree, generate
+from specctl.engine import _Sampling, _verify_tree, generate
 from specctl.sampling import apply_temperature_top_p
 from specctl.trees import DraftTree
 from specctl.verifier import capture_hidden_states, use_gqa_sdpa
@@ -133,7 +133,7 @@ def test_cache_after_a_tree_step_is_plain_decodings_cache_of_the_kept_tokens(ver
     cache = DynamicCache(config=verifier.config)
     with torch.inference_mode():
         verifier(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
-        step = _verify_tree(verifier, cache, torch.tensor(prefix[-1:]), tree, (0.0, 1.0, None))
+        step = _verify_tree(verifier, cache, torch.tensor(prefix[-1:]), tree, _Sampling(0.0, 1.0, None))
     assert step.accepted.tolist() == [t0, t1] and step.next_token == reference[3]
     assert step.rows.tolist() == [0, 2, 4]
     want = plain_cache(verifier, prefix + [t0, t1])

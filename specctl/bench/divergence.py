@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is imported where the margins are computed: report.py reads this module
     import torch
 
+    from specctl.recipe import VerifyAttention
+
 # A near-tie: the two tokens' logits lie within this many units in the last place of the dtype
 # at the top logit's magnitude (bf16 logits of 16-32: 8 x 0.125 = 1.0 logit). One rounding step
 # of one attention output in a bf16 SmolLM2 forward moved its logits by up to 0.78 (6 units).
@@ -75,24 +77,34 @@ def near_tie_limit(top_logit: float, dtype: torch.dtype) -> float:
 
 
 def margin_logits(
-    model: Any, prompt: Sequence[int], tokens: Sequence[int], j: int, block: Sequence[int]
+    model: Any,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    j: int,
+    block: Sequence[int],
+    attention: VerifyAttention = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(one-token logits at j, block logits at j), both [V] float32.
 
     The cache holds `prompt` (one prefill, as the engine does) and tokens[:j-1] fed one at a
     time; the one-token forward then feeds tokens[j-1]; the block forward feeds [tokens[j-1],
-    *block] on the same cache (the one-token entry cropped first). j == 0: the prefill's last row
-    is the logits for both (no verify precedes the first token)."""
+    *block] on the same cache (the one-token entry cropped first), its rows attended as the
+    engine's verify was (`attention`). j == 0: the prefill's last row is the logits for both (no
+    verify precedes the first token)."""
     import torch
     from transformers import DynamicCache
+
+    from specctl.verifier import verify_kwargs
 
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
 
-    def forward(ids: Sequence[int], keep: int = 1) -> torch.Tensor:  # [keep, V], as the engine keeps
+    def forward(
+        ids: Sequence[int], keep: int = 1, **kw: Any
+    ) -> torch.Tensor:  # [keep, V], as the engine keeps
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
         with torch.inference_mode():
-            out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+            out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep, **kw)
         return out.logits[0]
 
     context = [*prompt, *tokens[: max(j - 1, 0)]]
@@ -103,7 +115,7 @@ def margin_logits(
         forward([t])
     one = forward([tokens[j - 1]])[-1]
     cache.crop(-1)
-    rows = forward([tokens[j - 1], *block], keep=len(block) + 1)
+    rows = forward([tokens[j - 1], *block], keep=len(block) + 1, **verify_kwargs(attention))
     return one.float(), rows[0].float()
 
 
@@ -143,16 +155,18 @@ def find_divergences(
     plain: Mapping[int, Sequence[int]],
     outputs: Mapping[int, Sequence[int]],
     k: int,
+    attention: VerifyAttention = "exact",
 ) -> list[Divergence]:
     """Every prompt whose output differs from plain decoding's, classified (see module doc); the
-    verify reconstruction drafts the method's next `k` tokens (fewer where its output ends)."""
+    verify reconstruction drafts the method's next `k` tokens (fewer where its output ends) and
+    attends them as the engine did (`attention`, bench.verify_attention)."""
     found = []
     for i in sorted(outputs.keys() & plain.keys()):
         j = first_difference(plain[i], outputs[i])
         if j is None:
             continue
         output = outputs[i]  # agrees with plain[i] on 0..j-1, the context both forwards read
-        one, block = margin_logits(model, prompts[i], plain[i], j, output[j : j + k])
+        one, block = margin_logits(model, prompts[i], plain[i], j, output[j : j + k], attention)
         found.append(classify(i, j, plain[i], output, one, block, dtype))
     return found
 

@@ -98,23 +98,22 @@ class EmbeddedBackend:
     def _run(
         self, method: Method, drafter: Drafter | None, index: int, prompt: BenchPrompt, max_new_tokens: int
     ) -> Any:
-        from specctl.verifier import verify_attention
-
-        s = self.settings.sampling
-        with verify_attention(self.settings.verify_attention):  # the engine's verifies read it
-            return self.generate_fn(
-                self.verifier,
-                drafter,
-                list(prompt.prompt_ids),
-                max_new_tokens=max_new_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                seed=s.prompt_seed(index),
-                num_speculative_tokens=method.num_speculative_tokens or None,
-                eos_token_ids=self.stop_ids,
-                # only when set: an engine (or a test's stand-in) without dynamic draft length still runs
-                **self._cut(method, drafter),
-            )
+        s, attention = self.settings.sampling, self.settings.verify_attention
+        return self.generate_fn(
+            self.verifier,
+            drafter,
+            list(prompt.prompt_ids),
+            max_new_tokens=max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.prompt_seed(index),
+            num_speculative_tokens=method.num_speculative_tokens or None,
+            eos_token_ids=self.stop_ids,
+            # only when set: an engine (or a test's stand-in) without dynamic draft length, or
+            # without batched verify attention, still runs
+            **self._cut(method, drafter),
+            **({} if attention == "exact" else {"verify_attention": attention}),
+        )
 
     def _cut(self, method: Method, drafter: Drafter | None) -> dict[str, Any]:
         """The engine's draft-cut arguments for a configuration: DSpark's confidence threshold, a

@@ -497,18 +497,16 @@ def explain_divergences(
         if i in reference
     ):
         return {r.method.name: [] for r in methods}
-    from specctl.verifier import verify_attention
-
     model, dtype = analysis_verifier(plan, engine)
     ids = {i: p.prompt_ids for i, p in enumerate(prompts)}
+    # the verify reconstruction attends its block as the engine did
     mode = plan.settings.verify_attention if plan.backend.verify_attention else "exact"
-    with verify_attention(mode):  # the verify reconstruction attends its block as the engine did
-        return {
-            r.method.name: find_divergences(
-                model, dtype, ids, reference, r.total.outputs, r.method.num_speculative_tokens or 1
-            )
-            for r in methods
-        }
+    return {
+        r.method.name: find_divergences(
+            model, dtype, ids, reference, r.total.outputs, r.method.num_speculative_tokens or 1, mode
+        )
+        for r in methods
+    }
 
 
 def analysis_verifier(plan: RunPlan, engine: Backend) -> tuple[Any, Any]:
