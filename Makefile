@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.specctl-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo results lint bench-perf gpu-check rehearse docs clean
+.PHONY: install test test-fast demo demo-trees results lint bench-perf gpu-check rehearse docs clean
 
 install: $(STAMP)
 
@@ -83,6 +83,12 @@ demo: install
 	  $(PY) -m specctl bench $(DEMO_RECIPE) --backend vllm-offline \
 	    --baseline $(DEMO_RUN)/drafters/eagle3/export --output $(DEMO_RUN)/bench-vllm; \
 	fi
+
+# After `make demo`: draft trees on its DFlash and EAGLE-3 (embedded engine), each drafter's node
+# count chosen on the dev prompts among 4, 8 and 16, then that tree against the chain on the test
+# prompts, 3 rounds (benchmarks/demo_trees.py; runs/demo/bench-trees/report.md).
+demo-trees: install
+	$(PY) -m benchmarks.demo_trees $(DEMO_RECIPE)
 
 # The run behind docs/results.md: four drafters, same data and budget, both backends (about 2 h on
 # 2 cores); a rerun reuses a finished stage whose command is unchanged. Commit docs/results.md and

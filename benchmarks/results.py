@@ -8,9 +8,10 @@ a `python -m specctl ...` subprocess whose exact command, commit and wall time a
 `runs/<name>/results-stages.json` (the wall rewritten while the stage runs, so a stopped run keeps
 it). A rerun reuses what is done: collect and train resume by themselves, export is skipped while
 every export is newer than its drafter's latest checkpoint, and a bench stage while its complete
-report is newer than every export. On 2 cores the whole run took 2.2 hours (2026-12-05, shared with
-other jobs), so it may take more than one invocation (`--until STAGE` stops after one); the page
-then names every commit its stages ran at.
+report is newer than every export and its command is the one its last finished run ran. On 2
+cores the whole run took 2.2 hours (2026-12-05, shared with other jobs), so it may take more than
+one invocation (`--until STAGE` stops after one); the page then names every commit its stages
+ran at.
 The page is rendered from the run's files only (reports, metrics.jsonl, the recipe), with
 the recipe's hash and the commit, so every figure on it can be traced and reproduced.
 """
