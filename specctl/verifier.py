@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import torch
 
@@ -511,7 +511,10 @@ VERIFY_ATTENTION_KWARG = "verify_attention"
 
 def verify_kwargs(mode: VerifyAttention) -> dict[str, str]:
     """The keyword arguments a verify forward takes for `mode`: none for exact, so the default
-    path calls the model exactly as before (any model, whatever keywords it accepts)."""
+    path calls the model exactly as before (any model, whatever keywords it accepts). An unknown
+    mode is an error here, not an exact run that was asked to be batched."""
+    if mode not in get_args(VerifyAttention):
+        raise ValueError(f"verify_attention {mode!r}: choose one of {', '.join(get_args(VerifyAttention))}")
     return {} if mode == "exact" else {VERIFY_ATTENTION_KWARG: mode}
 
 

@@ -90,6 +90,8 @@ def test_exact_is_the_default_and_batched_only_where_a_forward_asks(monkeypatch)
     from specctl.recipe import BenchSection
 
     assert BenchSection().verify_attention == "exact" and verify_kwargs("exact") == {}
+    with pytest.raises(ValueError, match="verify_attention 'batch': choose one of exact, batched"):
+        verify_kwargs("batch")  # a typo is not an exact run
     rows, batched = Spy(monkeypatch, "_row_by_row"), Spy(monkeypatch, "_batched_rows")
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
 
