@@ -261,17 +261,23 @@ def _verify_tree(
 
 def keep_cache_rows(cache: Any, cached: int, rows: torch.Tensor) -> None:
     """Drop from every layer of a DynamicCache the entries after the first `cached` except the
-    new ones at `rows` (indices into the entries the last forward appended), keeping their order."""
+    new ones at `rows` (ascending indices into the entries the last forward appended), keeping
+    their order. The kept rows move down in place and the cache is cropped behind them: only the
+    new entries are copied, not the whole cache (demo DFlash, 4-node trees, bf16 SmolLM2,
+    2026-12-05: an index_select of every layer's whole cache took 0.94 ms of a 56.7 ms step; this,
+    0.54 ms of 55.8)."""
     from transformers.cache_utils import DynamicLayer
 
-    keep = torch.cat([torch.arange(cached, device=rows.device), cached + rows])  # [cached + len(rows)]
+    kept = rows.numel()
     for layer in cache.layers:
         if type(layer) is not DynamicLayer:
             raise ValueError(
                 f"draft trees need a full-attention KV cache; this verifier has {type(layer).__name__}"
             )
-        layer.keys = layer.keys.index_select(-2, keep.to(layer.keys.device))
-        layer.values = layer.values.index_select(-2, keep.to(layer.values.device))
+        new = cached + rows.to(layer.keys.device)  # [kept]; rows[i] >= i, so a row moves down or stays
+        layer.keys[..., cached : cached + kept, :] = layer.keys.index_select(-2, new)
+        layer.values[..., cached : cached + kept, :] = layer.values.index_select(-2, new)
+    cache.crop(cached + kept)
 
 
 @torch.inference_mode()
