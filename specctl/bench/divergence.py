@@ -99,9 +99,8 @@ def margin_logits(
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
 
-    def forward(
-        ids: Sequence[int], keep: int = 1, **kw: Any
-    ) -> torch.Tensor:  # [keep, V], as the engine keeps
+    def forward(ids: Sequence[int], keep: int = 1, **kw: Any) -> torch.Tensor:
+        """[keep, V] logits of the last `keep` rows, as the engine keeps them."""
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
         with torch.inference_mode():
             out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep, **kw)
