@@ -117,6 +117,15 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
+def forwards_collective(model: nn.Module) -> bool:
+    """Whether each forward/backward of `model` is itself collective, so every rank must run the
+    same number of them in a step: FSDP2 all-gathers the weights at every forward (and again in
+    the backward) whether or not gradients are synchronised, so a rank with fewer pieces would
+    meet its peers' all-gathers with its reduce-scatter or the clip-norm all-reduce (a hang, or
+    collectives paired wrongly). DDP communicates only on the synchronised backward."""
+    return hasattr(model, "set_requires_gradient_sync")
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum over ranks (in place, and returned); identity on one rank."""
     if ctx.distributed:

@@ -586,24 +586,29 @@ def optimizer_step(
     `cursor`; a micro-batch split into pieces by train.micro_batch_tokens is one item a piece):
     forward, backward (gradients synchronised on the last), clip, optimizer and scheduler step. Each
     micro-batch reseeds the RNG from its global index, so what it samples does not depend on the rank
-    or on a resume; its pieces reseed from the same index."""
+    or on a resume; its pieces reseed from the same index. Under FSDP2 a rank with fewer pieces than
+    a peer repeats its last one at weight 0 (`distributed.forwards_collective`)."""
     per_step = ctx.world_size * cfg.grad_accum
     p.model.train()
-    work = []  # (micro-batch, piece weight), in the order the loader yields them
-    for i in range(cfg.grad_accum):
-        indices = micro_batch_at(p.buckets, cursor + ctx.rank * cfg.grad_accum + i, cfg.seed)
-        work += [(i, w) for _, w in pieces(indices, p.source.lengths, cfg.micro_batch_tokens)]
+    work = step_work(p, cfg, cursor, ctx.rank)  # (micro-batch, piece weight), as the loader yields them
+    forwards = len(work)
+    if distributed.forwards_collective(p.model):  # every rank the most pieces of any rank this step
+        forwards = max(len(step_work(p, cfg, cursor, r)) for r in range(ctx.world_size))
     totals = torch.zeros(3, device=ctx.device)  # loss sum, counted predictions, tokens
-    for n, (i, weight) in enumerate(work):
+    batch: dict[str, torch.Tensor] = {}
+    for n in range(forwards):
+        padding = n >= len(work)  # a repeat of the last piece at weight 0: its collectives, no update
+        i, weight = work[-1] if padding else work[n]
         seed = micro_batch_seed(cfg.seed, cursor + ctx.rank * cfg.grad_accum + i)
         torch.manual_seed(seed if weight == 1.0 else (seed + n * 2**40) % 2**63)
-        batch = p.source.on_device(next(batches), ctx.device)
-        with distributed.gradient_sync(p.model, enabled=n == len(work) - 1):
+        batch = batch if padding else p.source.on_device(next(batches), ctx.device)
+        weight = 0.0 if padding else weight
+        with distributed.gradient_sync(p.model, enabled=n == forwards - 1):
             with p.autocast:
                 loss, metrics = p.model(batch)
             (loss * weight / cfg.grad_accum).backward()
-        counted = metrics["count"].sum().float()
-        tokens = batch["attention_mask"].sum().float()
+        counted = metrics["count"].sum().float() * (not padding)
+        tokens = batch["attention_mask"].sum().float() * (not padding)
         totals += torch.stack([loss.detach().float() * weight, counted, tokens])
     loss_sum, counted, tokens = all_reduce_sum(totals, ctx).tolist()
     figures = StepFigures(loss_sum / per_step, counted, int(tokens), None)
@@ -612,6 +617,17 @@ def optimizer_step(
     figures.grad_norm = apply_gradients(p, cfg.grad_clip)
     figures.skipped = not math.isfinite(figures.grad_norm)
     return figures
+
+
+def step_work(p: Pieces, cfg: Any, cursor: int, rank: int) -> list[tuple[int, float]]:
+    """Rank `rank`'s forwards of the step that starts at micro-batch `cursor`: (its micro-batch
+    0..grad_accum-1, piece weight) per piece of train.micro_batch_tokens. Pure and the same on every
+    rank (the buckets, lengths and seed are), so a rank knows its peers' counts without a collective."""
+    work = []
+    for i in range(cfg.grad_accum):
+        indices = micro_batch_at(p.buckets, cursor + rank * cfg.grad_accum + i, cfg.seed)
+        work += [(i, w) for _, w in pieces(indices, p.source.lengths, cfg.micro_batch_tokens)]
+    return work
 
 
 def apply_gradients(p: Pieces, grad_clip: float) -> float:
