@@ -213,3 +213,36 @@ def test_without_padding_the_ranks_disagree(tmp_path):
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]), sys.argv[2])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_a_piece_with_nothing_to_train_on_still_gives_every_parameter_a_gradient(algo, monkeypatch):
+    """FSDP2 reduce-scatters the gradients of the parameters that have one: a rank whose piece left
+    a parameter out (P-EAGLE's mask_hidden when it samples no deep rows) would reduce-scatter fewer
+    bytes than its peers. Checked with no loss-masked token at all and, for P-EAGLE, with the deep
+    rows' sampling forced empty: every parameter still gets a (zero) gradient."""
+    import torch
+    from test_train import tiny_recipe, tiny_world
+
+    from specctl.drafters import DRAFTERS
+    from specctl.drafters.peagle import PEagleDrafter
+    from specctl.train.loader import collate
+    from specctl.train.loop import as_module
+
+    spec, weights, samples = tiny_world()
+    recipe = tiny_recipe(Path("unused"), algo=algo)
+    drafter = as_module(DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, None, "ce"))
+    drafter.train()
+    real_rows = PEagleDrafter.sample_rows
+
+    def no_deep_rows(self, valid, keep_all):
+        anchor, depth, present = real_rows(self, valid, keep_all)
+        return anchor[:, :0], depth[:, :0], present[:, :0]  # [B, 0]
+
+    monkeypatch.setattr(PEagleDrafter, "sample_rows", no_deep_rows)
+    nothing = [{**s, "loss_mask": torch.zeros_like(s["loss_mask"])} for s in samples[:3]]
+    for batch in (collate(samples[:3], max_tokens=4096), collate(nothing, max_tokens=4096)):
+        drafter.zero_grad(set_to_none=True)
+        loss, _ = drafter(batch)
+        loss.backward()
+        assert [n for n, q in drafter.named_parameters() if q.requires_grad and q.grad is None] == []
