@@ -466,6 +466,13 @@ class DFlashDrafter(nn.Module):
 
     # ---- pieces
 
+    def rope_freq(self, device: torch.device) -> torch.Tensor:
+        """inv_freq on `device`, moved there once: a host tensor read by every forward would be
+        copied to the GPU twice a forward (it is not a buffer, see __init__)."""
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
     def context_kv(
         self, aux_hidden_states: torch.Tensor, start: int = 0
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -476,7 +483,7 @@ class DFlashDrafter(nn.Module):
             self.fc(aux_hidden_states.flatten(2).to(self.fc.weight.dtype))
         )  # [B, T, H]
         positions = torch.arange(start, start + T, device=context.device).expand(B, T)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        cos, sin = rope_cos_sin(positions, self.rope_freq(positions.device))
         return [layer.self_attn.project_kv(context, cos, sin) for layer in self.layers]
 
     def run_blocks(
@@ -491,7 +498,7 @@ class DFlashDrafter(nn.Module):
         after the final norm. Each block also sees all of itself."""
         B, A, L = ids.shape
         x = F.embedding(ids.flatten(1), self.embed_tokens).to(self.fc.weight.dtype)  # [B, A*L, H]
-        cos, sin = rope_cos_sin(positions.flatten(1), self.inv_freq)  # [B, A*L, hd]
+        cos, sin = rope_cos_sin(positions.flatten(1), self.rope_freq(positions.device))  # [B, A*L, hd]
         block_mask = causal_block_mask(L, x.device) if self.config.block_causal else None
         # one additive mask per attention window for all layers (a bool one would become a float
         # copy per layer); full attention without sliding layers: one, as before

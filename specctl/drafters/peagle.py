@@ -290,9 +290,10 @@ class PEagleDrafter(Eagle3Backbone):
         """valid [K, B, R] -> depth rows anchor, depth, present [B, M] (M = most rows of any sample)."""
         c = self.config
         per_sample = []
+        host = valid.cpu()  # one wait for the GPU a forward, not one a sample
         for b in range(valid.shape[1]):
             kept = sample_draft_blocks(
-                valid[:, b].cpu(), c.down_sample_ratio, c.down_sample_ratio_min, c.max_anchors, keep_all
+                host[:, b], c.down_sample_ratio, c.down_sample_ratio_min, c.max_anchors, keep_all
             )
             empty = [torch.zeros(0, dtype=torch.long)]
             depth = torch.cat([torch.full_like(a, d + 1) for d, a in enumerate(kept)] + empty)
@@ -305,7 +306,8 @@ class PEagleDrafter(Eagle3Backbone):
         present = torch.zeros(B, M, dtype=torch.bool)
         for b, (a, d) in enumerate(per_sample):
             anchor[b, : a.numel()], depth[b, : a.numel()], present[b, : a.numel()] = a, d, True
-        return anchor.to(valid.device), depth.to(valid.device), present.to(valid.device)
+        rows = torch.stack([anchor, depth, present.long()]).to(valid.device)  # [3, B, M]: one copy
+        return rows[0], rows[1], rows[2].bool()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         input_ids = batch["input_ids"]

@@ -141,11 +141,11 @@ class TopKKept:
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n] -> [n, Vd]."""
         cols, logits = self.cols[rows], self.logits[rows]  # [n, k]
-        out = torch.full((cols.shape[0], self.width), float("-inf"), device=logits.device)
-        inside = cols >= 0
-        index = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
-        out[index[inside], cols[inside]] = logits[inside]
-        return out
+        # ids outside the draft vocabulary land in a spare last column, dropped after: a scatter of
+        # fixed shape, where picking the inside entries by mask would make the host wait for the GPU
+        out = torch.full((cols.shape[0], self.width + 1), float("-inf"), device=logits.device)
+        out.scatter_(1, torch.where(cols >= 0, cols, self.width), logits)
+        return out[:, : self.width]
 
 
 KeptTable = DenseKept | HiddenKept | TopKKept
@@ -425,7 +425,9 @@ def draft_loss(
     if kind == "kl":
         kept = target.kept_logits
         valid = kept.amax(-1) > float("-inf")  # [N]; logits are never +inf or NaN
-        if not bool(valid.all()):  # top-k targets with no kept id: no all -inf row, no NaN
+        if not isinstance(target.table, HiddenKept):  # top-k targets may keep no id: no NaN there
+            # decided by the table's kind, not by `valid.all()`: reading that would make the host
+            # wait for the GPU at every loss chunk; the verifier's own logits are never all -inf
             kept = kept.masked_fill(~valid[:, None], 0.0)
         p_target = F.softmax(kept, -1, dtype=torch.float32)  # [N, Vd]
         loss = -(p_target * logp_draft).sum(-1) * valid  # cross-entropy to p == KL up to a constant
