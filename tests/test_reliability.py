@@ -28,9 +28,11 @@ from reliability_matrix import DOC, Row, collect_rows, fault, render
 from test_collect import write_conversations
 
 from specctl import checkpoint as ckpt
+from specctl import runlock
 from specctl.cli import main
 from specctl.collect import collect
 from specctl.distributed import DistContext
+from specctl.durable import host_name
 from specctl.errors import CheckpointError
 from specctl.features import finalize_store, open_features, shard_name, write_shard
 from specctl.recipe import load_recipe
@@ -595,7 +597,8 @@ def assert_same_as_reference(fault_run: FaultRun, root: Path) -> None:
     fault="kill -9 of `specctl train` at a seeded-random point after the first checkpoint: mid-step, "
     "or while a checkpoint is written (its temporary dir or its new step dir just appeared)",
     result="the checkpoint resume picks is complete and its checksums verify; `--resume` finishes "
-    "with metrics.jsonl and final weights identical to an uninterrupted run, no temporary files left",
+    "with metrics.jsonl and final weights identical to an uninterrupted run, no temporary files left; "
+    "resumed from another node (mid-step), the dead run's lock is taken over once its lease lapsed",
 )
 @pytest.mark.parametrize("when", ["mid-step", "mid-checkpoint"])
 def test_kill_9_during_train_then_resume_matches_uninterrupted(monkeypatch, capfd, tmp_path, fault_run, when):
@@ -627,8 +630,15 @@ def test_kill_9_during_train_then_resume_matches_uninterrupted(monkeypatch, capf
     ran = steps_logged(root.parent / "metrics.jsonl")
     assert FIRST <= ckpt.step_of(latest) <= ran, f"{where}: {ran} steps logged before the kill"
 
+    if when == "mid-step":  # requeued onto another node, after the dead run's lease lapsed
+        monkeypatch.setattr(runlock, "host_name", lambda: "node-b")
+        lock = runlock.lock_path(root.parent)
+        os.utime(lock, (time.time() - 7200, time.time() - 7200))
     code, _, err = run_main(monkeypatch, capfd, "train", str(recipe), "--resume")
     assert code == 0, f"{where}: {err}"
+    if when == "mid-step":
+        assert f"taking over a stale lock of pid {proc.pid} on {host_name()}" in err, err
+        assert "(no heartbeat for 720" in err and not lock.exists()
     assert_same_as_reference(fault_run, root)
 
 

@@ -3,8 +3,10 @@ over leaving nothing stale, and no two processes write the same part of a run (r
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +24,7 @@ from specctl import runlock
 from specctl.durable import host_name
 from specctl.errors import SpecctlError
 from specctl.optim import lr_at
-from specctl.runlock import Holder, RunLocked, holder_stale, lock_path, run_lock
+from specctl.runlock import LEASE_ENV, Holder, RunLocked, heartbeat_age, holder_stale, lock_path, run_lock
 from specctl.train import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -300,29 +302,176 @@ def test_a_stale_lock_of_a_dead_local_process_is_taken_over(tmp_path):
 
 @fault(
     stage="export",
-    fault="a run lock held by a process of another host (shared filesystem)",
-    result="exit 1 with one line naming the holder and its host, saying it cannot be checked from here; "
-    "never taken over",
+    fault="a run lock held by a process of another host (shared filesystem) whose lease is fresh",
+    result="exit 1 with one line naming the holder and its host, and when its lease lapses unless "
+    "renewed; not taken over",
 )
-def test_a_lock_of_another_host_is_reported_not_taken(tmp_path):
+def test_a_live_lock_of_another_host_is_reported_not_taken(tmp_path):
     target = tmp_path / "export"
-    other = Holder("gpu-node-7", os.getpid() + 10**6, 1, "specctl export runs/x", time.time(), "t")
+    other = Holder("gpu-node-7", os.getpid() + 10**6, 1, "specctl export runs/x", time.time(), "t", 300.0)
     lock_path(target).write_bytes(other.encode())
     with pytest.raises(RunLocked) as e, run_lock(target, "export"):
         pass
     message = str(e.value)
     assert message.startswith(f"{lock_path(target)}: export already running as pid {other.pid} on gpu-node-7")
-    assert "(another host: cannot check it from here)" in message and "specctl export runs/x" in message
+    assert "(another host: cannot check it from here; its lease of 300 s lapses in " in message
+    assert re.search(r"lapses in (29\d|300) s \(at \d\d:\d\d:\d\d UTC\) unless it renews it", message)
+    assert "specctl export runs/x" in message and "delete the lock if that process is dead" in message
     assert "\n" not in message and lock_path(target).read_bytes() == other.encode()
 
 
-def test_holder_stale_judges_only_this_hosts_processes():
-    """The pure rule, against a brute-force table: stale iff same host and not alive."""
+def test_holder_stale_judges_this_hosts_processes_and_other_hosts_leases():
+    """The pure rule, against a brute-force table: this host's holder is stale iff gone; another
+    host's iff its heartbeat is known and older than its lease (its own, else the reader's)."""
     me = socket.gethostname()
-    for host in (me, "elsewhere"):
-        for alive in (True, False):
-            held = Holder(host, 12345, None, "c", 0.0, "t")
-            assert holder_stale(held, me, lambda h, a=alive: a) == (host == me and not alive)
+    for host, alive, age, lease in itertools.product(
+        (me, "elsewhere"), (True, False), (None, 10.0, 299.0, 301.0), (None, 20.0)
+    ):
+        held = Holder(host, 12345, None, "c", 0.0, "t", lease)
+        old = age is not None and age > (300.0 if lease is None else lease)
+        expected = not alive if host == me else old
+        assert holder_stale(held, me, lambda h, a=alive: a, age) == expected
+
+
+HOLD_AS = """
+import sys, time
+from pathlib import Path
+from specctl import runlock
+runlock.host_name = lambda: sys.argv[2]  # this process plays another host
+with runlock.run_lock(Path(sys.argv[1]), "train dflash"):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def hold_as(target: Path, host: str, lease: float, hold_s: float = 60) -> subprocess.Popen:
+    """A process that holds `target`'s lock as `host` with a lease of `lease` seconds, once held."""
+    env = {**os.environ, LEASE_ENV: str(lease)}
+    args = [sys.executable, "-c", HOLD_AS, str(target), host, str(hold_s)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@fault(
+    stage="train",
+    fault="a job SIGKILLed on one node (its run lock left), requeued onto another node",
+    result="refused while the dead holder's lease is fresh, naming when it lapses; once it has lapsed "
+    "the rerun takes the lock over, saying so in one line",
+)
+def test_a_killed_jobs_lock_is_taken_over_from_another_host_once_its_lease_lapses(tmp_path, monkeypatch):
+    target = tmp_path / "drafters" / "dflash"
+    holder = hold_as(target, "node-a", lease=2.0)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    monkeypatch.setattr(runlock, "host_name", lambda: "node-b")
+    with pytest.raises(RunLocked) as e, run_lock(target, "train dflash"):
+        pass  # renewed moments ago: still fresh
+    assert f"as pid {holder.pid} on node-a" in str(e.value) and "its lease of 2 s lapses in" in str(e.value)
+    time.sleep(2.3)
+    said = []
+    with run_lock(target, "train dflash", said.append) as mine:
+        assert Holder.decode(lock_path(target).read_bytes()) == mine and mine.host == "node-b"
+    assert len(said) == 1 and f"taking over a stale lock of pid {holder.pid} on node-a" in said[0]
+    assert "past its lease of 2 s)" in said[0]
+    assert not lock_path(target).exists()  # released
+    assert sorted(p.name for p in target.parent.iterdir()) == []  # no claim or probe left behind
+
+
+@fault(
+    stage="train",
+    fault="a run lock of another host held longer than its lease (the holder alive, renewing it)",
+    result="refused every time: the holder's thread touches the lock every quarter lease",
+)
+def test_a_live_holder_renews_its_lease(tmp_path, monkeypatch):
+    target = tmp_path / "drafters" / "dflash"
+    holder = hold_as(target, "node-a", lease=1.5)
+    try:
+        monkeypatch.setattr(runlock, "host_name", lambda: "node-b")
+        for _ in range(3):  # 3.6 s in all: past two leases
+            time.sleep(1.2)
+            assert heartbeat_age(lock_path(target)) < 1.5
+            with pytest.raises(RunLocked, match="on node-a"), run_lock(target, "train dflash"):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@fault(
+    stage="train",
+    fault="a run lock written before leases (no `lease_s`) by another host, untouched for two hours",
+    result="taken over (its mtime is its heartbeat, judged by this process's lease), saying so in "
+    "one line; the same lock touched just now is refused",
+)
+def test_an_old_format_lock_of_another_host_two_hours_old_is_taken_over(tmp_path, monkeypatch):
+    monkeypatch.delenv(LEASE_ENV, raising=False)
+    target, path = tmp_path / "drafters" / "dflash", lock_path(tmp_path / "drafters" / "dflash")
+    path.parent.mkdir(parents=True)
+    old = {"host": "gpu-node-7", "pid": 4242, "pid_start": 1, "command": "specctl train r.yaml"}
+    path.write_text(json.dumps({**old, "started": time.time() - 7300, "token": "0f" * 16}) + "\n")
+    with pytest.raises(RunLocked, match="its lease of 300 s lapses in"), run_lock(target, "train dflash"):
+        pass  # fresh mtime: judged alive
+    two_hours_ago = time.time() - 7200
+    os.utime(path, (two_hours_ago, two_hours_ago))
+    said = []
+    with run_lock(target, "train dflash", said.append):
+        pass
+    assert len(said) == 1 and "taking over a stale lock of pid 4242 on gpu-node-7" in said[0]
+    assert re.search(r"\(no heartbeat for 720\d s, past its lease of 300 s\)$", said[0])
+
+
+def test_a_takeover_never_removes_a_lock_it_did_not_judge(tmp_path):
+    """The check-then-remove of a stale lock, serialised across hosts by a claim: a taker-over that
+    finds the claim held (another's takeover under way) or the lock replaced meanwhile leaves it."""
+    path = lock_path(tmp_path / "x")
+    stale = Holder("node-a", 1, None, "c", 0.0, "a" * 32, 1.0)
+    fresh = Holder("node-c", 2, None, "c", 0.0, "c" * 32, 300.0)
+    path.write_bytes(stale.encode())
+    claim = path.with_name(f"{path.name}.takeover-{stale.token}")
+    claim.write_bytes(b"")  # node-c is taking it over
+    runlock._take_over(path, stale.encode(), stale, "test", pytest.fail)
+    assert path.read_bytes() == stale.encode() and claim.exists()
+    claim.unlink()
+    path.write_bytes(fresh.encode())  # node-c took it over; this one read the stale bytes before
+    runlock._take_over(path, stale.encode(), stale, "test", pytest.fail)
+    assert path.read_bytes() == fresh.encode() and not claim.exists()
+
+
+RACE = """
+import sys, time
+from pathlib import Path
+from specctl import runlock
+runlock.host_name = lambda: sys.argv[2]
+go = Path(sys.argv[3])
+while not go.exists():
+    time.sleep(0.001)
+try:
+    with runlock.run_lock(Path(sys.argv[1]), "train dflash", lambda _: None):
+        print("won", flush=True)
+        time.sleep(3)
+except runlock.RunLocked:
+    print("refused", flush=True)
+"""
+
+
+def test_of_hosts_racing_to_take_over_a_lapsed_lock_exactly_one_wins(tmp_path):
+    target = tmp_path / "drafters" / "dflash"
+    lock_path(target).parent.mkdir(parents=True)
+    dead = Holder("node-a", 1, None, "c", 0.0, "d" * 32, 1.0)
+    lock_path(target).write_bytes(dead.encode())
+    os.utime(lock_path(target), (time.time() - 60, time.time() - 60))
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(target), f"node-{i}", str(go)], stdout=subprocess.PIPE, text=True
+        )
+        for i in range(3)
+    ]
+    time.sleep(1.5)  # all three started and waiting
+    go.write_text("")
+    results = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert results == ["refused", "refused", "won"]
 
 
 def test_threads_of_one_process_wait_for_each_other(tmp_path):
@@ -345,3 +494,21 @@ def test_threads_of_one_process_wait_for_each_other(tmp_path):
         t.join()
     assert [kind for kind, _ in order] == ["in", "out", "in", "out"]
     assert not runlock._HELD and not lock_path(target).exists()
+
+
+def test_the_lease_setting_and_a_damaged_lease_field(monkeypatch):
+    """SPECCTL_LOCK_LEASE: seconds above 0, else one line naming it (a typo must not silently give
+    another lease); a lock whose lease_s is not a positive number is unreadable, never stale."""
+    monkeypatch.setenv(LEASE_ENV, "2.5")
+    assert runlock.lease_s() == 2.5 and Holder.me().lease_s == 2.5
+    for bad in ("abc", "0", "-3", "nan", "inf"):
+        monkeypatch.setenv(LEASE_ENV, bad)
+        with pytest.raises(SpecctlError, match=f"^{LEASE_ENV}={bad}: not a number of seconds above 0"):
+            runlock.lease_s()
+    monkeypatch.delenv(LEASE_ENV)
+    assert runlock.lease_s() == runlock.DEFAULT_LEASE_S == 300.0
+    held = Holder("h", 1, None, "c", 0.0, "t", 60.0)
+    assert Holder.decode(held.encode()) == held
+    for bad in ("60", -1, 0, None):
+        damaged = json.dumps({**json.loads(held.encode()), "lease_s": bad}).encode()
+        assert (Holder.decode(damaged) is None) == (bad is not None)
