@@ -223,10 +223,18 @@ def drafter_settings(recipe: Recipe, algo: str) -> dict[str, Any]:
 
 
 # Training settings that change neither the weights nor the learning curve (cadence of saving and
-# logging, where metrics go, when a streak of skipped steps stops the run); per_algo is applied by
-# `for_algo`, not compared itself.
+# logging, where metrics go, when a streak of skipped steps stops the run, how long a collective may
+# wait); per_algo is applied by `for_algo`, not compared itself.
 BOOKKEEPING = frozenset(
-    {"per_algo", "save_every", "log_every", "keep_checkpoints", "report_to", "max_skipped_steps"}
+    {
+        "per_algo",
+        "save_every",
+        "log_every",
+        "keep_checkpoints",
+        "report_to",
+        "max_skipped_steps",
+        "collective_timeout_minutes",
+    }
 )
 
 
@@ -498,7 +506,7 @@ def save_checkpoint(
         except Exception as e:
             error = e
     # Every rank learns whether rank 0 saved: raising on rank 0 alone would leave the others
-    # waiting in the next collective until the process group's timeout (30 min by default).
+    # waiting in the next collective until the process group's timeout (train.collective_timeout_minutes).
     failed = broadcast_object(None if error is None else str(error) or type(error).__name__, ctx)
     if error is not None:
         raise error

@@ -70,10 +70,27 @@ def launcher_local_rank() -> int | None:
         raise UsageError(f"LOCAL_RANK={value!r}: expected an integer (torchrun sets it)") from None
 
 
+def refuse_srun_tasks_without_torchrun(cuda_count: int) -> None:
+    """One line when `srun` started several copies of specctl without torchrun: none has a
+    LOCAL_RANK, so every copy that sees several GPUs would take the first (`local_device` keeps a
+    plain device as named), N single-process runs on cuda:0. A task that sees one GPU
+    (`srun --gpus-per-task 1`) has it to itself, and an sbatch script's own shell is one process
+    (srun alone sets SLURM_STEP_NUM_TASKS, the job's SLURM_NTASKS is set there too): both go on."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+    if "WORLD_SIZE" in os.environ or not tasks.isdigit() or int(tasks) <= 1 or cuda_count <= 1:
+        return
+    raise UsageError(
+        f"srun started {tasks} tasks (SLURM_STEP_NUM_TASKS) and none is a torchrun rank, so each would "
+        f"run alone on cuda:0 of its {cuda_count} GPUs; start one task per node that runs torchrun: "
+        "srun --ntasks-per-node 1 torchrun --nnodes $SLURM_NNODES --nproc-per-node N ... -m specctl ..."
+    )
+
+
 def resolve_device(device: str, span: int = 1) -> torch.device:
     """`local_device` for this process: its LOCAL_RANK and the GPUs it sees. A GPU it names with
     an index becomes the current one, so code that says plain `cuda` lands there too."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    refuse_srun_tasks_without_torchrun(count)
     chosen = local_device(device, launcher_local_rank(), count, span)
     if chosen.type == "cuda" and chosen.index is not None and count > 0:
         torch.cuda.set_device(chosen)

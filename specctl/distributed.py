@@ -9,9 +9,12 @@ is sharded), metrics are summed across ranks, and only rank 0 writes files.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,11 +43,14 @@ class DistContext:
         return self.world_size > 1
 
 
-def setup(device: str = "auto") -> DistContext:
+def setup(device: str = "auto", timeout: timedelta | None = None) -> DistContext:
     """Join the torchrun process group when WORLD_SIZE > 1 (nccl on CUDA, gloo on CPU).
 
     Each rank takes GPU LOCAL_RANK (devices.resolve_device, which collect's ranks use too); a
-    process group created by the caller is reused as is.
+    process group created by the caller is reused as is. `timeout` bounds every collective
+    (train.collective_timeout_minutes): torch's defaults are 10 minutes for NCCL and 30 for gloo,
+    and a collective that waits on rank 0's minutes of checkpoint writing or hashing must not be
+    aborted by them. None: torch's default.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     base = resolve_device(device)
@@ -53,7 +59,7 @@ def setup(device: str = "auto") -> DistContext:
     local_rank = launcher_local_rank() or 0
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group("nccl" if base.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if base.type == "cuda" else "gloo", timeout=timeout)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns, local_world_size)
 
@@ -151,9 +157,50 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
-def barrier(ctx: DistContext) -> None:
-    if ctx.distributed:
-        dist.barrier()
+_MAIN_FIRST = itertools.count()  # one store key per main_first; every rank enters them in the same order
+
+
+@contextlib.contextmanager
+def main_first(ctx: DistContext, what: str, poll_s: float = 2.0) -> Iterator[None]:
+    """Rank 0 runs the block first; every other rank runs it once rank 0 has finished it.
+
+    For rank-0 work that can take hours (downloading or converting the verifier into a shared
+    cache, the online data stage's generation), so the waiting ranks are in no collective: a
+    barrier there is aborted by the group's timeout (NCCL's default is 10 minutes). They poll a
+    key that rank 0 sets in the process group's key-value store (the TCPStore of torchrun's
+    rendezvous, new for each attempt, so no earlier run's key is seen). A marker file would need
+    a run directory shared by every node and a name unique to the run; a barrier on a gloo group
+    with a long timeout would still have to guess how long is long enough. Rank 0 shows the
+    progress; when its block raises, the key says so and the others stop with one line (torchrun
+    also stops them once rank 0 exits).
+    """
+    if not ctx.distributed:
+        yield
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"specctl/main_first/{next(_MAIN_FIRST)}"
+    if ctx.is_main:
+        try:
+            yield
+        except BaseException as e:
+            store.set(key, "failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0])
+            raise
+        store.set(key, "done")
+        return
+    outcome = _wait_for_key(store, key, poll_s)
+    if outcome != "done":
+        raise SpecctlError(f"rank 0 stopped while {what} ({outcome.removeprefix('failed: ')})")
+    yield
+
+
+def _wait_for_key(store: Any, key: str, poll_s: float) -> str:
+    """The value rank 0 sets at `key`, checked every `poll_s` seconds at most (sooner at first:
+    most waits are short). `check` returns at once, so no store timeout applies to the wait."""
+    delay = 0.01
+    while not store.check([key]):
+        time.sleep(delay)
+        delay = min(poll_s, delay * 2)
+    return store.get(key).decode()
 
 
 def rank_share(chunk: list, per_rank: int, rank: int) -> list:

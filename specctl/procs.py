@@ -84,6 +84,33 @@ def quiet_vllm_import() -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = _QUIETED_LEVEL = "WARNING"
 
 
+# What torchrun (torch.distributed.elastic) gives each rank, and TORCHELASTIC_* besides
+LAUNCHER_VARS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "ROLE_NAME",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+
+
+def without_launcher(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the variables torchrun sets for this rank. A vLLM engine or server started from
+    a rank runs torch.distributed of its own (its tensor-parallel workers' group, even of one):
+    with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT inherited it would join, or collide with,
+    the rank's torchrun rendezvous instead of making its own. CUDA_VISIBLE_DEVICES is kept: it
+    pins the engine to the rank's GPUs."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+
+
 def vllm_env(
     cpu: bool, base: dict[str, str] | None = None, engine_in_process: bool = False
 ) -> dict[str, str]:
@@ -456,8 +483,11 @@ def process_group(
     children leave (SOCKET_DIR_VAR) go with the group, removed by the watchdog if specctl dies.
 
     `group_dir`: a directory the caller made for this group (a socket it names in `command`), which
-    goes the same way; it also holds vLLM's sockets unless the user named a directory for them."""
-    env = dict(os.environ if env is None else env)
+    goes the same way; it also holds vLLM's sockets unless the user named a directory for them.
+
+    Every group specctl starts is a vLLM engine or server: torchrun's variables are left out of
+    its environment (`without_launcher`)."""
+    env = without_launcher(dict(os.environ if env is None else env))
     if group_dir is None and SOCKET_DIR_VAR not in env:
         group_dir = socket_dir("specctl-ipc-")
     if group_dir is not None:

@@ -359,6 +359,15 @@ TrainOverride = _optional(TrainSettings)
 
 
 class TrainSection(TrainSettings):
+    collective_timeout_minutes: float = Field(
+        60.0,
+        gt=0,
+        description="Under torchrun: how long a rank waits in one collective (a gradient all-reduce, "
+        "the check that rank 0 wrote a checkpoint) before the run stops with an error. torch's default "
+        "is 10 minutes on NCCL, which rank 0 writing and hashing a large checkpoint can exceed. Rank 0's "
+        "hours-long work (downloading the verifier, the online data stage) is waited for outside any "
+        "collective, so it is not bounded by this.",
+    )
     per_algo: dict[str, TrainOverride] = Field(  # type: ignore[valid-type]
         default_factory=dict,
         description="Settings for one algorithm in place of the ones above, e.g. `{dflash: {max_steps: "

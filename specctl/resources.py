@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from specctl.devices import launcher_local_rank, local_device
 from specctl.errors import SpecctlError, UsageError
 from specctl.recipe import VLLM_BACKENDS
 
@@ -60,9 +61,15 @@ class Cluster:
         return self.gpus * self.nodes
 
 
-def this_machine(path: Path | None = None) -> Cluster:
-    """The machine a stage starts on: its visible GPUs (the smallest one's memory), else its host
-    memory; the free disk where `path` lives."""
+def this_machine(path: Path | None = None, device: str = "auto", span: int = 1) -> Cluster:
+    """The machine a stage starts on: its visible GPUs, each with the memory of this process's own
+    (`own_gpu`), else its host memory; the free disk where `path` lives.
+
+    Only this process's GPU is asked, and without a CUDA context: every torchrun rank of train and
+    collect plans, and `mem_get_info(i)` makes a context on GPU i that stays for the process's life
+    (about 500 MB), so ranks asking every GPU left 7 foreign contexts (~3.5 GB) on each GPU of an
+    8-GPU node. `get_device_properties` reads the total memory without one; a node's GPUs are
+    assumed alike (what the plan assumes of every node anyway)."""
     from specctl.estimate import free_bytes
 
     disk = free_bytes(path) if path is not None else None
@@ -71,9 +78,18 @@ def this_machine(path: Path | None = None) -> Cluster:
     )
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        memory = min(torch.cuda.mem_get_info(i)[1] for i in range(count))  # (free, total) per GPU
+        memory = torch.cuda.get_device_properties(own_gpu(device, span, count)).total_memory
         return Cluster("cuda", count, memory, nodes, disk)
     return Cluster("cpu", 1, host_memory(), 1, disk, tflops=1.0, mfu=0.5)
+
+
+def own_gpu(device: str, span: int, count: int) -> int:
+    """The first GPU this process runs on (`devices.local_device`: LOCAL_RANK's group under
+    torchrun, the recipe's `cuda:N` outside it), else the current GPU; asks no GPU anything."""
+    own = local_device(device, launcher_local_rank(), count, span)
+    if own.type == "cuda" and own.index is not None:
+        return own.index
+    return torch.cuda.current_device()
 
 
 def host_memory() -> int:
@@ -739,7 +755,11 @@ def check_stage(
     try:
         # memory only: the disk a stage fills is its own check (collect's store estimate, which names
         # the layout and the fix), made where it knows what is already written
-        plan = plan_recipe(recipe, replace(this_machine(path), disk=None), stages)
+        # this process's GPUs: train's rank takes one, collect's (and its data stage's) a group of
+        # verifier.tensor_parallel_size
+        span = 1 if "train" in stages else recipe.verifier.tensor_parallel_size
+        machine = this_machine(path, recipe.verifier.device, span)
+        plan = plan_recipe(recipe, replace(machine, disk=None), stages)
     except (SpecctlError, ValueError):  # a recipe the stage itself refuses, in its own one line
         return None
     for s in plan.stages:

@@ -337,6 +337,7 @@ def load_verifier(section: VerifierSection) -> Verifier:
     device = torch.device("cuda", gpus[0]) if gpus else device
     dtype = resolve_dtype(section.dtype, device)
     kwargs = _load_kwargs(section, source)
+    # free memory of this process's own group only (it loads layers onto each: their contexts are made anyway)
     spread = spread_kwargs(gpus, [torch.cuda.mem_get_info(g)[0] for g in gpus] if tp > 1 else [])
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)

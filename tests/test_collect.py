@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -214,7 +215,8 @@ def test_spread_verifier_loads_its_weights_after_the_data_stage(tmp_path, tiny_v
     )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (80 << 30, 80 << 30))  # the plan asks
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the plan asks this process's GPU
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 << 30))
     events, prepare = [], stage.prepare_data
 
     def data(*args, model=None, **kwargs):

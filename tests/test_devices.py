@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specctl.devices import launcher_local_rank, local_device
+from specctl.devices import launcher_local_rank, local_device, resolve_device
 from specctl.errors import UsageError
 
 
@@ -47,3 +47,26 @@ def test_launcher_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(UsageError, match="LOCAL_RANK='x'"):
         launcher_local_rank()
+
+
+def test_srun_tasks_without_torchrun_are_refused_in_one_line(monkeypatch):
+    """`srun --ntasks 8 specctl train ...` on an 8-GPU node: 8 single-process runs, each on cuda:0.
+    Refused; a torchrun rank, a task with a GPU of its own and an sbatch script's shell go on."""
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    gpus = [8]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus[0])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setenv("SLURM_NTASKS", "8")  # an sbatch --ntasks 8 script's own shell: one process
+    assert resolve_device("auto") == torch.device("cuda")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")  # srun's 8 tasks
+    with pytest.raises(UsageError, match=r"srun started 8 tasks \(SLURM_STEP_NUM_TASKS\)") as e:
+        resolve_device("auto")
+    assert "\n" not in str(e.value) and "torchrun" in str(e.value)
+    gpus[0] = 1  # srun --gpus-per-task 1: each task sees its own GPU
+    assert resolve_device("auto") == torch.device("cuda")
+    gpus[0] = 8
+    monkeypatch.setenv("WORLD_SIZE", "16")  # srun --ntasks-per-node 1 torchrun ...: the ranks go on
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert resolve_device("auto") == torch.device("cuda", 5)

@@ -127,13 +127,64 @@ def test_the_refusal_finds_the_largest_micro_batch_that_fits():
 
 def test_stages_refuse_at_start_and_force_goes_on(tmp_path, monkeypatch, offline):  # noqa: F811
     recipe = tiny_recipe(tmp_path, "dflash", max_steps=1)
-    monkeypatch.setattr(resources, "this_machine", lambda path=None: Cluster("cpu", 1, 1 << 20))
+    monkeypatch.setattr(resources, "this_machine", lambda *args: Cluster("cpu", 1, 1 << 20))
     with pytest.raises(PlanError, match=r"train does not fit: .* \(or pass --force\)"):
         run_training(recipe, progress=False)
     assert not (recipe.run_dir / "drafters").exists() or not any(
         (recipe.run_dir / "drafters").rglob("step-*")
     )
     assert run_training(recipe, progress=False, force=True).steps == 1
+
+
+@pytest.mark.parametrize(
+    ("stages", "tensor_parallel", "local_rank", "own"),
+    [("train", 2, 3, 3), (("data", "collect"), 2, 1, 2), (("data", "collect"), 1, 3, 3)],
+)
+def test_a_rank_asks_only_its_own_gpu(tmp_path, monkeypatch, stages, tensor_parallel, local_rank, own):
+    """The plan train and collect check at their start, on torchrun local rank `local_rank` of 8 on
+    an 8-GPU node: asking any GPU but the rank's own would make a CUDA context there (issue 56), so
+    torch.cuda raises for them here. A train rank takes one GPU; a collect rank its group of
+    verifier.tensor_parallel_size. The node's GPUs are taken to be like the rank's own."""
+    from types import SimpleNamespace
+
+    from specctl.resources import check_stage
+
+    asked = []
+
+    def only_own(device=None):
+        index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+        if index != own:
+            raise RuntimeError(f"local rank {local_rank} asked GPU {index}: a CUDA context there")
+        asked.append(index)
+        return True
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # before the rank sets its own
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: only_own(d) and (80 * GIB, 80 * GIB))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda d=None: only_own(d) and SimpleNamespace(total_memory=80 * GIB),
+    )
+    for name, value in (
+        ("LOCAL_RANK", local_rank),
+        ("RANK", local_rank),
+        ("WORLD_SIZE", 8),
+        ("LOCAL_WORLD_SIZE", 8),
+    ):
+        monkeypatch.setenv(name, str(value))
+    recipe = tiny_recipe(tmp_path, "dflash")
+    recipe = recipe.model_copy(
+        update={
+            "verifier": recipe.verifier.model_copy(
+                update={"device": "auto", "tensor_parallel_size": tensor_parallel}
+            )
+        }
+    )
+    plan = check_stage(recipe, stages, force=True)
+    assert plan is not None and (plan.cluster.gpus, plan.cluster.memory) == (8, 80 * GIB)
+    assert asked and set(asked) == {own}
 
 
 @pytest.mark.slow

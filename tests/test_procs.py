@@ -367,3 +367,39 @@ def test_a_dead_watchdog_that_cannot_be_replaced_stops_the_group(tmp_path, monke
     said = [line for line in capfd.readouterr().err.splitlines() if "watchdog" in line]
     assert len(said) == 1 and "stopped the 1 process group(s)" in said[0], said
     assert not procs._WATCHDOG.stopped and procs._WATCHDOG._proc is None
+
+
+def test_vllm_children_do_not_inherit_torchrun_variables(tmp_path, monkeypatch):
+    """A vLLM engine or server started from a torchrun rank runs torch.distributed of its own: with
+    the rank's RANK / WORLD_SIZE / MASTER_PORT it would join the rank's rendezvous. The group's
+    environment has none of torchrun's variables, and keeps the GPUs the rank pinned it to."""
+    import json
+
+    from specctl.procs import process_group
+
+    torchrun = {
+        "RANK": "3",
+        "LOCAL_RANK": "3",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "8",
+        "GROUP_RANK": "0",
+        "ROLE_RANK": "3",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "job",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    dump = "import json, os, sys; open(sys.argv[1], 'w').write(json.dumps(dict(os.environ)))"
+    seen = []
+    for i, env in enumerate([None, {**os.environ, "CUDA_VISIBLE_DEVICES": "6,7"}]):  # inherited, pinned
+        out = tmp_path / f"env-{i}.json"
+        with process_group([sys.executable, "-c", dump, str(out)], tmp_path / "log", env) as proc:
+            proc.wait(timeout=60)
+        seen.append(json.loads(out.read_text()))
+    for env in seen:
+        assert sorted(set(torchrun) & set(env)) == []  # only the names show when it fails
+        assert env["PATH"] == os.environ["PATH"]
+    assert seen[1]["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert os.environ["MASTER_PORT"] == "29500"  # this process's own environment is untouched

@@ -24,6 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -166,17 +167,15 @@ def open_source(recipe: Recipe, ctx: DistContext, progress: bool) -> Source:
     Offline reads only the tensors drafters borrow (`load_borrowed`): no rank builds the verifier.
     Online runs it, so every rank loads it whole.
     """
-    if not ctx.is_main:  # rank 0 first: it may download or convert the model into a shared cache
-        distributed.barrier(ctx)
-    preflight(recipe)
-    # each rank holds the verifier's borrowed tensors (offline) or the whole verifier (online) on its
-    # own GPU: verifier.tensor_parallel_size is for the collect and data stages, and a rank's GPU
-    # group would overlap its neighbours'
-    section = recipe.verifier.model_copy(update={"device": str(ctx.device), "tensor_parallel_size": 1})
-    offline = recipe.train.mode == "offline"
-    verifier = load_borrowed(section) if offline else load_verifier(section)
-    if ctx.is_main:
-        distributed.barrier(ctx)
+    # rank 0 first: it may download or convert the model into a shared cache (for hours)
+    with distributed.main_first(ctx, "loading the verifier"):
+        preflight(recipe)
+        # each rank holds the verifier's borrowed tensors (offline) or the whole verifier (online) on
+        # its own GPU: verifier.tensor_parallel_size is for the collect and data stages, and a rank's
+        # GPU group would overlap its neighbours'
+        section = recipe.verifier.model_copy(update={"device": str(ctx.device), "tensor_parallel_size": 1})
+        offline = recipe.train.mode == "offline"
+        verifier = load_borrowed(section) if offline else load_verifier(section)
     spec = recipe_verifier_spec(verifier, recipe)
     if isinstance(verifier, BorrowedVerifier):
         path = recipe.run_dir / "features"
@@ -197,9 +196,9 @@ def online_source(
 ) -> Source:
     """The data stage's token samples (rank 0 prepares them), featurized by the verifier per batch."""
     data_dir = recipe.run_dir / "data"
-    if ctx.is_main:  # reuses a complete data dir for the same recipe; builds it otherwise
-        prepare_data(recipe.data, verifier.tokenizer, data_dir, model=verifier.model, progress=progress)
-    distributed.barrier(ctx)
+    with distributed.main_first(ctx, "preparing the data"):  # hours of generation, on rank 0 alone
+        if ctx.is_main:  # reuses a complete data dir for the same recipe; builds it otherwise
+            prepare_data(recipe.data, verifier.tokenizer, data_dir, model=verifier.model, progress=progress)
     samples = load_samples(data_dir)
     if not any(bool(s["loss_mask"].any()) for s in samples):
         raise DataError(f"{data_dir}: no sample has a loss-masked (assistant) token; nothing to train on")
@@ -471,7 +470,9 @@ def run_training(
 
     Returns the summary on rank 0 and None on the other ranks (which write and print nothing).
     """
-    ctx = distributed.setup(recipe.verifier.device)
+    ctx = distributed.setup(
+        recipe.verifier.device, timedelta(minutes=recipe.train.collective_timeout_minutes)
+    )
     try:
         return train(recipe.for_training(), ctx, resume, progress, force, restart)
     finally:
@@ -716,9 +717,9 @@ def starting_point(
     ckpt_root = out_dir / "checkpoints"
     check_checkpoint_dirs(ckpt_root)
     if restart or (out_dir / RESTARTING).exists():
-        if ctx.is_main:
-            start_over(out_dir, say)
-        distributed.barrier(ctx)
+        with distributed.main_first(ctx, "removing the earlier run"):
+            if ctx.is_main:
+                start_over(out_dir, say)
         return None
     found = resume_checkpoint(ckpt_root, ctx)  # the newest that verifies
     if found is None:

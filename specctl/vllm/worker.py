@@ -164,7 +164,8 @@ def gpu_memory_share(default: float = 0.9) -> float:
     """vLLM's gpu_memory_utilization for this worker: its default, or less when a GPU is partly
     taken (a collect or training process of specctl holding the HF verifier on it): vLLM refuses to
     start when less than that share of a GPU's memory is free. The fullest of the worker's GPUs
-    decides: a tensor-parallel engine takes the same share of each."""
+    decides: a tensor-parallel engine takes the same share of each. The worker sees only its
+    engine's GPUs (its CUDA_VISIBLE_DEVICES is its group), so no other rank's GPU is asked."""
     import torch
 
     if not torch.cuda.is_available():
