@@ -272,3 +272,18 @@ def test_the_verifiers_collect_forward_in_the_cuda_form():
             got = capture_hidden_states(model.to(BF16), ids, mask, (1, 2))
     assert guard.calls and MATH not in [kernel for _, kernel in guard.calls]
     torch.testing.assert_close(got[0].float(), want[0], rtol=0.05, atol=0.05)
+
+
+def test_the_plans_training_trace_runs_the_cuda_form():
+    """`specctl plan` traces an 8B DFlash step for CUDA on this CPU: its masked calls carry K/V
+    repeated to the query's 32 heads (counted in the peak, as on the GPU), and none falls to math."""
+    from specctl import resources
+    from specctl.recipe import load_recipe
+
+    recipe = load_recipe("recipes/dflash-llama.yaml", ["train.micro_batch_tokens=512"])
+    x = resources.inputs(recipe.for_training(), resources.Cluster("cuda", 8, 80 * resources.GIB))
+    with FusedAttentionGuard() as guard:
+        resources.trace_train_step(x.recipe, x.spec, 512, "cuda")
+    masked = [call for call, _ in guard.calls if call.mask_shape is not None]
+    assert masked and all(call.k_shape[1] == call.q_shape[1] == 32 for call in masked)
+    assert MATH not in [kernel for _, kernel in guard.calls]
