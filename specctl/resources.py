@@ -295,10 +295,12 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
     """Two optimizer steps of the recipe's drafter over its worst piece of `micro_tokens`, traced.
 
     The second step is the steady state: optimizer state exists through its forward and backward.
-    `device` "cuda" traces bf16 autocast (as train.precision auto does there); on the CPU it
-    follows train.precision as this machine resolves it.
+    `device` "cuda" traces bf16 autocast (as train.precision auto does there) and attention in its
+    CUDA form (K/V repeated to the query's heads where a mask needs the memory-efficient kernel:
+    specctl.attention_kernels); on the CPU it follows train.precision as this machine resolves it.
     """
     from specctl import devices, distributed
+    from specctl.attention_kernels import cuda_attention_form
     from specctl.drafters import DRAFTERS
     from specctl.drafters.api import VerifierWeights
     from specctl.memtrace import MemoryTrace
@@ -328,15 +330,17 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
         batch = synthetic_batch(recipe, spec, sequences, length, t.heavy())
         with_batch = t.mark().live
         autocast = devices.autocast(torch.device("cpu"), dtype)
-        for step in range(2):
-            if step == 1:
-                before = t.mark()
-            with autocast:
-                loss, _ = drafter(batch)
-            loss.backward()
-            grads = sum(p.grad.nbytes for p in drafter.parameters() if p.grad is not None)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        # the backward too: checkpointed layers recompute their forward there
+        with cuda_attention_form() if device == "cuda" else contextlib.nullcontext():
+            for step in range(2):
+                if step == 1:
+                    before = t.mark()
+                with autocast:
+                    loss, _ = drafter(batch)
+                loss.backward()
+                grads = sum(p.grad.nbytes for p in drafter.parameters() if p.grad is not None)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         after = t.mark()
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     return StepTrace(

@@ -24,6 +24,7 @@ from typing import Any, Protocol, get_args
 
 import torch
 
+from specctl.attention_kernels import grouped_kv
 from specctl.batching import length_buckets
 from specctl.devices import local_rank, resolve_device, resolve_dtype, verifier_gpus
 from specctl.drafters import VerifierSpec, VerifierWeights
@@ -630,6 +631,10 @@ def _sdpa(
     dropout: float = 0.0,
     is_causal: bool = False,
 ) -> torch.Tensor:
+    """One SDPA call, grouped-query heads in place; on CUDA with a mask (a padded batch, a tree)
+    K/V are repeated to the query's heads instead, so the memory-efficient kernel runs rather than
+    math, whose float32 [B, Hq, Tq, Tk] scores a 70B collect batch has no room for."""
+    key, value, gqa = grouped_kv(query, key, value, mask, is_causal)
     return torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -638,7 +643,7 @@ def _sdpa(
         dropout_p=dropout,
         scale=scaling,
         is_causal=is_causal,
-        enable_gqa=key.shape[1] != query.shape[1],
+        enable_gqa=gqa,
     )
 
 

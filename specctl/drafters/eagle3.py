@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from specctl.attention_kernels import grouped_kv
 from specctl.drafters.api import (
     LOSSES,
     DrafterSpec,
@@ -128,10 +129,11 @@ def ttt_attention(
     positions, always inside the window.
     """
     k, v = context
-    gqa = q.shape[1] != k.shape[1]
     if own is None:
         if visible is not None:
+            k, v, gqa = grouped_kv(q, k, v, visible)  # on CUDA: K/V at q's heads, for the mask
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=gqa)
+        k, v, gqa = grouped_kv(q, k, v, None, causal)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     own_lse, own_out = own_key_attention(q[:, :, :, None], *own, None)  # [B, h, n, 1], [B, h, n, 1, hd]
     if visible is not None:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specctl.attention_kernels import grouped_kv
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -141,9 +143,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [B, h, T, hd], k/v [B, kvh, S, hd], mask [B|1, 1, T, S] bool (True = attend) or
         is_causal (query i sees keys 0..i, no mask tensor) -> [B, T, H]."""
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        k, v, gqa = grouped_kv(q, k, v, mask, is_causal)  # on CUDA: a form a fused kernel takes
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
         return self.output(out)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -279,11 +280,12 @@ def attend_with_own_keys(
     vector in an extra channel, so SDPA's output there is the own keys' total weight w and
     the result is shared_part + w * own_out. Exact and differentiable; the shared part stays
     one SDPA call (a fused kernel keeps no [N, S] score matrix where the device has one: the
-    CPU flash kernel takes the mask and GQA), with no per-query copy of the shared keys and
-    no mask over own keys.
+    CPU flash kernel takes the mask and GQA; CUDA's memory-efficient kernel takes the bias with
+    K/V repeated to q's heads, `grouped_kv`), with no per-query copy of the shared keys and no
+    mask over own keys.
     """
     B, h, N, hd = q.shape
-    kvh, S = k.shape[1], k.shape[2]
+    S = k.shape[2]
     if is_causal and N != S:
         raise ValueError(f"is_causal needs as many queries as shared keys, got {N} and {S}")
     scale = hd**-0.5
@@ -304,8 +306,11 @@ def attend_with_own_keys(
     v_ext[:, :, summary, hd] = 1  # output channel hd = the summary key's weight
     if is_causal:
         q_ext = F.pad(q_ext, (0, 0, 1, 0))
+    k_ext, v_ext, gqa = grouped_kv(
+        q_ext, k_ext, v_ext, bias, is_causal
+    )  # on CUDA: [B, h, S + 1, ..] with a bias
     out = F.scaled_dot_product_attention(
-        q_ext, k_ext, v_ext, attn_mask=bias, is_causal=is_causal, scale=scale, enable_gqa=h != kvh
+        q_ext, k_ext, v_ext, attn_mask=bias, is_causal=is_causal, scale=scale, enable_gqa=gqa
     )
     if is_causal:
         out = out[:, :, 1:]
