@@ -93,19 +93,13 @@ def worker(out: Path, mode: str) -> None:
             recipe = cluster_recipe(out, algo, strategy)
             ledger.start(recipe.name)
             loop.train(recipe, ctx, resume=False, progress=False)
-            distributed.barrier(ctx)
-            if ctx.is_main:
-                resumed = out / f"{recipe.name}-resumed"
-                shutil.copytree(recipe.run_dir, resumed)
-                (resumed / "drafters" / algo / "checkpoints" / "latest").write_text("step-2\n")
-            distributed.barrier(ctx)
+            with distributed.main_first(ctx, "copying the run to resume"):
+                if ctx.is_main:
+                    resumed = out / f"{recipe.name}-resumed"
+                    shutil.copytree(recipe.run_dir, resumed)
+                    (resumed / "drafters" / algo / "checkpoints" / "latest").write_text("step-2\n")
             ledger.start(f"{recipe.name}-resumed")
-            loop.train(
-                cluster_recipe(out, algo, strategy).model_copy(update={"name": f"{recipe.name}-resumed"}),
-                ctx,
-                True,
-                False,
-            )
+            loop.train(cluster_recipe(out, algo, strategy, name=f"{recipe.name}-resumed"), ctx, True, False)
     finally:
         (out / f"pieces-{mode}-rank{ctx.rank}.json").write_text(json.dumps(pieces_log))
     distributed.teardown(ctx)
