@@ -439,6 +439,21 @@ def finalize_store(path: Path) -> Manifest | None:
 # ---------------------------------------------------------------- reader
 
 
+VERIFIED_SUFFIX = ".verified"  # beside a shard: the sha256 it verified with, at which size and mtime
+
+
+def _file_record(file: Path, sha256: str) -> dict[str, Any]:
+    st = file.stat()
+    return {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _verified_record(record: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 class FeatureStore:
     """Random access to samples of a complete store; shards are opened lazily (mmap).
 
@@ -479,16 +494,27 @@ class FeatureStore:
             raise FeatureStoreError(f"{file}: shard missing; rerun collect-hidden-states to rebuild it")
         return file
 
-    def verify_shards(self, shards: Iterable[int]) -> None:
+    def verify_shards(self, shards: Iterable[int], remember: bool = False) -> None:
         """Check the sha256 of the given shards against the manifest; one-line error on the first
-        that differs."""
+        that differs. `remember`: a shard whose file is unchanged since it last verified (its
+        VERIFIED_SUFFIX record: same sha256, size and mtime) is not read again, and one that
+        verifies now gets that record. A store of terabytes (the 8B recipes': ~4 TB) took hours
+        to re-hash at every start, requeue and node; what the record skips is a file no one wrote
+        since (a truncated copy or a rewrite changes its size or mtime). Delete the records to
+        hash everything again."""
         for j in shards:
             file = self._file(j)
-            if sha256_file(file) != self.manifest.shard_files[j]["sha256"]:
+            want = self.manifest.shard_files[j]["sha256"]
+            record = file.with_name(file.name + VERIFIED_SUFFIX)
+            if remember and _verified_record(record) == _file_record(file, want):
+                continue
+            if sha256_file(file) != want:
                 raise FeatureStoreError(
                     f"{file}: checksum mismatch (corrupted); delete it and its .json, then rerun "
                     f"collect-hidden-states to rewrite it"
                 )
+            if remember:  # one rank a machine hashes a shard: no two writers but across machines
+                write_atomic(record, json.dumps(_file_record(file, want)), durable=False)
 
     def _open(self, j: int):
         if j not in self._handles:

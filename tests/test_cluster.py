@@ -240,3 +240,40 @@ def test_a_piece_with_nothing_to_train_on_still_gives_every_parameter_a_gradient
         loss, _ = drafter(batch)
         loss.backward()
         assert [n for n, q in drafter.named_parameters() if q.requires_grad and q.grad is None] == []
+
+
+def test_a_requeue_does_not_hash_the_feature_store_again(tmp_path, monkeypatch):
+    """verify_store hashes each shard once: a second start reads only the records, a shard whose
+    file changed since (size or mtime) is hashed again, and a corruption is still found then."""
+    from test_distributed import write_store
+
+    import specctl.features as features
+    from specctl.distributed import DistContext
+    from specctl.errors import FeatureStoreError
+    from specctl.train.loop import verify_store
+
+    write_store(tmp_path / "store", corrupt=3)
+    victim = tmp_path / "store" / "shard-00003.safetensors"
+    corrupted = victim.read_bytes()
+    data = bytearray(corrupted)
+    data[len(data) // 2] ^= 0xFF  # write_store flipped this byte: flip it back
+    victim.write_bytes(bytes(data))
+    hashed: list[str] = []
+    real = features.sha256_file
+    monkeypatch.setattr(features, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    one = DistContext(0, 1, 0, torch_cpu(), owns_group=False)
+    verify_store(features.open_features(tmp_path / "store"), one)
+    assert len(hashed) == 4
+    verify_store(features.open_features(tmp_path / "store"), one)
+    assert len(hashed) == 4  # the requeue: nothing read again
+    victim.write_bytes(corrupted)  # rewritten by a bad copy: its mtime moved
+    os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 10**9))
+    with pytest.raises(FeatureStoreError, match="shard-00003.safetensors: checksum mismatch"):
+        verify_store(features.open_features(tmp_path / "store"), one)
+    assert hashed[4:] == ["shard-00003.safetensors"]
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
