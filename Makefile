@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.specctl-installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo demo-trees results lint bench-perf gpu-check rehearse docs clean
+.PHONY: install test test-fast cluster demo demo-trees results lint bench-perf gpu-check rehearse docs clean
 
 install: $(STAMP)
 
@@ -57,6 +57,13 @@ endif
 WORKERS ?= 2
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout=900 --durations=15 -n $(WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# The simulated cluster (docs/training.md, "The first run on a cluster"): gloo ranks, a simulated
+# cuda:N, CUDA's attention kernel rules, run-lock leases across hosts. Part of `make test` too.
+CLUSTER_TESTS := tests/test_cluster.py tests/test_cluster_devices.py tests/test_attention_kernels.py \
+  tests/test_collective_timeout.py tests/test_rerun.py
+cluster: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --timeout=600 -n $(WORKERS) --dist loadfile $(CLUSTER_TESTS)
 
 test-fast: install
 	$(PY) -m pytest -q --timeout=300 -m "not integration and not vllm" tests

@@ -4,7 +4,9 @@ GPU time is scarce and comes in short leases, so everything a GPU session should
 in this one command: each algorithm trained for a fixed number of steps at its published
 Llama-3.1-8B size on synthetic features (positions/s, peak memory, MFU), then the embedded
 engine on a small random Llama verifier with a random drafter of each algorithm (tokens/s
-against plain decoding). A failure or an out-of-memory in one algorithm is reported in its
+against plain decoding). The plan's pieces and one padded HF collect batch run with the math
+attention kernel disabled: a call that no fused kernel takes fails its row instead of quietly
+costing float32 scores. A failure or an out-of-memory in one algorithm is reported in its
 row and the others still run; an out-of-memory retries at half the sequence length.
 
 Without CUDA (or with --dry-run) the same code runs with tiny shapes, 2 steps each, in fp32
@@ -381,6 +383,69 @@ def plan_check(plan: Plan, log: Any) -> dict[str, Any]:
     return rows
 
 
+@contextlib.contextmanager
+def fused_attention_only(device: torch.device):
+    """Attention without the math kernel: on CUDA torch's own switch (a call no fused kernel takes
+    raises "No available kernel" instead of materialising float32 scores); in the dry run the
+    calls take their CUDA form and CUDA's kernel rules check each (specctl.attention_kernels)."""
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        ):
+            yield
+        return
+    from specctl.attention_kernels import FusedAttentionGuard, cuda_attention_form
+
+    with cuda_attention_form(), FusedAttentionGuard():
+        yield
+
+
+def collect_kernel_check(plan: Plan, log: Any) -> dict[str, Any]:
+    """One HF collect batch with the math kernel disabled: a random verifier of the train verifier's
+    heads and head dim (2 layers), two sequences, one padded, through the attention collect uses
+    (`use_gqa_sdpa`) and `capture_hidden_states` -- the padding mask with grouped-query heads is
+    the call that fell to the math kernel."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specctl.verifier import capture_hidden_states, use_gqa_sdpa
+
+    g = plan.verifier
+    start = time.perf_counter()
+    config = LlamaConfig(
+        **{
+            k: g[k]
+            for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+            if k in g
+        },
+        num_hidden_layers=2,
+        intermediate_size=g.get("intermediate_size", 4 * g["hidden_size"]) // 4,
+        vocab_size=min(g.get("vocab_size", 32000), 32000),
+        attn_implementation="sdpa",
+    )
+    try:
+        model = LlamaForCausalLM(config).to(plan.device, plan.dtype).eval()
+        use_gqa_sdpa(model)
+        T = min(plan.seq_len, 1024)
+        ids = torch.randint(0, config.vocab_size, (2, T), device=plan.device)
+        mask = torch.ones(2, T, dtype=torch.long, device=plan.device)
+        mask[1, T // 2 :] = 0  # the second sequence is padded
+        with fused_attention_only(plan.device), torch.no_grad():
+            capture_hidden_states(model, ids, mask, (0, 1))
+        row = {
+            "status": "ok",
+            "sequences": 2,
+            "seq_len": T,
+            "attention": "fused kernels only (math disabled)",
+        }
+    except Exception as e:
+        row = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
+    row["wall_s"] = time.perf_counter() - start
+    log(f"collect attention: {row['status']}")
+    return row
+
+
 def _recipe_and_spec(algo: str, plan: Plan) -> tuple[Any, Any]:
     from specctl import resources
     from specctl.recipe import load_recipe
@@ -422,9 +487,9 @@ def plan_piece(algo: str, plan: Plan) -> dict[str, Any]:
         batch = resources.synthetic_batch(recipe, spec, st.sequences, st.length, device=plan.device)
 
         def step() -> None:
-            with _autocast(plan.device):
+            with fused_attention_only(plan.device), _autocast(plan.device):
                 loss, _ = drafter(batch)
-            loss.backward()
+                loss.backward()  # checkpointed layers recompute their attention here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -453,6 +518,7 @@ def plan_piece(algo: str, plan: Plan) -> dict[str, Any]:
         "step_s": step_s,
         "tokens_per_s": st.sequences * st.length / step_s,
         "traced_flops_per_step": st.flops,
+        "attention": "fused kernels only (math disabled)",
     }
     if plan.peak_tflops:
         row["mfu_traced"] = st.flops / step_s / (plan.peak_tflops * 1e12)
@@ -654,6 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_verifier": {k: v for k, v in plan.verifier.items() if k != "architectures"},
         "train": train_check(plan, log),
         "plan": plan_check(plan, log),
+        "collect_attention": collect_kernel_check(plan, log),
         "engine": {},
         "output": args.output,
     }

@@ -228,13 +228,15 @@ def grouped_kv(
     """(k, v, enable_gqa) for an SDPA call of q [B, h, L, d] over k, v [B, kvh, S, d].
 
     Equal heads: as given. Grouped heads: `enable_gqa` (flash, or the CPU kernel), except in the
-    CUDA form when flash cannot take the call (a mask, or causal with L != S): then K/V are
-    repeated to h heads so the memory-efficient kernel takes it instead of math.
+    CUDA form when flash cannot take the call (a mask, causal with L != S, or float32 -- flash
+    runs only fp16/bf16, and train.precision float32 trains in float32): then K/V are repeated to
+    h heads so the memory-efficient kernel takes it instead of math.
     """
     h, kvh = q.shape[1], k.shape[1]
     if h == kvh:
         return k, v, False
-    flash_takes_it = mask is None and not (is_causal and q.shape[2] != k.shape[2])
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    flash_takes_it = half and mask is None and not (is_causal and q.shape[2] != k.shape[2])
     if flash_takes_it or not cuda_form(q):
         return k, v, True
     return repeat_kv(k, h // kvh), repeat_kv(v, h // kvh), False

@@ -163,8 +163,11 @@ def test_the_form_changes_only_for_cuda():
     with cuda_attention_form():
         k2, _, gqa = grouped_kv(q, k, k, mask)
         assert (k2.shape[1], gqa) == (4, False)
-        assert grouped_kv(q, k, k, None, is_causal=True)[2] is True  # flash takes it
-        assert grouped_kv(q, k[:, :, :5], k[:, :, :5], None, is_causal=True)[1].shape[1] == 4
+        qh, kh = q.to(BF16), k.to(BF16)
+        assert grouped_kv(qh, kh, kh, None, is_causal=True)[2] is True  # flash takes it
+        assert grouped_kv(qh, kh[:, :, :5], kh[:, :, :5], None, is_causal=True)[1].shape[1] == 4
+        # float32 (train.precision float32): flash runs only fp16/bf16, so no enable_gqa either
+        assert grouped_kv(q, k, k, None, is_causal=True)[:2][0].shape[1] == 4
     assert grouped_kv(q, k, k, mask)[2] is True
 
 

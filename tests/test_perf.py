@@ -160,6 +160,8 @@ def test_gpu_check_dry_run_end_to_end_without_datasets_or_gguf(tmp_path):
     assert "need pydantic" in result.stderr
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and "6 * trainable_params" in report["mfu_formula"]
+    # the padded collect batch and every plan piece ran with the math attention kernel ruled out
+    assert report["collect_attention"]["status"] == "ok", report["collect_attention"]
     for algo in gpu_check.registered_algos():
         row = report["train"][algo]
         assert row["status"] == "ok", row
