@@ -54,3 +54,17 @@ def test_the_plan_matches_a_traced_fsdp2_step_at_world_size_8(path, sets):
     # the end of the forward; distributed.gradient_sync gathers first, and the buffer is gone
     assert traced.parts.get("All Gather", 0) == 0
     assert predicted == pytest.approx(traced.peak, rel=0.15), (predicted / GIB, traced.peak / GIB)
+
+
+@pytest.mark.slow
+def test_the_shipped_70b_recipe_fits_8_x_80_gib_as_traced():
+    """The shipped 70B settings (activation checkpointing, 4,096-token pieces): the plan fits, and
+    the traced FSDP2 step with the plan's assumed overheads fits too."""
+    recipe = load_recipe("recipes/dflash-llama-70b.yaml").for_training()
+    plan = plan_recipe(recipe, Cluster("cuda", 8, 80 * GIB), ("train",)).stages[0]
+    assert plan.fits, resources.gib(plan.peak)
+    x = resources.inputs(recipe, Cluster("cuda", 8, 80 * GIB))
+    traced = fsdptrace.trace_fsdp_step(x.recipe, x.spec, resources.micro_tokens(x.recipe), 8)
+    overheads = sum(t.bytes for t in x.overheads(traced.peak))
+    assert traced.peak + overheads <= 80 * GIB
+    assert live_terms(plan) == pytest.approx(traced.peak, rel=0.15)
