@@ -1,5 +1,5 @@
 """The plan at world size: `specctl plan`'s train peak per rank against a real FSDP2 step traced as
-rank 0 of `--world` ranks (specctl.fsdptrace), for each case: the table docs/performance.md carries.
+rank 0 of `--world` ranks (specctl.train.fsdptrace), for each case: the table docs/performance.md carries.
 
 Predicted: the plan's terms less its assumed CUDA overheads (fragmentation, context), i.e. the live
 bytes it counts; traced: FSDPMemTracker's peak over two steps (pieces with gradient sync off, then
@@ -30,8 +30,9 @@ OVERHEADS = ("allocator fragmentation", "CUDA context, cuBLAS, NCCL")
 
 def measure(path: str, overrides: list[str], world: int) -> dict:
     """One case: the plan's live bytes and total a rank, the traced FSDP2 peak and its parts."""
-    from specctl import fsdptrace, resources
+    from specctl import resources
     from specctl.recipe import load_recipe
+    from specctl.train import fsdptrace
 
     recipe = load_recipe(path, overrides).for_training()
     cluster = resources.Cluster("cuda", world, 80 * resources.GIB)

@@ -331,7 +331,7 @@ def trace_train_step(
 def build_traced_drafter(recipe: Any, spec: Any, t: Any, device: str) -> Any:
     """The recipe's drafter (its weights and the verifier tensors it borrows fake, made under the
     MemoryTrace `t`), layers checkpointed as train.activation_checkpointing says: what the loop
-    builds, for `trace_train_step` and the FSDP2 trace (specctl.fsdptrace)."""
+    builds, for `trace_train_step` and the FSDP2 trace (specctl.train.fsdptrace)."""
     from specctl import distributed
     from specctl.drafters import DRAFTERS
     from specctl.drafters.api import VerifierWeights
@@ -614,7 +614,7 @@ def fsdp_terms(st: StepTrace, world: int) -> list[Term]:
     parameters lives from each piece's forward through its backward, beside the shard. The gradients
     are not sharded where the peak is: FSDP2 keeps them whole across the pieces it does not
     synchronise and reduce-scatters them after the last piece's backward, its activations gone.
-    Checked against a real FSDP2 step at world size 8 on a fake process group (specctl.fsdptrace)."""
+    Checked against a real FSDP2 step at world size 8 on a fake process group (specctl.train.fsdptrace)."""
     share = 1 - 1 / world
     return [
         Term("FSDP2: parameters sharded", -int(st.params * share), f"/ {world} ranks"),

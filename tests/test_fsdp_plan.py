@@ -1,5 +1,5 @@
 """The plan holds at world size: `specctl plan`'s FSDP2 terms against a real FSDP2 step traced as rank
-0 of 8 (specctl.fsdptrace: a fake process group, the project's own wrap and step, FSDPMemTracker).
+0 of 8 (specctl.train.fsdptrace: a fake process group, the project's own wrap and step, FSDPMemTracker).
 
 The traced step is the reference: it runs what FSDP2 does (the whole drafter one unit, gathered for
 each piece, its gradients unsharded across the pieces with sync off, reduce-scattered after the
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from specctl import fsdptrace, resources
+from specctl import resources
 from specctl.recipe import load_recipe
 from specctl.resources import GIB, Cluster, plan_recipe
+from specctl.train import fsdptrace
 
 OVERHEADS = ("allocator fragmentation", "CUDA context, cuBLAS, NCCL")  # assumed, not traced
 
