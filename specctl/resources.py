@@ -256,11 +256,13 @@ class StepTrace:
     batch: int  # one piece's batch as the drafter reads it
     optimizer: int  # optimizer state after a step
     grads: int  # gradients after a backward
+    params: int  # the drafter's own parameters (what FSDP2 shards), as built
     peak: int  # the largest live bytes of a steady-state step (the second), everything included
     flops: int
     trainable: int  # trainable parameters (numel)
     sequences: int  # sequences in the traced piece
     length: int  # their length
+    accumulated: bool = False  # the traced piece ran with the previous piece's gradients alive
 
 
 def synthetic_batch(
@@ -291,45 +293,33 @@ def synthetic_batch(
     return batch
 
 
-def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> StepTrace:
+def trace_train_step(
+    recipe: Any, spec: Any, micro_tokens: int, device: str, accumulate: bool = False
+) -> StepTrace:
     """Two optimizer steps of the recipe's drafter over its worst piece of `micro_tokens`, traced.
 
     The second step is the steady state: optimizer state exists through its forward and backward.
-    `device` "cuda" traces bf16 autocast (as train.precision auto does there) and attention in its
-    CUDA form (K/V repeated to the query's heads where a mask needs the memory-efficient kernel:
-    specctl.attention_kernels); on the CPU it follows train.precision as this machine resolves it.
+    `accumulate`: the recipe's step has more than one piece (pieces of a micro-batch, or
+    train.grad_accum), so every piece but a step's first runs with the gradients of the ones before
+    it alive; the first step's are then kept into the second (one more piece, not zeroed), which is
+    traced that way. `device` "cuda" traces bf16 autocast (as train.precision auto does there) and
+    attention in its CUDA form (K/V repeated to the query's heads where a mask needs the
+    memory-efficient kernel: specctl.attention_kernels); on the CPU it follows train.precision as
+    this machine resolves it.
     """
-    from specctl import devices, distributed
     from specctl.attention_kernels import cuda_attention_form
-    from specctl.drafters import DRAFTERS
-    from specctl.drafters.api import VerifierWeights
     from specctl.memtrace import MemoryTrace
-    from specctl.optim import build_optimizer, vocab_sizes
 
-    cfg, algo = recipe.train, recipe.drafter.algo
+    cfg = recipe.train
     length = min(recipe.data.max_length, cfg.batch_tokens)
     sequences = max(1, min(micro_tokens, cfg.batch_tokens) // length)
-    if device == "cuda":
-        dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
-    else:
-        dtype = devices.compute_dtype(torch.device("cpu"), cfg.precision)
-    vdtype = _verifier_dtype(recipe, device)
-    V, H = spec.vocab_size, spec.hidden_size
     with MemoryTrace() as t:
-        d2t = draft_offsets(recipe)  # steers (gathers, checks): real
-        with t.heavy():
-            lm_head = torch.empty(V, H, dtype=vdtype)
-            embed = lm_head if spec.tie_word_embeddings else torch.empty(V, H, dtype=vdtype)
-            weights = VerifierWeights(embed, lm_head, torch.empty(H, dtype=vdtype))
-            torch.manual_seed(cfg.seed)
-            drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, cfg.loss)
-        if cfg.activation_checkpointing:
-            distributed.checkpoint_layers(drafter)
-        optimizer = build_optimizer(drafter, cfg, vocab_sizes(V, d2t))
+        drafter = build_traced_drafter(recipe, spec, t, device)
+        optimizer = traced_optimizer(recipe, spec, drafter)
         built = t.mark().live
         batch = synthetic_batch(recipe, spec, sequences, length, t.heavy())
         with_batch = t.mark().live
-        autocast = devices.autocast(torch.device("cpu"), dtype)
+        autocast = devices_autocast(cfg, device)
         # the backward too: checkpointed layers recompute their forward there
         with cuda_attention_form() if device == "cuda" else contextlib.nullcontext():
             for step in range(2):
@@ -340,20 +330,66 @@ def trace_train_step(recipe: Any, spec: Any, micro_tokens: int, device: str) -> 
                 loss.backward()
                 grads = sum(p.grad.nbytes for p in drafter.parameters() if p.grad is not None)
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                if step == 1 or not accumulate:
+                    optimizer.zero_grad(set_to_none=True)
         after = t.mark()
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     return StepTrace(
         weights=built,
         batch=with_batch - built,
-        optimizer=before.live - with_batch,
+        optimizer=before.live - with_batch - (grads if accumulate else 0),
         grads=grads,
+        params=sum(p.nbytes for p in drafter.parameters()),
         peak=after.peak,
         flops=(after.flops - before.flops),
         trainable=trainable,
         sequences=sequences,
         length=length,
+        accumulated=accumulate,
     )
+
+
+def build_traced_drafter(recipe: Any, spec: Any, t: Any, device: str) -> Any:
+    """The recipe's drafter (its weights and the verifier tensors it borrows fake, made under the
+    MemoryTrace `t`), layers checkpointed as train.activation_checkpointing says: what the loop
+    builds, for `trace_train_step` and the FSDP2 trace (specctl.train.fsdptrace)."""
+    from specctl import distributed
+    from specctl.drafters import DRAFTERS
+    from specctl.drafters.api import VerifierWeights
+
+    cfg, algo = recipe.train, recipe.drafter.algo
+    vdtype = _verifier_dtype(recipe, device)
+    V, H = spec.vocab_size, spec.hidden_size
+    d2t = draft_offsets(recipe)  # steers (gathers, checks): real
+    with t.heavy():
+        lm_head = torch.empty(V, H, dtype=vdtype)
+        embed = lm_head if spec.tie_word_embeddings else torch.empty(V, H, dtype=vdtype)
+        weights = VerifierWeights(embed, lm_head, torch.empty(H, dtype=vdtype))
+        torch.manual_seed(cfg.seed)
+        drafter = DRAFTERS[algo].build(getattr(recipe.drafter, algo), spec, weights, d2t, cfg.loss)
+    if cfg.activation_checkpointing:
+        distributed.checkpoint_layers(drafter)
+    return drafter
+
+
+def traced_optimizer(recipe: Any, spec: Any, drafter: Any) -> Any:
+    """train.optimizer over `drafter`, as the loop builds it (after wrapping, under FSDP2)."""
+    from specctl.optim import build_optimizer, vocab_sizes
+
+    return build_optimizer(drafter, recipe.train, vocab_sizes(spec.vocab_size, draft_offsets(recipe)))
+
+
+def devices_autocast(cfg: Any, device: str) -> Any:
+    """The autocast a traced step runs under (on this machine's CPU): bf16 for a "cuda" plan unless
+    train.precision is float32 (train.precision auto resolves to bf16 there), else what
+    train.precision resolves to on this CPU."""
+    from specctl import devices
+
+    if device == "cuda":
+        dtype = torch.float32 if cfg.precision == "float32" else torch.bfloat16
+    else:
+        dtype = devices.compute_dtype(torch.device("cpu"), cfg.precision)
+    return devices.autocast(torch.device("cpu"), dtype)
 
 
 def draft_offsets(recipe: Any) -> torch.Tensor | None:
@@ -563,30 +599,51 @@ def plan_collect(x: Inputs) -> StagePlan:
 
 
 def train_terms(x: Inputs, st: StepTrace) -> list[Term]:
-    """A rank's peak from a traced step, with what the trace (one process, no DDP) leaves out."""
+    """A rank's peak from a traced step, with what the trace (one process, no DDP or FSDP2) leaves out."""
     r, cluster = x.recipe, x.cluster
     cfg = r.train
-    sharded = cfg.parallelism == "fsdp" and cluster.world > 1
-    saving = int((st.grads + st.optimizer) * (1 - 1 / cluster.world)) if sharded else 0
+    kept = st.grads if st.accumulated else 0
     terms = [
         Term(
             "drafter + borrowed verifier tensors", st.weights, f"built: {st.trainable / 1e6:,.0f}M trainable"
         ),
         Term("optimizer state", st.optimizer, f"traced ({cfg.optimizer})"),
+    ]
+    if kept:
+        terms.append(Term("gradients kept across the step's pieces", kept, "traced: a piece after the first"))
+    terms.append(
         Term(
             "step: batch, activations, gradients, loss",
-            st.peak - st.weights - st.optimizer,
+            st.peak - st.weights - st.optimizer - kept,
             f"traced: {st.sequences} x {st.length} tokens"
             + (", activation checkpointing" if cfg.activation_checkpointing else ""),
-        ),
-    ]
-    if sharded:
-        terms.append(Term("FSDP: gradients and optimizer sharded", -saving, f"/ {cluster.world} ranks"))
+        )
+    )
+    if cfg.parallelism == "fsdp":
+        terms += fsdp_terms(st, cluster.world)
     elif cluster.world > 1:
         terms.append(Term("DDP gradient buckets", st.grads, "one copy of the gradients"))
     if r.train.mode == "online":
         terms.append(Term("online: the verifier on every rank", x.params * x.vdtype_bytes, "weights only"))
     return terms + x.overheads(sum(t.bytes for t in terms))
+
+
+def fsdp_terms(st: StepTrace, world: int) -> list[Term]:
+    """What FSDP2 changes on a rank against the one-process trace (distributed.wrap: the whole
+    drafter is one FSDP unit, no mixed precision; the loop gathers it before each piece): the
+    parameters and the optimizer state are sharded over the ranks, but a whole gathered copy of the
+    parameters lives from each piece's forward through its backward, beside the shard. The gradients
+    are not sharded where the peak is: FSDP2 keeps them whole across the pieces it does not
+    synchronise and reduce-scatters them after the last piece's backward, its activations gone.
+    Checked against a real FSDP2 step at world size 8 on a fake process group (specctl.train.fsdptrace)."""
+    share = 1 - 1 / world
+    return [
+        Term("FSDP2: parameters sharded", -int(st.params * share), f"/ {world} ranks"),
+        Term("FSDP2: optimizer state sharded", -int(st.optimizer * share), f"/ {world} ranks"),
+        Term(
+            "FSDP2: parameters gathered whole", st.params, "one FSDP unit: each piece's forward and backward"
+        ),
+    ]
 
 
 def checkpoints_kept(cfg: Any) -> int:
@@ -600,13 +657,22 @@ def micro_tokens(recipe: Any) -> int:
     return min(cfg.micro_batch_tokens or cfg.batch_tokens, cfg.batch_tokens)
 
 
+def accumulates(recipe: Any, micro: int) -> bool:
+    """Whether a step runs more than one piece, so gradients live across pieces: a micro-batch
+    split by train.micro_batch_tokens, or train.grad_accum micro-batches."""
+    cfg = recipe.train
+    length = min(recipe.data.max_length, cfg.batch_tokens)
+    per_piece = max(1, min(micro, cfg.batch_tokens) // length) * length
+    return cfg.grad_accum > 1 or ceil_div(cfg.batch_tokens, per_piece) > 1
+
+
 def plan_train(x: Inputs) -> StagePlan:
     """One rank's training step at train.micro_batch_tokens, traced; when it does not fit, the
     largest micro-batch that does (halving down to one sequence) goes into the fix."""
     r, cluster = x.recipe, x.cluster
     cfg = r.train
     micro = micro_tokens(r)
-    st = trace_train_step(r, x.spec, micro, cluster.device)
+    st = trace_train_step(r, x.spec, micro, cluster.device, accumulates(r, micro))
     terms = train_terms(x, st)
     pieces = ceil_div(cfg.batch_tokens, st.sequences * st.length)
     steps_flops = st.flops * pieces * cfg.grad_accum * cfg.max_steps
@@ -639,7 +705,7 @@ def train_fix(x: Inputs, micro: int, capacity: int) -> str:
     length = min(r.data.max_length, r.train.batch_tokens)
     candidate = micro // 2
     while candidate >= length:
-        st = trace_train_step(r, x.spec, candidate, x.cluster.device)
+        st = trace_train_step(r, x.spec, candidate, x.cluster.device, accumulates(r, candidate))
         if sum(t.bytes for t in train_terms(x, st)) <= capacity:
             return f"set train.micro_batch_tokens={candidate} (the largest power-of-two share that fits)"
         candidate //= 2
