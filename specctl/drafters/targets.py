@@ -141,11 +141,13 @@ class TopKKept:
     def kept(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n] -> [n, Vd]."""
         cols, logits = self.cols[rows], self.logits[rows]  # [n, k]
-        # ids outside the draft vocabulary land in a spare last column, dropped after: a scatter of
-        # fixed shape, where picking the inside entries by mask would make the host wait for the GPU
-        out = torch.full((cols.shape[0], self.width + 1), float("-inf"), device=logits.device)
-        out.scatter_(1, torch.where(cols >= 0, cols, self.width), logits)
-        return out[:, : self.width]
+        # ids outside the draft vocabulary write -inf (into column 0) under a max, so they change
+        # nothing: a scatter of fixed shape, where picking the inside entries by mask would make
+        # the host wait for the GPU (nonzero); inside ids are distinct columns (d2t is one-to-one)
+        out = torch.full((cols.shape[0], self.width), float("-inf"), device=logits.device)
+        inside = cols >= 0
+        src = logits.masked_fill(~inside, float("-inf"))
+        return out.scatter_reduce_(1, cols.clamp(min=0), src, reduce="amax")
 
 
 KeptTable = DenseKept | HiddenKept | TopKKept
