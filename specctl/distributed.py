@@ -64,8 +64,15 @@ def setup(device: str = "auto", timeout: timedelta | None = None) -> DistContext
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, base, owns, local_world_size)
 
 
-def teardown(ctx: DistContext) -> None:
+def teardown(ctx: DistContext, together: bool = False) -> None:
+    """Leave the process group. `together` (a run that finished): every rank first waits until all
+    have finished. Rank 0 works on after the last collective (the summary, the learning curve); a
+    rank that destroyed its gloo group and exited meanwhile was seen to abort ("terminate called
+    without an active exception", exit -6), and torchrun then reports the whole job failed. After an
+    error no rank waits: a peer may never come."""
     if ctx.owns_group and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

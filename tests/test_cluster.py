@@ -102,7 +102,7 @@ def worker(out: Path, mode: str) -> None:
             loop.train(cluster_recipe(out, algo, strategy, name=f"{recipe.name}-resumed"), ctx, True, False)
     finally:
         (out / f"pieces-{mode}-rank{ctx.rank}.json").write_text(json.dumps(pieces_log))
-    distributed.teardown(ctx)
+    distributed.teardown(ctx, together=True)  # as run_training leaves a finished run
 
 
 # ---------------------------------------------------------------- the tests (pytest side)

@@ -118,7 +118,7 @@ def test_setup_passes_the_configured_timeout(monkeypatch):
 
     handed = []
     monkeypatch.setattr(loop.distributed, "setup", lambda device, timeout: handed.append(timeout) or ctx)
-    monkeypatch.setattr(loop.distributed, "teardown", lambda ctx: None)
+    monkeypatch.setattr(loop.distributed, "teardown", lambda ctx, together=False: None)
     monkeypatch.setattr(loop, "train", lambda *args: None)
     recipe = Recipe.model_validate({"name": "t", "train": {"collective_timeout_minutes": 240}})
     loop.run_training(recipe, progress=False)

@@ -87,7 +87,7 @@ def worker(out: Path) -> None:
     train(recipe(out, "muon-resumed", grad_accum=1, optimizer="muon", parallelism="fsdp"), ctx, True, False)
     rank0_disk_full(out, ctx)
     store_checks(out, ctx)
-    distributed.teardown(ctx)
+    distributed.teardown(ctx, together=True)
 
 
 def rank0_disk_full(out: Path, ctx) -> None:

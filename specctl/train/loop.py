@@ -475,10 +475,13 @@ def run_training(
     ctx = distributed.setup(
         recipe.verifier.device, timedelta(minutes=recipe.train.collective_timeout_minutes)
     )
+    finished = False
     try:
-        return train(recipe.for_training(), ctx, resume, progress, force, restart)
+        summary = train(recipe.for_training(), ctx, resume, progress, force, restart)
+        finished = True
+        return summary
     finally:
-        distributed.teardown(ctx)
+        distributed.teardown(ctx, together=finished)
 
 
 @dataclass
