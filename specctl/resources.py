@@ -589,10 +589,16 @@ def plan_collect(x: Inputs) -> StagePlan:
         x.cluster.memory,
         disk,
         tokens,
-        _gpu_seconds(ft.flops * tokens / (ft.sequences * ft.length), x.cluster, x.cluster.world)
+        # a device map runs the layers one GPU after another: a verifier spread over tp GPUs
+        # keeps one of them busy at a time, so world // tp GPUs compute at once, not world
+        _gpu_seconds(ft.flops * tokens / (ft.sequences * ft.length), x.cluster, max(1, x.cluster.world // tp))
         if x.cuda
         else None,
-        [f"{bpt:,} B/token on disk; a shard ({shard / GIB:.1f} GiB) is held in host memory until written"],
+        [
+            f"{bpt:,} B/token on disk; a shard ({shard / GIB:.1f} GiB) is held in host memory until written",
+            f"HF device map over {tp} GPU(s): one computes at a time "
+            f"({max(1, x.cluster.world // tp)} at once in all)",
+        ],
         f"raise verifier.tensor_parallel_size (now {tp}) or lower features.batch_tokens "
         f"(now {r.features.batch_tokens})",
     )

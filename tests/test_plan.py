@@ -105,6 +105,21 @@ def test_vllm_stages_split_the_weights_over_tensor_parallel_ranks():
     assert one.terms[0].bytes == pytest.approx(8.03e9 * 2, rel=0.01)  # Llama-3.1-8B in bf16
 
 
+def test_an_hf_collect_over_a_device_map_is_timed_on_the_gpus_that_compute():
+    """HF collect with verifier.tensor_parallel_size 4 runs its layers on one GPU of the four at a
+    time: the 8-GPU node computes as 2 GPUs, so the stage takes 4x the time of tp 1 (issue 56 item 7:
+    the plan divided by all 8)."""
+
+    def collect(tp: int):
+        sets = ["features.backend=hf", f"verifier.tensor_parallel_size={tp}"]
+        recipe = load_recipe("recipes/dflash-llama.yaml", sets)
+        return plan_recipe(recipe, Cluster("cuda", 8, 80 * GIB), ("collect",)).stages[0]
+
+    one, four = collect(1), collect(4)
+    assert four.seconds == pytest.approx(4 * one.seconds, rel=0.05)
+    assert any("one computes at a time (2 at once" in a for a in four.assumptions)
+
+
 def test_a_stage_that_does_not_fit_is_refused_with_what_to_change(tmp_path):
     recipe = tiny_recipe(tmp_path, "dflash")
     plan = plan_recipe(recipe, Cluster("cpu", 1, 4 * 1024 * 1024), ("train",))
