@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -147,6 +148,26 @@ def verifier_gpus(
 
 
 IF_NATIVE = "bfloat16-if-native"  # verifier.dtype: bf16 where the device has it, float32 where emulated
+
+
+def host_threads() -> int:
+    """Torch threads for a rank's host-side work: its share of this process's CPUs among the ranks
+    of this machine (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun). torchrun sets
+    OMP_NUM_THREADS=1 for every rank it starts, which left the vLLM collect's top-k over a 128k
+    vocabulary single-threaded on a node of dozens of cores."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

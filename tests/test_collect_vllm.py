@@ -242,8 +242,56 @@ class FakeLLM:
         return {"op": "done", "paths": paths}
 
 
+def test_the_host_top_k_uses_the_ranks_share_of_the_cpus(tmp_path, monkeypatch):
+    """Under torchrun (OMP_NUM_THREADS=1 for every rank) a rank encodes vLLM's states on the host
+    with its share of the machine's CPUs: 16 CPUs, 4 ranks here -> 4 threads (issue 56 item 7: one
+    thread did the top-k over the vocabulary); torch's own setting is restored afterwards."""
+    from specctl import features
+    from specctl.vllm import collect as vllm_collect
+
+    seen = []
+    real = features.encode_features
+    monkeypatch.setattr(
+        vllm_collect, "encode_features", lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+    )
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    engine, head = fake_engine(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # what torchrun's OMP_NUM_THREADS=1 gives a rank
+    try:
+        forward_samples_vllm(engine, _samples(LENGTHS), AUX, layout=COMPACT, head=head)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {4}
+
+
+def fake_engine(tmp_path):
+    """A VllmBackend over FakeLLM (no vLLM) and a random target head."""
+    from specctl.features import TargetHead
+    from specctl.recipe import VerifierSection
+    from specctl.vllm.collect import VllmBackend
+    from specctl.vllm.verifier import VllmVerifier
+
+    capture = capture_layer_ids(AUX, NUM_LAYERS)
+    config = types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, hidden_size=16)
+    engine = VllmBackend(
+        verifier=VllmVerifier(VerifierSection(name_or_path="fake"), "fake", None, None, config, ()),
+        on_cpu=True,
+        dtype=torch.float32,
+        llm=FakeLLM(tmp_path, len(capture), 16),
+        capture_ids=capture,
+        storage_dir=tmp_path,
+        max_model_len=1000,
+    )
+    g = torch.Generator().manual_seed(2)
+    return engine, TargetHead(torch.rand(16, generator=g) + 0.5, torch.randn(50, 16, generator=g), 1e-6)
+
+
 def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path):
     """Without vLLM: the hand-over path with a layout gives `encode_features` of the raw states."""
+    from specctl.devices import host_threads, torch_threads
     from specctl.features import TargetHead
     from specctl.recipe import VerifierSection
     from specctl.vllm.collect import VllmBackend
@@ -268,7 +316,8 @@ def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path):
     full = forward_samples_vllm(engine, samples, AUX, layout=Layout())
     for sample, r, c, f in zip(samples, raw, compact, full, strict=True):
         T = sample["input_ids"].numel()
-        want = encode_features(r["aux_hidden_states"], r["last_hidden_state"], COMPACT, head)
+        with torch_threads(host_threads()):  # as the hand-over encodes: float sums follow threads
+            want = encode_features(r["aux_hidden_states"], r["last_hidden_state"], COMPACT, head)
         assert set(c) == {"input_ids", "loss_mask", "aux_hidden_states", "aux_scale"} | {
             "topk_ids",
             "topk_logprobs",
@@ -493,11 +542,14 @@ def test_vllm_compact_layout_encodes_the_captured_states_like_the_hf_path(vllm_r
     the checkpoint; the top-k agree with HF's logits."""
     from transformers import AutoModelForCausalLM
 
+    from specctl.devices import host_threads, torch_threads
+
     model = AutoModelForCausalLM.from_pretrained(vllm_run["model_dir"], dtype=torch.float32).eval()
     head = vllm_run["head"]
     assert torch.equal(head.lm_head, model.lm_head.weight) and torch.equal(head.norm, model.model.norm.weight)
     for sample, raw, row in zip(vllm_run["samples"], vllm_run["out"], vllm_run["out_compact"], strict=True):
-        want = encode_features(raw["aux_hidden_states"], raw["last_hidden_state"], COMPACT, head)
+        with torch_threads(host_threads()):  # as the hand-over encodes: float sums follow threads
+            want = encode_features(raw["aux_hidden_states"], raw["last_hidden_state"], COMPACT, head)
         assert set(row) == {"input_ids", "loss_mask", *want} and "last_hidden_state" not in row
         for k, v in want.items():
             assert torch.equal(row[k], v), k

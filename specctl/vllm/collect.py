@@ -55,7 +55,14 @@ from typing import Any
 
 import torch
 
-from specctl.devices import local_rank, resolve_dtype, verifier_gpus, visible_gpus
+from specctl.devices import (
+    host_threads,
+    local_rank,
+    resolve_dtype,
+    torch_threads,
+    verifier_gpus,
+    visible_gpus,
+)
 from specctl.errors import SpecctlError, VerifierError, first_line
 from specctl.features import Layout, TargetHead, encode_features
 from specctl.hf_weights import read_head
@@ -317,8 +324,9 @@ def forward_samples_vllm(
             aux, last = split_captured(data["hidden_states"], engine.capture_ids, aux_layer_ids, L)
             if layout is None:
                 out.append({**sample, "aux_hidden_states": aux, "last_hidden_state": last})
-            else:
-                out.append({**sample, **encode_features(aux, last, layout, head)})
+            else:  # on the host: the rank's share of its CPUs, not torchrun's one thread
+                with torch_threads(host_threads()):
+                    out.append({**sample, **encode_features(aux, last, layout, head)})
         if on_batch:
             on_batch(sum(lengths[a:b]))
     return out
