@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specctl.devices import torch_threads
 from specctl.durable import write_atomic
 
 if TYPE_CHECKING:
@@ -232,16 +233,6 @@ def measure_train_step(
         "step_s": seconds / steps,
         "step_cpu_s": cpu_seconds / steps,  # all threads; steadier than wall time on a shared CPU
     }
-
-
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def with_target_stats(batch: dict[str, torch.Tensor], weights, eps: float) -> dict[str, torch.Tensor]:

@@ -292,24 +292,8 @@ def fake_engine(tmp_path):
 def test_forward_samples_vllm_writes_the_recipe_layout(tmp_path):
     """Without vLLM: the hand-over path with a layout gives `encode_features` of the raw states."""
     from specctl.devices import host_threads, torch_threads
-    from specctl.features import TargetHead
-    from specctl.recipe import VerifierSection
-    from specctl.vllm.collect import VllmBackend
-    from specctl.vllm.verifier import VllmVerifier
 
-    capture = capture_layer_ids(AUX, NUM_LAYERS)
-    config = types.SimpleNamespace(num_hidden_layers=NUM_LAYERS, hidden_size=16)
-    engine = VllmBackend(
-        verifier=VllmVerifier(VerifierSection(name_or_path="fake"), "fake", None, None, config, ()),
-        on_cpu=True,
-        dtype=torch.float32,
-        llm=FakeLLM(tmp_path, len(capture), 16),
-        capture_ids=capture,
-        storage_dir=tmp_path,
-        max_model_len=1000,
-    )
-    g = torch.Generator().manual_seed(2)
-    head = TargetHead(torch.rand(16, generator=g) + 0.5, torch.randn(50, 16, generator=g), 1e-6)
+    engine, head = fake_engine(tmp_path)
     samples = _samples(LENGTHS)
     raw = forward_samples_vllm(engine, samples, AUX)
     compact = forward_samples_vllm(engine, samples, AUX, layout=COMPACT, head=head)
