@@ -252,15 +252,21 @@ SPREAD_MEMORY_SHARE = 0.9
 
 
 def spread_kwargs(gpus: tuple[int, ...], free_bytes: list[int]) -> dict[str, Any]:
-    """`from_pretrained` kwargs that spread the verifier's decoder layers over `gpus` (torch
-    indices, `free_bytes` free on each), {} for one GPU or none (the model is moved whole).
+    """`from_pretrained` kwargs that place the verifier on `gpus` (torch indices, `free_bytes`
+    free on each): {} for none (loaded on the host), straight onto the one GPU, or its decoder
+    layers spread over several.
+
+    One GPU: each weight goes from the file to the GPU as it is read, never through host memory
+    whole (eight torchrun ranks of an 8B HF collect each held 16 GB of host RAM, then copied it).
 
     `device_map="auto"` balances the layers over the GPUs `max_memory` lists and no others (a
     70B verifier over 4 GPUs: ~35 GB each). This is layer placement, one GPU busy at a time, not
     vLLM's tensor parallelism; it is what lets the HF backend hold a verifier no GPU holds alone.
     """
-    if len(gpus) <= 1:
+    if not gpus:
         return {}
+    if len(gpus) == 1:
+        return {"device_map": {"": gpus[0]}}
     return {
         "device_map": "auto",
         "max_memory": {g: int(free * SPREAD_MEMORY_SHARE) for g, free in zip(gpus, free_bytes, strict=True)},
@@ -339,13 +345,13 @@ def load_verifier(section: VerifierSection) -> Verifier:
     dtype = resolve_dtype(section.dtype, device)
     kwargs = _load_kwargs(section, source)
     # free memory of this process's own group only (it loads layers onto each: their contexts are made anyway)
-    spread = spread_kwargs(gpus, [torch.cuda.mem_get_info(g)[0] for g in gpus] if tp > 1 else [])
+    spread = spread_kwargs(gpus, [torch.cuda.mem_get_info(g)[0] for g in gpus] if tp > 1 else [0] * len(gpus))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **spread)
     except OSError as e:
         raise _load_error(section, e) from None
-    if spread:
+    if gpus:
         _check_spread(model, gpus, section.name_or_path)
     else:
         model.to(device)

@@ -97,7 +97,8 @@ def test_verifier_gpus_gives_each_rank_its_own_group_and_refuses_what_does_not_f
 
 
 def test_spread_kwargs_balance_over_exactly_the_group():
-    assert spread_kwargs((), []) == {} == spread_kwargs((3,), [80 * GB])  # one GPU: moved whole
+    assert spread_kwargs((), []) == {}  # on the host
+    assert spread_kwargs((3,), [80 * GB]) == {"device_map": {"": 3}}  # read straight onto its GPU
     kw = spread_kwargs((4, 5, 6, 7), [80 * GB, 70 * GB, 80 * GB, 60 * GB])
     assert kw["device_map"] == "auto"  # transformers balances layers over the listed GPUs
     assert kw["max_memory"] == {4: 72 * GB, 5: 63 * GB, 6: 72 * GB, 7: 54 * GB}  # no cpu/disk entry
@@ -139,7 +140,7 @@ def eight_fake_gpus(monkeypatch):
     def fake(source, **kwargs):
         calls.append(kwargs)
         model = load(source, dtype=torch.float32)
-        gpus = sorted(kwargs["max_memory"])
+        gpus = sorted(kwargs["max_memory"]) if "max_memory" in kwargs else [kwargs["device_map"][""]]
         model.hf_device_map = {"model.embed_tokens": gpus[0], "model.layers": gpus[-1], "lm_head": fake.last}
         return model
 
@@ -166,6 +167,23 @@ def test_load_verifier_spreads_a_torchrun_rank_over_its_own_gpus(
         r"went to disk\); raise it",
     ):
         load_verifier(section)
+
+
+def test_a_torchrun_rank_reads_its_verifier_straight_onto_its_gpu(
+    tiny_verifier_dir, monkeypatch, eight_fake_gpus
+):
+    """Issue 56 item 7: with one GPU a rank, the weights go from the files to the rank's GPU (an
+    accelerate device map), not into host memory whole and then across (eight ranks of an 8B
+    collect: 128 GB of host RAM at once). No `.to(cuda)` follows: the load placed it."""
+    fake, calls = eight_fake_gpus
+    fake.last = 3
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    moved: list = []
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: moved.append(a) or self)
+    verifier = load_verifier(VerifierSection(name_or_path=str(tiny_verifier_dir)))
+    [kwargs] = calls
+    assert kwargs["device_map"] == {"": 3} and "max_memory" not in kwargs
+    assert verifier.device == torch.device("cuda", 3) and moved == []
 
 
 # ---------------------------------------------------------------- the borrowed tensors, read by name
